@@ -1,0 +1,26 @@
+"""Drafters: one interface (base.Drafter), one module each, and a registry mapping names to them."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import Draft, Drafter
+from .lookup import PromptLookup
+from .model import ModelDrafter
+
+DRAFTERS: dict[str, Callable[..., Drafter]] = {
+    "prompt-lookup": PromptLookup,
+    "model": ModelDrafter,
+}
+
+
+def make_drafter(name: str, **kwargs) -> Drafter:
+    """Build the drafter registered as `name` with its keyword arguments, e.g.
+    make_drafter("prompt-lookup", max_ngram=3) or make_drafter("model", draft="qwen2.5-coder-0.5b").
+    Raises ValueError for an unknown name, listing the known ones."""
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; known: {', '.join(DRAFTERS)}")
+    return DRAFTERS[name](**kwargs)
+
+
+__all__ = ["DRAFTERS", "Draft", "Drafter", "ModelDrafter", "PromptLookup", "make_drafter"]

@@ -1,0 +1,35 @@
+"""Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; transformers'
+`prompt_lookup_num_tokens`): find the last n tokens earlier in the context and propose what
+followed them there. No model, no probabilities."""
+
+from __future__ import annotations
+
+from ..models import Model
+from ..sampling import Sampler
+from .base import Draft
+
+
+class PromptLookup:
+    """n-gram match over prompt + output so far.
+
+    Tries the longest n-gram first (max_ngram down to min_ngram) and, for each n, the most recent
+    earlier occurrence first; proposes the up to k tokens that followed it. Raises ValueError
+    unless 1 <= min_ngram <= max_ngram.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min {min_ngram}, max {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def prepare(self, target: Model) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
+        L = len(context)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            pattern = context[L - n:]
+            for start in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
+                if context[start:start + n] == pattern:
+                    return Draft(context[start + n:start + n + k])
+        return Draft([])

@@ -1,0 +1,43 @@
+"""Drafting with a smaller causal LM that shares the target's tokenizer (Leviathan et al. 2023;
+transformers' `assistant_model=`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from ..models import Model, check_same_tokenizer, load_model
+from ..sampling import Sampler
+from .base import Draft
+
+
+class ModelDrafter:
+    """k autoregressive steps of a draft model over its own KV cache.
+
+    draft: a loaded Model, or anything load_model accepts. Before each proposal the draft cache is
+    rolled back to the longest prefix it shares with the committed context, so it always holds
+    committed tokens only. prepare() raises TokenizerMismatchError when the draft's tokenizer
+    differs from the target's.
+    """
+
+    def __init__(self, draft: Model | str, **load_kwargs):
+        self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
+        self.kv = KVCache(self.draft)
+
+    def prepare(self, target: Model) -> None:
+        check_same_tokenizer(target, self.draft)
+        self.kv = KVCache(self.draft)
+
+    def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
+        k = min(k, self.draft.n_ctx - len(context) + 1)  # positions left in the draft's context
+        if k <= 0:
+            return Draft([])
+        logits = self.kv.extend(self.kv.sync(context), all_logits=False)[-1]  # (V,)
+        tokens, probs = [], []
+        for i in range(k):
+            token, p = sampler.choose(logits)
+            tokens.append(token)
+            probs.append(p)
+            if i < k - 1:
+                logits = self.kv.extend([token], all_logits=False)[-1]
+        return Draft(tokens, None if sampler.params.greedy else torch.stack(probs))

@@ -1,0 +1,170 @@
+"""The speculative decoding loop. With k = 0 (or no drafter) it is plain autoregressive decoding,
+the baseline every comparison in specdec uses.
+
+One round, as in gpt-fast and Leviathan et al. 2023:
+  1. propose: the drafter proposes up to k tokens after the committed ones;
+  2. verify: the target scores the last committed token plus the k drafted ones, k+1 positions,
+     in ONE forward over its KV cache; the verifier keeps a prefix and adds one target token;
+  3. roll back: the target cache is cropped to the committed tokens minus the last (a model
+     drafter rolls its own cache back at its next proposal);
+  4. commit: tokens are committed one at a time, stopping exactly at EOS, a stop string or the
+     budget.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import KVCache
+from .drafters import Draft, Drafter, make_drafter
+from .errors import ContextLengthError
+from .models import Model
+from .sampling import Sampler, SamplingParams, processed_probs
+from .stats import RunStats
+from .verify import verify_greedy, verify_sampling
+
+
+@dataclass
+class Generation:
+    """tokens: the new token ids (an EOS that ended the run included); text: their decoding
+    without special tokens, cut before a stop string; stats: see specdec.stats."""
+
+    tokens: list[int]
+    text: str
+    stats: RunStats
+
+
+def generate(
+    target: Model,
+    input_ids: Sequence[int] | torch.Tensor,
+    drafter: Drafter | str | None = None,
+    k: int = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stream: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """Generate up to max_new_tokens tokens after input_ids, speculatively when a drafter is given.
+
+    input_ids: prompt ids, a list or a (n,) / (1, n) tensor. drafter: a Drafter, a registry name
+    (`prompt-lookup`), or None for plain decoding. k: draft length per round (0 = plain decoding);
+    each round it is clamped to the budget and the context left. temperature 0 is greedy, and then
+    the output is token-for-token plain greedy decoding of the target; otherwise speculative
+    sampling keeps the target's distribution exactly. seed: seeds the run's one torch.Generator
+    (None: a random seed). stop: strings that end the text. stream: called after every round with
+    the tokens committed in it.
+
+    Raises ValueError on bad parameters (negative k, ...), ContextLengthError when the prompt leaves
+    no room in the target's context, TokenizerMismatchError from a draft model that does not share
+    the target's tokenizer.
+    """
+    if k < 0:
+        raise ValueError(f"k (draft length) must be >= 0, got {k}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    params = SamplingParams(temperature, top_k, top_p)
+    prompt = [int(t) for t in (input_ids.flatten().tolist() if torch.is_tensor(input_ids) else input_ids)]
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
+    n_ctx = target.n_ctx
+    if len(prompt) >= n_ctx:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt)} tokens but {target.name}'s context holds {n_ctx}: "
+            f"shorten it to at most {n_ctx - 1} tokens so that at least one can be generated"
+        )
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter)
+    if drafter is None:
+        k = 0
+    generator = torch.Generator()
+    if seed is None:
+        seed = generator.seed()
+    else:
+        generator.manual_seed(seed)
+    sampler = Sampler(params, generator)
+    eos = target.eos_token_ids
+    vocab = target.vocab_size
+
+    stats = RunStats(k=k, prompt_tokens=len(prompt))
+    start = time.perf_counter()
+    if drafter is not None:
+        drafter.prepare(target)
+    kv = KVCache(target)
+    if len(prompt) > 1:
+        kv.extend(prompt[:-1], all_logits=False)  # the cache holds all committed tokens but the last
+    stats.prefill_s = time.perf_counter() - start
+
+    tokens = list(prompt)  # committed: prompt + output
+    out: list[int] = []
+    while not stats.stop_reason:
+        budget, room = max_new_tokens - len(out), n_ctx - len(tokens)
+        if budget <= 0 or room <= 0:
+            stats.stop_reason = "length" if budget <= 0 else "context"
+            break
+        # A round commits at most k+1 tokens and its forward reaches position len(tokens) - 1 + k.
+        kk = min(k, budget - 1, room - 1)
+        t0 = time.perf_counter()
+        draft = drafter.propose(tokens, kk, sampler) if kk > 0 else Draft([])
+        t1 = time.perf_counter()
+        drafted = _usable(draft.tokens[:kk], vocab)
+        logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
+        t2 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+
+        if params.greedy:
+            verdict = verify_greedy(drafted, logits)
+        else:
+            q = None if draft.probs is None else _match_vocab(draft.probs[: len(drafted)], vocab)
+            verdict = verify_sampling(drafted, q, processed_probs(logits, params), generator)
+        kv.rollback(len(tokens) + verdict.n_accepted)
+        stats.record_round(len(drafted), verdict.n_accepted)
+
+        committed = []
+        for t in drafted[: verdict.n_accepted] + [verdict.token]:
+            committed.append(t)
+            if t in eos:
+                stats.stop_reason = "eos"
+            elif stop and _stop_at(target.tokenizer.decode(out + committed, skip_special_tokens=True), stop) >= 0:
+                stats.stop_reason = "stop"
+            if stats.stop_reason:
+                break
+        tokens += committed
+        out += committed
+        if stream is not None:
+            stream(committed)
+
+    stats.new_tokens = len(out)
+    stats.total_s = time.perf_counter() - start
+    text = target.tokenizer.decode(out, skip_special_tokens=True)
+    cut = _stop_at(text, stop)
+    return Generation(out, text if cut < 0 else text[:cut], stats)
+
+
+def _stop_at(text: str, stop: Sequence[str]) -> int:
+    """Index where the earliest stop string starts in text, or -1."""
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def _usable(tokens: list[int], vocab: int) -> list[int]:
+    """The draft up to its first id the target cannot score (a draft with a wider vocabulary)."""
+    for i, t in enumerate(tokens):
+        if not 0 <= t < vocab:
+            return tokens[:i]
+    return tokens
+
+
+def _match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft probabilities (n, V_draft) as (n, vocab): zero-padded when the target's logits are
+    wider (Qwen 151936 vs 152064), cut when narrower (padding ids only, checked at load)."""
+    if q.shape[1] < vocab:
+        return torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
+    return q[:, :vocab]

