@@ -30,6 +30,7 @@ class Model:
     hf: torch.nn.Module
     tokenizer: object
     name: str
+    eos_token_ids: frozenset[int] = frozenset()  # ids that end generation; empty: never stop on EOS
 
     @property
     def n_ctx(self) -> int:
@@ -40,18 +41,6 @@ class Model:
     def vocab_size(self) -> int:
         """Width of the logits (may exceed the tokenizer's size when the embedding is padded)."""
         return int(self.hf.config.vocab_size)
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        """Ids that end generation: the generation config's eos ids plus the tokenizer's."""
-        ids: set[int] = set()
-        gen = getattr(self.hf, "generation_config", None)
-        for source in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source is not None:
-                ids.update(source)
-        return ids
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of `text`; with chat=True, of `text` as one user turn in the model's chat
@@ -115,7 +104,19 @@ def load_model(
     except OSError as e:
         raise ModelNotFoundError(f"could not load {spec!r}: {e}") from e
     hf.eval()
-    return Model(hf, tokenizer, spec)
+    return Model(hf, tokenizer, spec, default_eos_ids(hf, tokenizer))
+
+
+def default_eos_ids(hf, tokenizer) -> frozenset[int]:
+    """The generation config's eos ids plus the tokenizer's eos id."""
+    ids: set[int] = set()
+    gen = getattr(hf, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(source)
+    return frozenset(ids)
 
 
 def _hub_kwargs(hub_id: str) -> dict:
