@@ -19,7 +19,7 @@ from .errors import (
 )
 from .exactness import Divergence, first_divergence
 from .models import Model, check_same_tokenizer, load_model
-from .pull import pull
+from .weights import pull
 from .sampling import SamplingParams
 from .stats import RunStats
 

@@ -14,8 +14,9 @@ from .engine import generate
 from .errors import SpecdecError
 from .exactness import first_divergence
 from .models import load_model
-from .pull import cache_dir, converted_path, gguf_path, is_pulled, pull
+from .weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from .registry import REGISTRY
+from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,17 +87,26 @@ def workload_prompt(path: Path, category: str | None, row: int) -> str:
 
 
 def _generate(args) -> int:
+    # Check the cheap things before loading any model (which can take a minute).
+    if args.k < 0:
+        raise ValueError(f"k (draft length) must be >= 0, got {args.k}")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.drafter == "model" and not args.draft:
+        raise ValueError("--drafter model needs --draft MODEL (e.g. --draft qwen2.5-coder-0.5b)")
     if args.workload:
         prompt = workload_prompt(args.workload, args.category, args.row)
     elif args.prompt is None:
         raise ValueError("give a PROMPT or --workload FILE")
     else:
         prompt = args.prompt
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' per-load "Loading weights" bars
     load = dict(dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
     target = load_model(args.target, **load)
     if args.drafter == "model":
-        if not args.draft:
-            raise ValueError("--drafter model needs --draft MODEL (e.g. --draft qwen2.5-coder-0.5b)")
         drafter = make_drafter("model", draft=load_model(args.draft, **load))
     else:
         drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import torch
 
 from .errors import ModelNotFoundError, TokenizerMismatchError
-from .pull import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
+from .weights import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
 from .registry import REGISTRY
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")

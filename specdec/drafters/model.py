@@ -32,7 +32,10 @@ class ModelDrafter:
         k = min(k, self.draft.n_ctx - len(context) + 1)  # positions left in the draft's context
         if k <= 0:
             return Draft([])
-        logits = self.kv.extend(self.kv.sync(context), all_logits=False)[-1]  # (V,)
+        todo = self.kv.sync(context)
+        if max(todo) >= self.draft.vocab_size:  # the target emitted an id the draft cannot embed
+            return Draft([])
+        logits = self.kv.extend(todo, all_logits=False)[-1]  # (V,)
         tokens, probs = [], []
         for i in range(k):
             token, p = sampler.choose(logits)

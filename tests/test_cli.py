@@ -1,0 +1,80 @@
+"""The command line, end to end on a tiny model saved as a local folder (a golden smoke test)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from specdec.cli import TextStreamer, main, workload_prompt
+
+from .conftest import make_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    model = make_model("llama", seed=1)
+    model.hf.save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_generate_compare_reports_identical(model_dir, capsys):
+    prompt = "w1 w2 w3 w4 w5 w1 w2 w3"
+    assert main(["generate", prompt, "--target", str(model_dir), "-k", "3", "--max-new-tokens", "24", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to plain greedy: yes" in out
+    assert "acceptance rate alpha" in out and "speed-up:" in out and "tokens/s" in out
+
+
+def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):
+    args = ["generate", "w5 w6 w7", "--target", str(model_dir), "--drafter", "model", "--draft", str(model_dir),
+            "--temperature", "0.8", "--top-k", "20", "--seed", "1", "--max-new-tokens", "12"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out.split("---")[0] == first.split("---")[0]  # same seed, same text
+    # A draft equal to the target accepts (almost) everything: the acceptance rate is printed.
+    assert "acceptance rate alpha" in first
+
+
+def test_bad_input_is_one_clear_line(model_dir, capsys):
+    assert main(["generate", "w1", "--target", str(model_dir), "-k", "-2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: k (draft length) must be >= 0") and "Traceback" not in err
+    assert main(["generate", "w1", "--target", str(model_dir), "--drafter", "model"]) == 2
+    assert "needs --draft" in capsys.readouterr().err
+    assert main(["generate", "hi", "--target", "no/such-model-offline", "--cache-dir", "/nonexistent"]) == 2
+
+
+def test_models_list_shows_the_registry(tmp_path, capsys):
+    assert main(["models", "list", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma-3-270m"]:
+        assert name in out
+    assert "yes" not in out  # nothing is pulled in an empty cache
+
+
+def test_workload_prompt_reads_both_formats(tmp_path):
+    f = tmp_path / "w.jsonl"
+    f.write_text(json.dumps({"category": "qa", "turns": ["first?", "second?"]}) + "\n"
+                 + json.dumps({"category": "summarization", "turns": ["sum it"]}) + "\n"
+                 + json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"}) + "\n")
+    assert workload_prompt(f, "summarization", 0) == "sum it"
+    assert workload_prompt(f, None, 0) == "first?"
+    assert workload_prompt(f, None, 2) == "def f():\n"
+    with pytest.raises(ValueError, match="out of range"):
+        workload_prompt(f, "qa", 1)
+
+
+def test_streamer_holds_back_a_stop_string_prefix():
+    tok = make_tokenizer()
+    out = io.StringIO()
+    s = TextStreamer(tok, ["w5 w6"], out)
+    ids = tok("w1 w2 w5")["input_ids"]
+    s(ids)
+    assert out.getvalue() == "w1 w2 "  # "w5" could start the stop string: held back
+    s(tok("w7")["input_ids"])
+    assert out.getvalue() == "w1 w2 w5 w7"

