@@ -23,9 +23,12 @@ class ModelDrafter:
     def __init__(self, draft: Model | str, **load_kwargs):
         self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
         self.kv = KVCache(self.draft)
+        self.checked: Model | None = None  # the target whose tokenizer was last checked
 
     def prepare(self, target: Model) -> None:
-        check_same_tokenizer(target, self.draft)
+        if self.checked is not target:
+            check_same_tokenizer(target, self.draft)
+            self.checked = target
         self.kv = KVCache(self.draft)
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
