@@ -1,0 +1,116 @@
+"""The bench's results file: schema, validation, atomic save and load.
+
+Stages are separate (bench -> results.json -> fit -> report and plots); the report and the plots
+read only this file and never run a model. Schema `specdec.bench/1`:
+
+    {
+      "schema": "specdec.bench/1",
+      "created": "2026-11-29T12:00:00+00:00",
+      "environment": {"cpu": str, "gpu": str | null, "threads": int, "python": str, "torch": str,
+                      "transformers": str, "platform": str, "git_commit": str | null},
+      "settings": {"workload": str, "categories": [str], "limit": int, "max_new_tokens": int,
+                   "temperature": float, "ks": [int], "quick": bool, "repeats": int},
+      "pairs": [{
+        "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
+        "costs": {                      # medians after warm-up, ms
+          "context_tokens": int,        # KV length the curve was measured at
+          "verify_ms": {"1": float, "2": float, ...},   # V(n): one target forward over n new tokens
+          "draft_ms": {"1": float, ...}, # one drafter proposal of k tokens, by k
+          "overhead_ms": float          # per round, outside draft and verify (sampling, bookkeeping)
+        },
+        "prompts": [{                   # raw measurements, one per prompt
+          "id": str, "category": str, "prompt_tokens": int,
+          "plain": RunStats.to_dict(),
+          "runs": {"<k>": RunStats.to_dict() + {"identical": bool | null,
+                                                  "divergence": null | {"position": int,
+                                                   "plain_token": int, "other_token": int,
+                                                   "logit_gap": float}}}
+        }],
+        "peers": [{"name": str, "prompt_id": str, "tokens_per_s": float, "identical": bool | null,
+                   "error": str | null}],
+        "configs": [{                   # the fit: one per k, over all prompts
+          "k": int, "alpha": float, "tau": float, "acceptance_per_position": [float],
+          "speedup": {"median": float, "min": float, "max": float, "q1": float, "q3": float},
+          "identical": [int, int],      # [identical prompts, prompts] (greedy only)
+          "predicted": {"textbook": float, "ours": float},
+          "error": {"textbook": float, "ours": float},   # (predicted - measured) / measured
+          "by_category": {"<category>": {"alpha": float, "tau": float, "speedup": float}}
+        }],
+        "best_k": {"measured": int, "textbook": int, "ours": int},
+        "peer_summary": [{"name": str, "vs_plain": float, "vs_speculative": float, "identical": [int, int]}]
+      }]
+    }
+
+Speeds are decode-only tokens/s (prefill excluded: it is the same forward in every
+configuration); a speed-up is the median over prompts of (speculative / plain) measured in the
+same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+SCHEMA = "specdec.bench/1"
+
+_REQUIRED = {
+    "top": ["schema", "created", "environment", "settings", "pairs"],
+    "environment": ["cpu", "gpu", "threads", "python", "torch", "transformers", "platform", "git_commit"],
+    "settings": ["workload", "categories", "limit", "max_new_tokens", "temperature", "ks", "quick"],
+    "pair": ["target", "drafter", "draft", "dtype", "workload", "costs", "prompts", "peers", "configs", "best_k"],
+    "costs": ["context_tokens", "verify_ms", "draft_ms", "overhead_ms"],
+    "prompt": ["id", "category", "prompt_tokens", "plain", "runs"],
+    "config": ["k", "alpha", "tau", "acceptance_per_position", "speedup", "identical", "predicted", "error", "by_category"],
+}
+
+
+def validate(results: dict) -> None:
+    """Raise ValueError naming the first missing field or wrong schema version."""
+
+    def need(obj: dict, kind: str, where: str) -> None:
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+        for key in _REQUIRED[kind]:
+            if key not in obj:
+                raise ValueError(f"{where}: missing field {key!r}")
+
+    need(results, "top", "results")
+    if results["schema"] != SCHEMA:
+        raise ValueError(f"results schema is {results['schema']!r}; this version of specdec reads {SCHEMA!r}")
+    need(results["environment"], "environment", "environment")
+    need(results["settings"], "settings", "settings")
+    for i, pair in enumerate(results["pairs"]):
+        need(pair, "pair", f"pairs[{i}]")
+        need(pair["costs"], "costs", f"pairs[{i}].costs")
+        for j, prompt in enumerate(pair["prompts"]):
+            need(prompt, "prompt", f"pairs[{i}].prompts[{j}]")
+        for j, config in enumerate(pair["configs"]):
+            need(config, "config", f"pairs[{i}].configs[{j}]")
+
+
+def save(results: dict, path: str | os.PathLike) -> Path:
+    """Validate, then write atomically (temporary file, then rename)."""
+    validate(results)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load(path: str | os.PathLike) -> dict:
+    """Read and validate a results file; raises ValueError on a bad one."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read results file {path}: {e}") from e
+    validate(results)
+    return results
