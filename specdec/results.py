@@ -99,6 +99,7 @@ def save(results: dict, path: str | os.PathLike) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(results, f, indent=1)
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

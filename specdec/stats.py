@@ -65,10 +65,16 @@ class RunStats:
         """New tokens over the whole run's wall time, prefill included."""
         return self.new_tokens / self.total_s if self.total_s else float("nan")
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens over the wall time after prefill: the speed speculation changes."""
+        decode = self.total_s - self.prefill_s
+        return self.new_tokens / decode if decode > 0 else float("nan")
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(alpha=self.alpha, tau=self.tau, acceptance_per_position=self.acceptance_per_position,
-                 other_s=self.other_s, tokens_per_s=self.tokens_per_s)
+                 other_s=self.other_s, tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
         return d
 
     def summary(self) -> str:

@@ -1,0 +1,269 @@
+"""`specdec bench`: exactness, acceptance, costs and speed-up of speculative decoding on a workload,
+with the cost model's predictions and peers, measured in one run.
+
+For each pair (target, drafter) the bench
+  1. measures the costs: V(n), one target forward over n = 1..max(k)+1 new tokens at a realistic
+     KV length, and one drafter proposal of k tokens (medians after warm-up);
+  2. runs, prompt by prompt and interleaved, plain decoding (k = 0) and speculative decoding for
+     every k, checking greedy outputs token for token against plain decoding;
+  3. runs the peers on the same model and prompt;
+  4. fits: per k, alpha, tau, acceptance by position, the median per-prompt speed-up, and both
+     predictions (specdec.costmodel) with their errors.
+Then results.json (specdec.results) and a markdown report are written; plots are a separate stage
+(`specdec plot`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import costmodel
+from .cache import KVCache
+from .drafters import Drafter, make_drafter
+from .engine import generate
+from .exactness import first_divergence
+from .models import Model, load_model
+from .peers import hf_generate
+from .results import SCHEMA
+from .sampling import Sampler, SamplingParams
+from .workloads import Prompt
+
+QUICK_CATEGORIES = ["summarization", "translation", "qa", "math_reasoning", "writing"]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """target and drafter names as the CLI takes them; draft is the draft model for `model`."""
+
+    target: str
+    drafter: str = "prompt-lookup"
+    draft: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Pair":
+        """`target[:drafter[:draft]]`, e.g. `qwen2.5-coder-1.5b:model:qwen2.5-coder-0.5b`."""
+        parts = text.split(":")
+        if not 1 <= len(parts) <= 3 or (len(parts) > 1 and parts[1] == "model" and len(parts) != 3):
+            raise ValueError(f"--pair {text!r}: use TARGET[:DRAFTER[:DRAFT]], DRAFT required for the model drafter")
+        return cls(*parts)
+
+
+def environment() -> dict:
+    """Hardware and versions, for the results file."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {
+        "cpu": f"{cpu}, {os.cpu_count()} cores",
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "git_commit": commit,
+    }
+
+
+def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 7) -> dict:
+    """V(n) for n = 1..max(ks)+1 and one proposal of k tokens for each k, in ms, on a KV cache that
+    holds `context` (its length is the "realistic context length" of the workload)."""
+    kv = KVCache(target)
+    kv.extend(context[:-1], all_logits=False)
+    n_keep = len(kv)
+    block = (context * (max(ks) + 2))[: max(ks) + 1]
+
+    def verify(n: int) -> None:
+        kv.extend(block[:n])
+        kv.rollback(n_keep)
+
+    verify_curve = {str(n): _median_ms(lambda: verify(n), repeats) for n in range(1, max(ks) + 2)}
+    drafter.prepare(target)
+    sampler = Sampler(SamplingParams(), torch.Generator().manual_seed(0))
+    draft_cost = {str(k): _median_ms(lambda: drafter.propose(context, k, sampler), repeats) for k in ks}
+    return {"context_tokens": len(context), "verify_ms": verify_curve, "draft_ms": draft_cost, "overhead_ms": 0.0}
+
+
+def _encode(model: Model, prompt: Prompt) -> list[int]:
+    return model.encode(prompt.text, chat=prompt.chat and bool(getattr(model.tokenizer, "chat_template", None)))
+
+
+def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens: int, temperature: float,
+               peers: list[str], workload: str, peer_k: int = 4, progress: bool = True, **load_kwargs) -> dict:
+    """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results)."""
+    target = load_model(pair.target, **load_kwargs)
+    draft_model = load_model(pair.draft, **load_kwargs) if pair.draft else None
+    drafter = make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
+    encoded = [_encode(target, p) for p in prompts]
+    run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
+
+    # Warm up every path once, then measure the costs at the typical KV length of the decode.
+    generate(target, encoded[0], drafter, k=max(ks), **{**run, "max_new_tokens": 8})
+    generate(target, encoded[0], None, **{**run, "max_new_tokens": 8})
+    ctx_len = int(statistics.median(len(e) for e in encoded)) + max_new_tokens // 2
+    longest = max(encoded, key=len)
+    context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(ks) - 2)]
+    costs = measure_costs(target, drafter, context, ks)
+
+    records, peer_rows = [], []
+    bar = tqdm(total=len(prompts) * (len(ks) + 1 + len(peers)), desc=f"bench {pair.target} / {pair.drafter}",
+               disable=not progress)
+    for prompt, ids in zip(prompts, encoded):
+        plain = generate(target, ids, None, **run)
+        bar.update()
+        runs = {}
+        for k in ks:
+            spec = generate(target, ids, drafter, k=k, **run)
+            d = spec.stats.to_dict()
+            if temperature == 0:
+                div = first_divergence(target, ids, plain.tokens, spec.tokens)
+                d["identical"] = div is None
+                d["divergence"] = None if div is None else vars(div)
+            else:
+                d["identical"], d["divergence"] = None, None
+            runs[str(k)] = d
+            bar.update()
+        for name in peers:
+            try:
+                peer = hf_generate(name, target, ids, max_new_tokens, draft=draft_model, k=peer_k)
+                same = peer.tokens == plain.tokens if temperature == 0 else None
+                peer_rows.append({"name": name, "prompt_id": prompt.id, "tokens_per_s": peer.tokens_per_s,
+                                  "identical": same, "error": None})
+            except Exception as e:  # a peer failing is a result to report, not a reason to stop
+                peer_rows.append({"name": name, "prompt_id": prompt.id, "tokens_per_s": float("nan"),
+                                  "identical": None, "error": f"{type(e).__name__}: {e}"})
+            bar.update()
+        records.append({"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
+                        "plain": plain.stats.to_dict(), "runs": runs})
+    bar.close()
+
+    # The fixed per-round overhead: time outside draft and verify, per round, over every run.
+    per_round = [r["other_s"] / r["rounds"] * 1e3 for rec in records
+                 for r in [rec["plain"], *rec["runs"].values()] if r["rounds"]]
+    costs["overhead_ms"] = statistics.median(per_round)
+    result = {"target": pair.target, "drafter": pair.drafter, "draft": pair.draft,
+              "dtype": str(target.hf.dtype).removeprefix("torch."), "workload": workload,
+              "costs": costs, "prompts": records, "peers": peer_rows}
+    result.update(fit(result, ks))
+    return result
+
+
+def _quartiles(values: list[float]) -> dict:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "q1": float("nan"), "q3": float("nan")}
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1], "q1": q[0], "q3": q[2]}
+
+
+def _pooled(runs: list[dict]) -> dict:
+    drafted = sum(r["drafted"] for r in runs)
+    accepted = sum(r["accepted"] for r in runs)
+    rounds = sum(r["rounds"] for r in runs)
+    width = max((len(r["drafted_at"]) for r in runs), default=0)
+    at = lambda key, i: sum(r[key][i] for r in runs if i < len(r[key]))  # noqa: E731
+    return {"alpha": accepted / drafted if drafted else float("nan"),
+            "tau": sum(r["new_tokens"] for r in runs) / rounds if rounds else float("nan"),
+            "acceptance_per_position": [at("accepted_at", i) / at("drafted_at", i) for i in range(width)]}
+
+
+def fit(pair: dict, ks: list[int]) -> dict:
+    """The `configs`, `best_k` and `peer_summary` of a pair from its raw measurements (no model).
+    Speed-ups and predictions are per prompt, then the median over prompts."""
+    costs, records = pair["costs"], pair["prompts"]
+    configs = []
+    for k in ks:
+        runs = [rec["runs"][str(k)] for rec in records]
+        measured = [r["decode_tokens_per_s"] / rec["plain"]["decode_tokens_per_s"] for r, rec in zip(runs, records)]
+        ours = [costmodel.our_speedup(r, k, costs) for r in runs]
+        textbook = [costmodel.textbook_speedup(r["alpha"], k, costmodel.cost_ratio(costs, k)) for r in runs]
+        speed = _quartiles(measured)
+        predicted = {"textbook": statistics.median(textbook), "ours": statistics.median(ours)}
+        by_category = {}
+        for cat in dict.fromkeys(rec["category"] for rec in records):
+            idx = [i for i, rec in enumerate(records) if rec["category"] == cat]
+            pooled = _pooled([runs[i] for i in idx])
+            by_category[cat] = {"alpha": pooled["alpha"], "tau": pooled["tau"],
+                                "speedup": statistics.median(measured[i] for i in idx)}
+        identical = [r["identical"] for r in runs if r["identical"] is not None]
+        configs.append({
+            "k": k, **_pooled(runs), "speedup": speed,
+            "identical": [sum(identical), len(identical)],
+            "predicted": predicted,
+            "error": {name: costmodel.relative_error(v, speed["median"]) for name, v in predicted.items()},
+            "by_category": by_category,
+        })
+    best = lambda key: max(configs, key=key)["k"] if configs else None  # noqa: E731
+    plain_tps = {rec["id"]: rec["plain"]["tokens_per_s"] for rec in records}
+    best_k = best(lambda c: c["speedup"]["median"])
+    spec_tps = {rec["id"]: rec["runs"][str(best_k)]["tokens_per_s"] for rec in records} if best_k else {}
+    peer_summary = []
+    for name in dict.fromkeys(p["name"] for p in pair["peers"]):
+        rows = [p for p in pair["peers"] if p["name"] == name and not math.isnan(p["tokens_per_s"])]
+        same = [p["identical"] for p in rows if p["identical"] is not None]
+        peer_summary.append({
+            "name": name,
+            "vs_plain": _quartiles([p["tokens_per_s"] / plain_tps[p["prompt_id"]] for p in rows])["median"],
+            "vs_speculative": _quartiles([p["tokens_per_s"] / spec_tps[p["prompt_id"]] for p in rows])["median"]
+            if spec_tps else float("nan"),
+            "identical": [sum(same), len(same)],
+        })
+    return {"configs": configs,
+            "best_k": {"measured": best_k, "textbook": best(lambda c: c["predicted"]["textbook"]),
+                       "ours": best(lambda c: c["predicted"]["ours"])},
+            "peer_summary": peer_summary}
+
+
+def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[int], max_new_tokens: int,
+              temperature: float = 0.0, peers: list[str] = (), quick: bool = False, peer_k: int = 4,
+              categories: list[str] | None = None, limit: int | None = None, progress: bool = True,
+              **load_kwargs) -> dict:
+    """The whole results dict (schema specdec.bench/1) for the given pairs and prompts."""
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--k needs draft lengths >= 1 (plain decoding is always measured), got {ks}")
+    if not prompts:
+        raise ValueError("the workload selection is empty")
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment(),
+        "settings": {"workload": workload, "categories": sorted({p.category for p in prompts}),
+                     "limit": limit, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                     "ks": ks, "quick": quick, "repeats": 1, "peers": list(peers), "peer_k": peer_k},
+        "pairs": [bench_pair(pair, prompts, ks, max_new_tokens, temperature, list(peers), workload,
+                             peer_k=peer_k, progress=progress, **load_kwargs) for pair in pairs],
+    }

@@ -1,0 +1,72 @@
+"""Predicting the speed-up of speculative decoding, two ways.
+
+textbook (Leviathan et al. 2023, Theorem 3.8 and Section 3.4): with acceptance rate alpha, draft
+length k and cost ratio c = (draft step) / (target step), a round yields
+E = (1 - alpha^(k+1)) / (1 - alpha) tokens and costs k*c + 1 target steps, so the speed-up is
+E / (k*c + 1). It assumes a verify forward over k+1 tokens costs one target step.
+
+ours: from costs measured on this machine (specdec.bench.measure_costs):
+  round time  = draft(k) + sum_j P(j drafted) * V(j + 1) + overhead
+  plain step  = V(1) + overhead
+  speed-up    = (tokens per round / round time) * plain step
+where V(n) is the measured time of one target forward over n new tokens, draft(k) the measured
+time of one proposal, P(j drafted) and the tokens per round come from the acceptance per draft
+position the run observed (a drafter such as prompt lookup often drafts fewer than k tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def textbook_speedup(alpha: float, k: int, c: float) -> float:
+    """E / (k*c + 1) with E = (1 - alpha^(k+1)) / (1 - alpha) tokens per round (k + 1 at alpha = 1).
+    alpha in [0, 1]; c >= 0 (draft step / target step). NaN alpha (nothing drafted) counts as 0."""
+    if math.isnan(alpha):
+        alpha = 0.0
+    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return expected / (k * c + 1)
+
+
+def draft_length_distribution(run: dict) -> list[float]:
+    """P(j tokens drafted in a round) for j = 0..max, from a RunStats dict's drafted_at / rounds."""
+    rounds = run["rounds"]
+    if not rounds:
+        return [1.0]
+    at_least = [rounds] + list(run["drafted_at"])  # rounds drafting >= j tokens, j = 0, 1, ...
+    return [(at_least[j] - (at_least[j + 1] if j + 1 < len(at_least) else 0)) / rounds for j in range(len(at_least))]
+
+
+def verify_ms(costs: dict, n: int) -> float:
+    """V(n) in ms from the measured curve (keys are strings); beyond it, extrapolated linearly from
+    the last two points."""
+    curve = {int(key): value for key, value in costs["verify_ms"].items()}
+    if n in curve:
+        return curve[n]
+    xs = sorted(curve)
+    if len(xs) < 2:
+        return curve[xs[-1]] * n / xs[-1]
+    a, b = xs[-2], xs[-1]
+    return curve[b] + (curve[b] - curve[a]) / (b - a) * (n - b)
+
+
+def our_speedup(run: dict, k: int, costs: dict) -> float:
+    """Predicted speed-up of one speculative run over plain decoding, from the measured costs and
+    the run's acceptance (tokens per round = tau, bonus included)."""
+    if not run["rounds"]:
+        return float("nan")
+    dist = draft_length_distribution(run)
+    round_ms = (costs["draft_ms"].get(str(k), 0.0) + sum(p * verify_ms(costs, j + 1) for j, p in enumerate(dist))
+                + costs["overhead_ms"])
+    plain_ms = verify_ms(costs, 1) + costs["overhead_ms"]
+    return run["tau"] * plain_ms / round_ms
+
+
+def cost_ratio(costs: dict, k: int) -> float:
+    """c: the draft's cost per drafted token over one target step V(1)."""
+    return costs["draft_ms"].get(str(k), 0.0) / k / verify_ms(costs, 1) if k else 0.0
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured."""
+    return (predicted - measured) / measured if measured else float("nan")

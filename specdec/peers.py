@@ -1,0 +1,48 @@
+"""Peers on the same model object and prompt: Hugging Face transformers' `generate`, plain, with
+prompt lookup (`prompt_lookup_num_tokens=`) and assisted generation (`assistant_model=`).
+
+Each returns the new tokens and end-to-end tokens/s (prefill included, as `generate` reports no
+split), to be set beside specdec's end-to-end tokens/s measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .models import Model
+
+
+@dataclass
+class PeerRun:
+    name: str
+    tokens: list[int]
+    tokens_per_s: float
+
+
+@torch.inference_mode()
+def hf_generate(name: str, target: Model, prompt: list[int], max_new_tokens: int,
+                draft: Model | None = None, k: int = 4) -> PeerRun:
+    """One greedy transformers `generate` run. name: "hf" (plain), "hf-lookup" (prompt lookup with
+    k tokens), or "hf-assisted" (assisted generation with `draft`, a constant k)."""
+    kwargs: dict = dict(max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
+    eos = sorted(target.eos_token_ids)
+    kwargs["eos_token_id"] = eos or None
+    kwargs["pad_token_id"] = eos[0] if eos else 0
+    if name == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = k
+    elif name == "hf-assisted":
+        if draft is None:
+            raise ValueError("hf-assisted needs a draft model")
+        kwargs.update(assistant_model=draft.hf, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                      assistant_confidence_threshold=0.0)
+    elif name != "hf":
+        raise ValueError(f"unknown peer {name!r}: hf, hf-lookup, hf-assisted")
+    ids = torch.tensor([prompt])
+    start = time.perf_counter()
+    out = target.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    elapsed = time.perf_counter() - start
+    new = out[0, len(prompt):].tolist()
+    return PeerRun(name, new, len(new) / elapsed)

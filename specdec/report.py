@@ -1,0 +1,181 @@
+"""A markdown report of a bench results file (see specdec.results); it reads only the file.
+
+Up front the environment and the settings, then per (target, drafter) pair: the measured costs,
+one row per draft length k (alpha, tau, acceptance by position, measured speed-up, exactness,
+both predictions and their errors), the best k three ways, speed-up by category, peers, and any
+divergence from plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _nan(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def _f(x, spec: str = ".2f") -> str:
+    """A number, or "-" for a missing or NaN one."""
+    return "-" if _nan(x) else format(x, spec)
+
+
+def _ms(x) -> str:
+    return _f(x, ".3g")
+
+
+def _x(x) -> str:
+    """A speed-up: 1.23x."""
+    return "-" if _nan(x) else f"{x:.2f}x"
+
+
+def _pct(x) -> str:
+    """A relative error: +12%."""
+    return "-" if _nan(x) else f"{round(x * 100):+d}%"  # round() first: no "-0%"
+
+
+def _count(pair) -> str:
+    """[n, m] as n/m; "-" when nothing was compared."""
+    if not pair or not pair[1]:
+        return "-"
+    return f"{pair[0]}/{pair[1]}"
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list], align: str | None = None) -> list[str]:
+    """Markdown table lines; `align` is one of 'l' / 'r' per column (default: first left, rest right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |",
+             "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _pair_name(pair: dict) -> str:
+    return f"{pair['target']} / {pair['drafter']}" + (f" ({pair['draft']})" if pair.get("draft") else "")
+
+
+def _header(results: dict) -> list[str]:
+    env, st = results["environment"], results["settings"]
+    temperature = st["temperature"]
+    out = ["# specdec bench report", "",
+           f"Results file schema `{results['schema']}`, created {results['created']}.", "", "## Environment", ""]
+    out += _table(["", ""], [
+        ["CPU", env["cpu"]], ["GPU", env["gpu"] or "none"], ["threads", env["threads"]],
+        ["Python", env["python"]], ["torch", env["torch"]], ["transformers", env["transformers"]],
+        ["platform", env["platform"]], ["git commit", env["git_commit"] or "unknown"],
+    ], "ll")
+    out += ["", "## Settings", ""]
+    rows = [
+        ["workload", st["workload"]], ["categories", ", ".join(st["categories"]) or "-"],
+        ["prompts per category (limit)", st["limit"]], ["max new tokens", st["max_new_tokens"]],
+        ["temperature", f"{temperature:g}" + (" (greedy)" if temperature == 0 else " (sampling)")],
+        ["draft lengths k", ", ".join(str(k) for k in st["ks"])], ["quick", "yes" if st["quick"] else "no"],
+    ]
+    if "repeats" in st:
+        rows.append(["repeats", st["repeats"]])
+    out += _table(["", ""], rows, "ll")
+    out += ["", "Speeds are decode-only tokens/s (prefill excluded); a speed-up is the median over prompts of "
+                "speculative / plain tokens/s measured in the same run. α = accepted / drafted tokens; τ = new "
+                "tokens per round, the recovered or bonus token included. Prediction errors are "
+                "(predicted - measured) / measured."]
+    return out
+
+
+def _costs(pair: dict) -> list[str]:
+    costs = pair["costs"]
+    curve = sorted((int(n), v) for n, v in costs["verify_ms"].items())
+    v1 = dict(curve).get(1)
+    out = [f"### Costs (ms, medians, at a context of {costs['context_tokens']} tokens)", ""]
+    out += _table(["n", "V(n) ms", "V(n)/V(1)"],
+                  [[n, _ms(v), _f(v / v1 if v1 else float("nan"))] for n, v in curve])
+    model = bool(pair.get("draft"))
+    header = ["k", "draft ms per proposal", "draft ms per drafted token"] + (["c = per token / V(1)"] if model else [])
+    rows = []
+    for k, ms in sorted((int(k), v) for k, v in costs["draft_ms"].items()):
+        per_token = ms / k if k else float("nan")
+        rows.append([k, _ms(ms), _ms(per_token)] + ([_f(per_token / v1, ".3g") if v1 else "-"] if model else []))
+    if rows:
+        out += [""] + _table(header, rows)
+    out += ["", f"Overhead per round (outside draft and verify): {_ms(costs['overhead_ms'])} ms."]
+    return out
+
+
+def _configs(pair: dict) -> list[str]:
+    configs = sorted(pair["configs"], key=lambda c: c["k"])
+    out = ["### Speed-up by draft length k", ""]
+    rows = []
+    for c in configs:
+        s = c["speedup"]
+        rows.append([
+            c["k"], _f(c["alpha"]), _f(c["tau"]),
+            " ".join(_f(a) for a in c["acceptance_per_position"]) or "-",
+            f"{_x(s['median'])} [{_f(s['min'])}..{_f(s['max'])}]", _count(c["identical"]),
+            _x(c["predicted"]["textbook"]), _pct(c["error"]["textbook"]),
+            _x(c["predicted"]["ours"]), _pct(c["error"]["ours"]),
+        ])
+    out += _table(["k", "α", "τ", "acceptance by position", "speed-up median [min..max]", "identical",
+                   "textbook", "textbook error", "ours", "ours error"], rows, "rrrlrrrrrr")
+    best = pair["best_k"]
+    out += ["", f"Best k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}."]
+    return out
+
+
+def _categories(pair: dict) -> list[str]:
+    configs = sorted(pair["configs"], key=lambda c: c["k"])
+    cats: list[str] = []
+    for c in configs:
+        cats += [cat for cat in c["by_category"] if cat not in cats]
+    if not cats:
+        return []
+    rows = []
+    for cat in cats:
+        by = [c["by_category"].get(cat, {}) for c in configs]
+        rows.append([cat] + [_x(b.get("speedup")) for b in by] + [_f(b.get("alpha")) for b in by])
+    header = ["category"] + [f"speed-up k={c['k']}" for c in configs] + [f"α k={c['k']}" for c in configs]
+    return ["### By category", ""] + _table(header, rows)
+
+
+def _peers(pair: dict) -> list[str]:
+    out = []
+    summary = pair.get("peer_summary") or []
+    if summary:
+        rows = [[p["name"], _x(p["vs_plain"]), _x(p["vs_speculative"]), _count(p["identical"])] for p in summary]
+        out += ["### Peers", "", "Ratios are the peer's tokens/s over ours on the same prompts (above 1.00x: the peer is faster).", ""]
+        out += _table(["peer", "vs our plain", "vs our speculative", "identical"], rows)
+    failed = [p for p in pair.get("peers") or [] if p.get("error")]
+    if failed:
+        out += ["", "Peer runs that failed:", ""]
+        out += [f"- {p['name']} on `{p['prompt_id']}`: {p['error']}" for p in failed]
+    return out
+
+
+def _divergences(pair: dict) -> list[str]:
+    items = []
+    for prompt in pair["prompts"]:
+        for k, run in sorted(prompt["runs"].items(), key=lambda kv: int(kv[0])):
+            if run.get("identical") is False:
+                d = run.get("divergence") or {}
+                where = (f"first differing token at position {d['position']} (plain {d['plain_token']}, "
+                         f"speculative {d['other_token']}), top-2 logit gap {_f(d.get('logit_gap'), '.2g')}"
+                         if d else "no divergence recorded")
+                items.append(f"- `{prompt['id']}`, k = {k}: {where}")
+    if not items:
+        return []
+    return ["### Divergences from plain greedy decoding", ""] + items
+
+
+def markdown_report(results: dict) -> str:
+    """The report of a loaded results file, as markdown text: environment and settings, then per
+    pair its costs, the per-k table, best k, by-category table, peers and divergences."""
+    out = _header(results)
+    for pair in results["pairs"]:
+        out += ["", f"## {_pair_name(pair)}", "",
+                f"dtype {pair['dtype']}, workload {pair['workload']}, {len(pair['prompts'])} prompts.", ""]
+        for section in (_costs(pair), _configs(pair), _categories(pair), _peers(pair), _divergences(pair)):
+            if section:
+                out += section + [""]
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,61 @@
+"""Real prompts from workload files: Spec-Bench rows (first turn) and HumanEval rows (prompt)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    text: str
+    chat: bool  # conversational (Spec-Bench): wrap in the chat template where the model has one
+
+
+def load_workload(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
+    """The rows of a workload .jsonl, in file order, at most `limit` per category (a stratified
+    subset). Spec-Bench rows give their first turn (category from the row); HumanEval rows give
+    their `prompt` (category "humaneval"). Raises ValueError for a missing file, an unknown
+    category or an unknown row format."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no workload file {path}")
+    prompts, seen = [], {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "turns" in row:
+            p = Prompt(str(row.get("question_id", len(prompts))), row.get("category", "none"), row["turns"][0], True)
+        elif "prompt" in row:
+            p = Prompt(str(row.get("task_id", len(prompts))), row.get("category", "humaneval"), row["prompt"], False)
+        else:
+            raise ValueError(f"{path.name}: a row with neither 'turns' (Spec-Bench) nor 'prompt' (HumanEval)")
+        seen[p.category] = seen.get(p.category, 0) + 1
+        prompts.append(p)
+    if categories:
+        unknown = sorted(set(categories) - set(seen))
+        if unknown:
+            raise ValueError(f"{path.name} has no category {', '.join(unknown)}; it has {', '.join(seen)}")
+        prompts = [p for p in prompts if p.category in categories]
+    if limit is not None:
+        count: dict[str, int] = {}
+        kept = []
+        for p in prompts:
+            count[p.category] = count.get(p.category, 0) + 1
+            if count[p.category] <= limit:
+                kept.append(p)
+        prompts = kept
+    return prompts
+
+
+def default_workload(name: str = "spec_bench_dev.jsonl") -> Path:
+    """../shared/workloads/<name> next to the current folder or next to the source checkout."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = base.parent / "shared" / "workloads" / name
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"cannot find ../shared/workloads/{name}; pass --workload FILE")
