@@ -1,0 +1,130 @@
+"""The cost model on hand-made numbers, and `specdec bench` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from specdec import costmodel, results
+from specdec.bench import Pair, fit, run_bench
+from specdec.cli import main
+from specdec.stats import RunStats
+from specdec.workloads import load_workload
+
+from .conftest import make_model
+
+COSTS = {"context_tokens": 100, "verify_ms": {"1": 10.0, "2": 24.0, "3": 25.0}, "draft_ms": {"2": 1.0}, "overhead_ms": 2.0}
+
+
+def test_textbook_formula():
+    assert costmodel.textbook_speedup(0.0, 4, 0.0) == 1.0
+    assert costmodel.textbook_speedup(1.0, 4, 0.0) == 5.0
+    assert costmodel.textbook_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
+    assert costmodel.textbook_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+    assert costmodel.textbook_speedup(float("nan"), 3, 0.0) == 1.0
+
+
+def test_draft_length_distribution():
+    run = {"rounds": 10, "drafted_at": [6, 3]}
+    assert costmodel.draft_length_distribution(run) == pytest.approx([0.4, 0.3, 0.3])
+
+
+def test_verify_curve_lookup_and_extrapolation():
+    assert costmodel.verify_ms(COSTS, 2) == 24.0
+    assert costmodel.verify_ms(COSTS, 5) == pytest.approx(27.0)
+
+
+def simulated_run(k: int, accept: list[list[int]], costs: dict) -> dict:
+    """A RunStats dict whose times follow the cost model exactly: each round drafts len(a) tokens
+    and accepts sum(a) of them (a prefix)."""
+    s = RunStats(k=k)
+    for a in accept:
+        n_acc = 0
+        while n_acc < len(a) and a[n_acc]:
+            n_acc += 1
+        s.record_round(len(a), n_acc)
+        s.new_tokens += n_acc + 1
+        s.draft_s += costs["draft_ms"].get(str(k), 0.0) / 1e3
+        s.verify_s += costmodel.verify_ms(costs, len(a) + 1) / 1e3
+        s.total_s += (costs["draft_ms"].get(str(k), 0.0) + costmodel.verify_ms(costs, len(a) + 1) + costs["overhead_ms"]) / 1e3
+    return s.to_dict()
+
+
+def test_our_prediction_matches_an_engine_that_follows_the_model():
+    rounds = [[1, 1], [1, 0], [], [0, 1], [1, 1], [1]]  # mixed draft lengths, as prompt lookup gives
+    spec = simulated_run(2, rounds, COSTS)
+    plain = simulated_run(0, [[]] * spec["new_tokens"], COSTS)
+    measured = spec["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+    assert costmodel.our_speedup(spec, 2, COSTS) == pytest.approx(measured)
+    # The textbook formula assumes V(k+1) = V(1) and is far off on this steep curve.
+    textbook = costmodel.textbook_speedup(spec["alpha"], 2, costmodel.cost_ratio(COSTS, 2))
+    assert abs(costmodel.relative_error(textbook, measured)) > 0.5
+
+
+def test_fit_on_the_stored_results_is_reproducible():
+    stored = results.load("tests/data/small_results.json")
+    pair = stored["pairs"][0]
+    again = fit(pair, stored["settings"]["ks"])
+    for old, new in zip(pair["configs"], again["configs"]):
+        assert new["k"] == old["k"]
+        assert new["speedup"]["median"] == pytest.approx(old["speedup"]["median"], rel=1e-3)
+        assert new["predicted"]["ours"] == pytest.approx(old["predicted"]["ours"], rel=1e-3)
+    assert again["best_k"] == pair["best_k"]
+
+
+def test_pair_parsing():
+    assert Pair.parse("a") == Pair("a", "prompt-lookup", None)
+    assert Pair.parse("a:model:b") == Pair("a", "model", "b")
+    with pytest.raises(ValueError, match="DRAFT required"):
+        Pair.parse("a:model")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-bench")
+    model = make_model("llama", seed=1)
+    model.hf.save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wl") / "mini.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [" ".join(f"w{(3 * i + j) % 50 + 3}" for j in range(12)) * 2]}
+            for i, cat in enumerate(["qa", "qa", "summarization", "summarization"])]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_bench_end_to_end_on_a_tiny_model(tiny_folder, workload):
+    prompts = load_workload(workload, limit=1)
+    assert [p.category for p in prompts] == ["qa", "summarization"]
+    res = run_bench([Pair(str(tiny_folder)), Pair(str(tiny_folder), "model", str(tiny_folder))], prompts,
+                    workload.name, [1, 3], 10, peers=["hf", "hf-lookup"], progress=False)
+    results.validate(res)
+    lookup, model = res["pairs"]
+    for pair in (lookup, model):
+        assert set(pair["costs"]["verify_ms"]) == {"1", "2", "3", "4"}
+        for config in pair["configs"]:
+            assert config["identical"] == [2, 2]
+            assert not math.isnan(config["predicted"]["ours"])
+            assert set(config["by_category"]) == {"qa", "summarization"}
+    assert model["configs"][0]["alpha"] == 1.0  # a draft identical to the target is always right
+    peers = {p["name"]: p for p in lookup["peer_summary"]}
+    assert peers["hf"]["identical"] == [2, 2] and peers["hf-lookup"]["identical"] == [2, 2]
+
+
+def test_bench_cli_writes_results_report_and_plots(tiny_folder, workload, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["bench", "--pair", str(tiny_folder), "--workload", str(workload), "--limit", "1", "--k", "1,2",
+            "--max-new-tokens", "6", "--peers", "none", "--out", str(out)]
+    assert main(args) == 0
+    assert "identical" in capsys.readouterr().out
+    res = results.load(out / "results.json")
+    assert res["settings"]["ks"] == [1, 2] and (out / "report.md").read_text().startswith("#")
+    assert len(list(out.glob("*.png"))) == 5
+    assert main(["plot", str(out / "results.json"), "--out", str(tmp_path / "again")]) == 0
+    assert len(list((tmp_path / "again").glob("*.png"))) == 5
