@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_our_prediction_matches_an_engine_that_follows_the_model():
 
 
 def test_fit_on_the_stored_results_is_reproducible():
-    stored = results.load("tests/data/small_results.json")
+    stored = results.load(Path(__file__).parent / "data" / "quick_results.json")
     pair = stored["pairs"][0]
     again = fit(pair, stored["settings"]["ks"])
     for old, new in zip(pair["configs"], again["configs"]):
