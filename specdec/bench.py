@@ -34,9 +34,11 @@ from .drafters import Drafter, make_drafter
 from .engine import generate
 from .exactness import first_divergence
 from .models import Model, load_model
-from .peers import hf_generate
+from .peers import hf_generate, llama_cpp_generate
+from .registry import REGISTRY
 from .results import SCHEMA
 from .sampling import Sampler, SamplingParams
+from .weights import cache_dir, gguf_path
 from .workloads import Prompt
 
 QUICK_CATEGORIES = ["summarization", "translation", "qa", "math_reasoning", "writing"]
@@ -118,6 +120,15 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
     return {"context_tokens": len(context), "verify_ms": verify_curve, "draft_ms": draft_cost, "overhead_ms": 0.0}
 
 
+def _gguf_of(spec: str, cache) -> str:
+    """The GGUF file behind a registry name or a .gguf path, for the llama.cpp peer."""
+    if spec in REGISTRY:
+        return str(gguf_path(REGISTRY[spec], cache_dir(cache)))
+    if spec.endswith(".gguf"):
+        return spec
+    raise ValueError(f"the llama.cpp peer needs a GGUF target (a registry name or a .gguf file), not {spec!r}")
+
+
 def _encode(model: Model, prompt: Prompt) -> list[int]:
     return model.encode(prompt.text, chat=prompt.chat and bool(getattr(model.tokenizer, "chat_template", None)))
 
@@ -159,7 +170,11 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
             bar.update()
         for name in peers:
             try:
-                peer = hf_generate(name, target, ids, max_new_tokens, draft=draft_model, k=peer_k)
+                if name.startswith("llama-cpp"):
+                    peer = llama_cpp_generate(_gguf_of(pair.target, load_kwargs.get("cache")), ids, max_new_tokens,
+                                              target.eos_token_ids, k=peer_k if name == "llama-cpp-lookup" else 0)
+                else:
+                    peer = hf_generate(name, target, ids, max_new_tokens, draft=draft_model, k=peer_k)
                 same = peer.tokens == plain.tokens if temperature == 0 else None
                 peer_rows.append({"name": name, "prompt_id": prompt.id, "tokens_per_s": peer.tokens_per_s,
                                   "identical": same, "error": None})

@@ -16,7 +16,7 @@ from .errors import ModelNotFoundError, TokenizerMismatchError
 from .weights import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
 from .registry import REGISTRY
 
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../x" are paths
 
 
 @dataclass

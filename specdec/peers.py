@@ -46,3 +46,35 @@ def hf_generate(name: str, target: Model, prompt: list[int], max_new_tokens: int
     elapsed = time.perf_counter() - start
     new = out[0, len(prompt):].tolist()
     return PeerRun(name, new, len(new) / elapsed)
+
+
+_LLAMAS: dict[str, object] = {}
+
+
+def llama_cpp_generate(gguf: str, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
+                       n_ctx: int = 4096, k: int = 0) -> PeerRun:
+    """Greedy decoding of the GGUF file itself with llama.cpp (llama-cpp-python), from the same
+    prompt ids; with k > 0, llama-cpp-python's prompt lookup drafter (`LlamaPromptLookupDecoding`).
+    Note the precision differs: llama.cpp runs the quantized weights, specdec their fp32
+    dequantization, so identical tokens are not expected. Raises RuntimeError when
+    llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError as e:
+        raise RuntimeError("llama-cpp-python is not installed (pip install llama-cpp-python)") from e
+    key = f"{gguf}:{k}"
+    if key not in _LLAMAS:
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None
+        _LLAMAS[key] = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=torch.get_num_threads(),
+                             draft_model=draft, verbose=False, logits_all=bool(k))
+    llm = _LLAMAS[key]
+    llm.reset()
+    new: list[int] = []
+    start = time.perf_counter()
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        new.append(int(token))
+        if token in eos or len(new) >= max_new_tokens:
+            break
+    elapsed = time.perf_counter() - start
+    return PeerRun("llama-cpp-lookup" if k else "llama-cpp", new, len(new) / elapsed)

@@ -144,7 +144,10 @@ def _peers(pair: dict) -> list[str]:
     summary = pair.get("peer_summary") or []
     if summary:
         rows = [[p["name"], _x(p["vs_plain"]), _x(p["vs_speculative"]), _count(p["identical"])] for p in summary]
-        out += ["### Peers", "", "Ratios are the peer's tokens/s over ours on the same prompts (above 1.00x: the peer is faster).", ""]
+        out += ["### Peers", "", "Ratios are the peer's end-to-end tokens/s (prefill included) over ours on the same "
+                "prompts (above 1.00x: the peer is faster); the speculative one is our best k. \"identical\" "
+                "compares with our plain greedy tokens: llama.cpp runs the quantized GGUF weights, a "
+                "different precision from our fp32 dequantization, so it need not match.", ""]
         out += _table(["peer", "vs our plain", "vs our speculative", "identical"], rows)
     failed = [p for p in pair.get("peers") or [] if p.get("error")]
     if failed:

@@ -85,8 +85,9 @@ def test_hub_id_offline_fails_fast_with_a_clear_message(monkeypatch, tmp_path):
 
 
 def test_unknown_spec_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="not a registry name"):
-        load_model(str(tmp_path / "nothing-here"))
+    for spec in [str(tmp_path / "nothing-here"), "./nothing-here", "../nothing/here.gguf", "no-such-registry-name"]:
+        with pytest.raises(ModelNotFoundError, match="not a registry name"):
+            load_model(spec)
 
 
 def test_local_folder_round_trip(tmp_path):
