@@ -21,6 +21,11 @@ class KVCache:
         self.model = model
         self.tokens: list[int] = []
         self.cache = DynamicCache(config=model.hf.config)
+        # Sliding-window layers (Gemma 3, Mistral) drop old states once the window is full, which
+        # would make rollback impossible; recording keeps them until the next crop trims them.
+        self.sliding = [layer for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
+        for layer in self.sliding:
+            layer.activate_past_recording()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,9 +47,9 @@ class KVCache:
         drop = len(self.tokens) - n_keep
         if drop < 0:
             raise ValueError(f"cannot roll back to {n_keep} tokens, the cache holds {len(self.tokens)}")
-        if drop:
+        if drop or (self.sliding and self.tokens):  # crop(0) trims recorded sliding-window layers back to their window
             self.cache.crop(-drop)
-            del self.tokens[n_keep:]
+        del self.tokens[n_keep:]
 
     def sync(self, context: list[int]) -> list[int]:
         """Roll back to the longest common prefix of the cache and context[:-1]; return the tokens

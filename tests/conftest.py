@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from specdec.models import Model
 
@@ -24,10 +32,13 @@ def make_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
 
 def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, tokenizer=None,
                eos: frozenset[int] = frozenset(), n_ctx: int = N_CTX, name: str | None = None) -> Model:
-    """A 2-layer random model. eos is empty by default so runs have a known length."""
-    cls_cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}
+    """A 2-layer random model. eos is empty by default so runs have a known length. "gemma3" has a
+    sliding-window layer (window 8) followed by a full-attention one, as Gemma 3 does."""
+    cls_cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+               "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig)}
+    extra = {"gemma3": dict(sliding_window=8, head_dim=16, layer_types=["sliding_attention", "full_attention"])}
     cls, cfg_cls = cls_cfg[arch]
-    cfg = cfg_cls(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = cfg_cls(**extra.get(arch, {}), vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=n_ctx,
                   bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(seed)
@@ -38,7 +49,7 @@ def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, toke
     return Model(hf, tokenizer if tokenizer is not None else make_tokenizer(), name or f"tiny-{arch}-{seed}", eos)
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2"])
+@pytest.fixture(scope="session", params=["llama", "qwen2", "gemma3"])
 def target(request) -> Model:
     return make_model(request.param, seed=1)
 

@@ -130,13 +130,14 @@ def test_prompt_near_the_context_limit(target, draft_model):
 def test_stop_string_ends_the_text(target):
     prompt = prompt_ids()
     base = plain(target, prompt)
-    words = target.tokenizer.decode(base.tokens).split()
-    stop_word = words[5]
-    first = words.index(stop_word)
+    decode = lambda toks: target.tokenizer.decode(toks, skip_special_tokens=True)  # noqa: E731
+    stop_word = decode(base.tokens).split()[5]
+    n = next(n for n in range(1, N_NEW + 1) if stop_word in decode(base.tokens[:n]))  # the token completing it
     got = generate(target, prompt, Oracle(prompt + base.tokens), k=4, max_new_tokens=N_NEW, stop=[stop_word])
     assert got.stats.stop_reason == "stop"
-    assert got.tokens == base.tokens[: first + 1]
-    assert got.text == " ".join(words[:first]) + " "
+    assert got.tokens == base.tokens[:n]
+    text = decode(base.tokens[:n])
+    assert got.text == text[: text.index(stop_word)] and stop_word not in got.text
 
 
 def test_sampling_is_reproducible_and_seed_dependent(target, draft_model):
