@@ -90,20 +90,24 @@ def environment() -> dict:
     }
 
 
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
+def _interleaved_medians(fns: dict[str, object], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median ms of each zero-argument function, timed round-robin (all of them once per pass), so
+    that a burst of load on a shared machine falls on every point of a curve alike."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {key: [] for key in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append((time.perf_counter() - start) * 1e3)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
-def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 7) -> dict:
-    """V(n) for n = 1..max(ks)+1 and one proposal of k tokens for each k, in ms, on a KV cache that
-    holds `context` (its length is the "realistic context length" of the workload)."""
+def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 9) -> dict:
+    """V(n) for n = 1..max(ks)+1 and one proposal of k tokens for each k, in ms (medians), on a KV
+    cache that holds `context` (its length is the "realistic context length" of the workload)."""
     kv = KVCache(target)
     kv.extend(context[:-1], all_logits=False)
     n_keep = len(kv)
@@ -113,10 +117,10 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
         kv.extend(block[:n])
         kv.rollback(n_keep)
 
-    verify_curve = {str(n): _median_ms(lambda: verify(n), repeats) for n in range(1, max(ks) + 2)}
+    verify_curve = _interleaved_medians({str(n): lambda n=n: verify(n) for n in range(1, max(ks) + 2)}, repeats)
     drafter.prepare(target)
     sampler = Sampler(SamplingParams(), torch.Generator().manual_seed(0))
-    draft_cost = {str(k): _median_ms(lambda: drafter.propose(context, k, sampler), repeats) for k in ks}
+    draft_cost = _interleaved_medians({str(k): lambda k=k: drafter.propose(context, k, sampler) for k in ks}, repeats)
     return {"context_tokens": len(context), "verify_ms": verify_curve, "draft_ms": draft_cost, "overhead_ms": 0.0}
 
 
