@@ -90,38 +90,47 @@ def environment() -> dict:
     }
 
 
-def _interleaved_medians(fns: dict[str, object], repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Median ms of each zero-argument function, timed round-robin (all of them once per pass), so
-    that a burst of load on a shared machine falls on every point of a curve alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+def _interleaved_medians(fns: dict[str, tuple], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median ms of each (setup, timed) pair of zero-argument functions, timed round-robin (each
+    once per pass) so that a burst of load on a shared machine falls on every point alike."""
     times: dict[str, list[float]] = {key: [] for key in fns}
-    for _ in range(repeats):
-        for key, fn in fns.items():
+    for i in range(warmup + repeats):
+        for key, (setup, fn) in fns.items():
+            setup()
             start = time.perf_counter()
             fn()
-            times[key].append((time.perf_counter() - start) * 1e3)
+            if i >= warmup:
+                times[key].append((time.perf_counter() - start) * 1e3)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
 def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 9) -> dict:
-    """V(n) for n = 1..max(ks)+1 and one proposal of k tokens for each k, in ms (medians), on a KV
-    cache that holds `context` (its length is the "realistic context length" of the workload)."""
+    """Costs in ms (medians) on a KV cache that holds `context`, whose length is the workload's
+    typical context length:
+    - verify_ms[n]: one target forward over n = 1..max(ks)+1 new tokens, V(n);
+    - draft_ms[k]: one proposal of k tokens when the drafter's state lags the context by one token
+      (the round before rejected a drafted token);
+    - draft_catchup_ms[k]: the same when it lags by two (the round before accepted everything, so
+      the last drafted token and the bonus token are both new to a draft model)."""
     kv = KVCache(target)
     kv.extend(context[:-1], all_logits=False)
     n_keep = len(kv)
     block = (context * (max(ks) + 2))[: max(ks) + 1]
+    nothing = lambda: None  # noqa: E731
 
     def verify(n: int) -> None:
         kv.extend(block[:n])
         kv.rollback(n_keep)
 
-    verify_curve = _interleaved_medians({str(n): lambda n=n: verify(n) for n in range(1, max(ks) + 2)}, repeats)
+    verify_curve = _interleaved_medians({str(n): (nothing, lambda n=n: verify(n)) for n in range(1, max(ks) + 2)}, repeats)
     drafter.prepare(target)
     sampler = Sampler(SamplingParams(), torch.Generator().manual_seed(0))
-    draft_cost = _interleaved_medians({str(k): lambda k=k: drafter.propose(context, k, sampler) for k in ks}, repeats)
-    return {"context_tokens": len(context), "verify_ms": verify_curve, "draft_ms": draft_cost, "overhead_ms": 0.0}
+    propose = lambda k: lambda: drafter.propose(context, k, sampler)  # noqa: E731
+    lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # leaves a model drafter at context[:-n]  # noqa: E731
+    draft_cost = _interleaved_medians({str(k): (lag(1), propose(k)) for k in ks}, repeats)
+    catchup_cost = _interleaved_medians({str(k): (lag(2), propose(k)) for k in ks}, repeats)
+    return {"context_tokens": len(context), "verify_ms": verify_curve, "draft_ms": draft_cost,
+            "draft_catchup_ms": catchup_cost, "overhead_ms": 0.0}
 
 
 def _gguf_of(spec: str, cache) -> str:

@@ -7,11 +7,15 @@ E / (k*c + 1). It assumes a verify forward over k+1 tokens costs one target step
 
 ours: from costs measured on this machine (specdec.bench.measure_costs):
   round time  = draft(k) + sum_j P(j drafted) * V(j + 1) + overhead
+  draft(k)    = (1 - P(all accepted)) * D1(k) + P(all accepted) * D2(k)
   plain step  = V(1) + overhead
   speed-up    = (tokens per round / round time) * plain step
 where V(n) is the measured time of one target forward over n new tokens, draft(k) the measured
 time of one proposal, P(j drafted) and the tokens per round come from the acceptance per draft
 position the run observed (a drafter such as prompt lookup often drafts fewer than k tokens).
+D1(k) is one proposal of k tokens when the drafter lags the context by one token, D2(k) when it
+lags by two: after a round that accepted everything, a draft model must first read its own last
+token and the bonus token, a two-token forward that on a CPU costs about two one-token steps.
 """
 
 from __future__ import annotations
@@ -56,8 +60,11 @@ def our_speedup(run: dict, k: int, costs: dict) -> float:
     if not run["rounds"]:
         return float("nan")
     dist = draft_length_distribution(run)
-    round_ms = (costs["draft_ms"].get(str(k), 0.0) + sum(p * verify_ms(costs, j + 1) for j, p in enumerate(dist))
-                + costs["overhead_ms"])
+    all_accepted = run["accepted_at"][k - 1] / run["rounds"] if len(run["accepted_at"]) >= k else 0.0
+    d1 = costs["draft_ms"].get(str(k), 0.0)
+    d2 = costs.get("draft_catchup_ms", costs["draft_ms"]).get(str(k), d1)
+    draft = (1 - all_accepted) * d1 + all_accepted * d2
+    round_ms = draft + sum(p * verify_ms(costs, j + 1) for j, p in enumerate(dist)) + costs["overhead_ms"]
     plain_ms = verify_ms(costs, 1) + costs["overhead_ms"]
     return run["tau"] * plain_ms / round_ms
 

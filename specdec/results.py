@@ -15,7 +15,8 @@ read only this file and never run a model. Schema `specdec.bench/1`:
         "costs": {                      # medians after warm-up, ms
           "context_tokens": int,        # KV length the curve was measured at
           "verify_ms": {"1": float, "2": float, ...},   # V(n): one target forward over n new tokens
-          "draft_ms": {"1": float, ...}, # one drafter proposal of k tokens, by k
+          "draft_ms": {"1": float, ...}, # one drafter proposal of k tokens, by k (drafter 1 token behind)
+          "draft_catchup_ms": {"1": float, ...}, # the same, 2 tokens behind (after a fully accepted round)
           "overhead_ms": float          # per round, outside draft and verify (sampling, bookkeeping)
         },
         "prompts": [{                   # raw measurements, one per prompt

@@ -129,3 +129,15 @@ def test_bench_cli_writes_results_report_and_plots(tiny_folder, workload, tmp_pa
     assert len(list(out.glob("*.png"))) == 5
     assert main(["plot", str(out / "results.json"), "--out", str(tmp_path / "again")]) == 0
     assert len(list((tmp_path / "again").glob("*.png"))) == 5
+
+
+def test_fully_accepted_rounds_pay_the_catch_up_draft_cost():
+    """After a round that accepted everything a draft model reads two new tokens; the model weighs
+    D2(k) by the share of such rounds."""
+    costs = {**COSTS, "draft_ms": {"2": 10.0}, "draft_catchup_ms": {"2": 30.0}}
+    run = {"rounds": 4, "drafted_at": [4, 4], "accepted_at": [3, 1], "tau": 2.0}  # 1 of 4 fully accepted
+    draft = 0.75 * 10.0 + 0.25 * 30.0
+    expected = 2.0 * (10.0 + 2.0) / (draft + 25.0 + 2.0)
+    assert costmodel.our_speedup(run, 2, costs) == pytest.approx(expected)
+    without = {**COSTS, "draft_ms": {"2": 10.0}}  # an older results file: D2 falls back to D1
+    assert costmodel.our_speedup(run, 2, without) == pytest.approx(2.0 * 12.0 / (10.0 + 25.0 + 2.0))
