@@ -59,6 +59,16 @@ def draft_model() -> Model:
     return make_model("llama", seed=7, name="tiny-draft")
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny Llama saved as a Hugging Face folder, for the CLI and the bench to load."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model = make_model("llama", seed=1)
+    model.hf.save_pretrained(folder)
+    model.tokenizer.save_pretrained(folder)
+    return folder
+
+
 def prompt_ids(n: int = 12, seed: int = 0) -> list[int]:
     """A prompt with a repeated phrase, so prompt lookup finds matches."""
     g = torch.Generator().manual_seed(seed)

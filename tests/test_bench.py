@@ -14,7 +14,6 @@ from specdec.cli import main
 from specdec.stats import RunStats
 from specdec.workloads import load_workload
 
-from .conftest import make_model
 
 COSTS = {"context_tokens": 100, "verify_ms": {"1": 10.0, "2": 24.0, "3": 25.0}, "draft_ms": {"2": 1.0}, "overhead_ms": 2.0}
 
@@ -83,15 +82,6 @@ def test_pair_parsing():
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-bench")
-    model = make_model("llama", seed=1)
-    model.hf.save_pretrained(folder)
-    model.tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
 def workload(tmp_path_factory):
     path = tmp_path_factory.mktemp("wl") / "mini.jsonl"
     rows = [{"question_id": i, "category": cat, "turns": [" ".join(f"w{(3 * i + j) % 50 + 3}" for j in range(12)) * 2]}
@@ -100,10 +90,10 @@ def workload(tmp_path_factory):
     return path
 
 
-def test_bench_end_to_end_on_a_tiny_model(tiny_folder, workload):
+def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
     prompts = load_workload(workload, limit=1)
     assert [p.category for p in prompts] == ["qa", "summarization"]
-    res = run_bench([Pair(str(tiny_folder)), Pair(str(tiny_folder), "model", str(tiny_folder))], prompts,
+    res = run_bench([Pair(str(model_dir)), Pair(str(model_dir), "model", str(model_dir))], prompts,
                     workload.name, [1, 3], 10, peers=["hf", "hf-lookup"], progress=False)
     results.validate(res)
     lookup, model = res["pairs"]
@@ -118,9 +108,9 @@ def test_bench_end_to_end_on_a_tiny_model(tiny_folder, workload):
     assert peers["hf"]["identical"] == [2, 2] and peers["hf-lookup"]["identical"] == [2, 2]
 
 
-def test_bench_cli_writes_results_report_and_plots(tiny_folder, workload, tmp_path, capsys):
+def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["bench", "--pair", str(tiny_folder), "--workload", str(workload), "--limit", "1", "--k", "1,2",
+    args = ["bench", "--pair", str(model_dir), "--workload", str(workload), "--limit", "1", "--k", "1,2",
             "--max-new-tokens", "6", "--peers", "none", "--out", str(out)]
     assert main(args) == 0
     assert "identical" in capsys.readouterr().out

@@ -9,16 +9,7 @@ import pytest
 
 from specdec.cli import TextStreamer, main, workload_prompt
 
-from .conftest import make_model, make_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    model = make_model("llama", seed=1)
-    model.hf.save_pretrained(folder)
-    model.tokenizer.save_pretrained(folder)
-    return folder
+from .conftest import make_tokenizer
 
 
 def test_generate_compare_reports_identical(model_dir, capsys):
