@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -263,9 +267,9 @@ def _list(args) -> int:
     print(f"cache: {root}")
     print(f"{'name':<20} {'pulled':<7} {'gguf MB':>8} {'on disk MB':>11}  description")
     for name, e in REGISTRY.items():
-        on_disk = sum(f.stat().st_size for d in (converted_path(e.sha256, root),) if d.exists() for f in d.iterdir())
-        g = gguf_path(e, root)
-        on_disk += g.stat().st_size if g.exists() else 0
+        converted = converted_path(e.sha256, root)
+        files = [*(converted.iterdir() if converted.exists() else []), gguf_path(e, root)]
+        on_disk = sum(f.stat().st_size for f in files if f.exists())
         print(f"{name:<20} {'yes' if is_pulled(name, root) else 'no':<7} {e.size / 1e6:>8.0f} {on_disk / 1e6:>11.0f}  {e.description}")
     return 0
 

@@ -51,7 +51,7 @@ class Model:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
             )
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
+            if hasattr(ids, "keys"):  # a BatchEncoding
                 ids = ids["input_ids"]
             return list(ids)
         return list(self.tokenizer(text)["input_ids"])

@@ -155,30 +155,36 @@ def test_sampling_draft_probability_zero_with_target_positive_is_always_accepted
         assert verify_sampling(draft, q, p, gen(seed)) == Verdict(2, 3, True)
 
 
-def test_sampling_accept_probability_is_min_one_p_over_q():
-    # p(x) = 0.2, q(x) = 0.5: accepted with probability 0.4. On rejection the recovered token comes
-    # from max(0, p - q) = [0.3, 0, 0.1, 0] / 0.4 (token 1 = x never; token 3 has p < q).
-    draft = [1]
-    q = probs([0.1, 0.5, 0.2, 0.2])
-    p = probs([0.4, 0.2, 0.3, 0.1], [0.0, 0.0, 0.0, 1.0])
+@pytest.mark.parametrize("q, p, bonus, accept, recovered", [
+    # p(x) = 0.2, q(x) = 0.5: accepted with probability 0.4; the recovered token comes from
+    # max(0, p - q) = [0.3, 0, 0.1, 0] / 0.4 (x = 1 never; token 3 has p < q).
+    (probs([0.1, 0.5, 0.2, 0.2]), probs([0.4, 0.2, 0.3, 0.1], [0.0, 0.0, 0.0, 1.0]), 3, 0.4, {0: 0.75, 2: 0.25}),
+    # Deterministic drafter (prompt lookup): q one-hot on x, so accepted with probability p(x) = 0.3;
+    # the recovered token comes from p with x removed, [0.2, 0, 0.4, 0.1] / 0.7.
+    (None, probs([0.2, 0.3, 0.4, 0.1], [0.0, 0.0, 1.0, 0.0]), 2, 0.3, {0: 2 / 7, 2: 4 / 7, 3: 1 / 7}),
+], ids=["min(1, p/q)", "one-hot q"])
+def test_sampling_accepts_with_min_one_p_over_q_and_recovers_from_the_residual(q, p, bonus, accept, recovered):
+    draft = [1]  # x
     g = gen(123)
     n = 6000
     accepted = 0
-    recovered = torch.zeros(4)
+    counts = torch.zeros(4)
     for _ in range(n):
         v = verify_sampling(draft, q, p, g)
         if v.n_accepted == 1:
-            assert v == Verdict(1, 3, True)
+            assert v == Verdict(1, bonus, True)
             accepted += 1
         else:
             assert v.n_accepted == 0 and not v.bonus and v.token != 1, v
-            recovered[v.token] += 1
-    assert within(accepted / n, 0.4, n), accepted / n
-    assert recovered[1] == 0
+            counts[v.token] += 1
+    assert within(accepted / n, accept, n), accepted / n
     r = n - accepted
-    assert recovered[3] == 0
-    for tok, expected in {0: 0.75, 2: 0.25}.items():
-        assert within(recovered[tok].item() / r, expected, r), (tok, recovered)
+    for tok in range(4):
+        expected = recovered.get(tok, 0.0)
+        if expected == 0:
+            assert counts[tok] == 0, (tok, counts)
+        else:
+            assert within(counts[tok].item() / r, expected, r), (tok, counts)
 
 
 @pytest.mark.parametrize("empty_q", [None, torch.zeros(0, 5)])
@@ -197,31 +203,6 @@ def test_sampling_empty_draft_samples_from_p0(empty_q):
     assert res.pvalue > 1e-3, (counts, res)
     for tok in range(5):
         assert within(counts[tok].item() / n, p0[0, tok].item(), n), counts
-
-
-def test_sampling_one_hot_draft_accepts_with_probability_p_and_never_recovers_x():
-    # Deterministic drafter (prompt lookup): q is one-hot on x, so accept iff r < p(x), i.e. with
-    # probability p(x) = 0.3; on rejection the recovered token comes from p with x removed,
-    # [0.2, 0, 0.4, 0.1] / 0.7.
-    draft = [1]
-    p = probs([0.2, 0.3, 0.4, 0.1], [0.0, 0.0, 1.0, 0.0])
-    g = gen(99)
-    n = 6000
-    accepted = 0
-    recovered = torch.zeros(4)
-    for _ in range(n):
-        v = verify_sampling(draft, None, p, g)
-        if v.n_accepted == 1:
-            assert v == Verdict(1, 2, True)
-            accepted += 1
-        else:
-            assert v.n_accepted == 0 and not v.bonus and v.token != 1, v
-            recovered[v.token] += 1
-    assert within(accepted / n, 0.3, n), accepted / n
-    assert recovered[1] == 0
-    r = n - accepted
-    for tok, expected in {0: 2 / 7, 2: 4 / 7, 3: 1 / 7}.items():
-        assert within(recovered[tok].item() / r, expected, r), (tok, recovered)
 
 
 def test_sampling_one_hot_draft_equals_explicit_one_hot_q():
