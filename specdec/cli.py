@@ -85,6 +85,24 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--cache-dir")
     b.set_defaults(run=_bench)
 
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /metrics")
+    sv.add_argument("--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)")
+    sv.add_argument("--drafter", default="prompt-lookup", choices=[*sorted(DRAFTERS), "none"],
+                    help="default drafter of a request that names none (default: prompt-lookup)")
+    sv.add_argument("--draft", help="draft model for the model drafter (same kinds of spec as --target)")
+    sv.add_argument("-k", default="4", help="default draft length per round; 0 = plain decoding (default 4)")
+    sv.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
+    sv.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    sv.add_argument("--port", type=int, default=8000, help="default 8000")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait while one runs; past it: 429 (default 64)")
+    sv.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
+    sv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    sv.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
+    sv.add_argument("--cache-dir")
+    sv.set_defaults(run=_serve)
+
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
     pt.add_argument("results", type=Path)
     pt.add_argument("--out", type=Path, help="folder for the PNGs (default: next to results.json)")
@@ -237,6 +255,33 @@ def _bench(args) -> int:
     pngs = plot_results(res, args.out)
     print(report)
     print(f"wrote {path}, {args.out / 'report.md'} and {len(pngs)} plots in {args.out}", file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from .serve import create_app, run_server
+
+    k = int(args.k) if args.k.strip().isdigit() else args.k.strip()
+    if isinstance(k, str) and k != "auto":
+        raise ValueError(f"-k must be a whole number >= 0 (0 = plain decoding) or auto, got {args.k!r}")
+    if args.max_queue < 1 or args.max_tokens < 0:
+        raise ValueError("--max-queue must be >= 1 and --max-tokens >= 0")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.drafter == "model" and not args.draft:
+        raise ValueError("--drafter model needs --draft MODEL (e.g. --draft qwen2.5-coder-0.5b)")
+    hf_logging.disable_progress_bar()
+    load = dict(dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
+    target = load_model(args.target, **load)
+    draft = load_model(args.draft, **load) if args.draft else None
+    app = create_app(target, args.drafter, k, draft=draft, model_name=args.served_model_name,
+                     max_queue=args.max_queue, max_tokens=args.max_tokens, max_ngram=args.max_ngram,
+                     min_ngram=args.min_ngram)
+    print(f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "
+          f"(drafter {args.drafter}, k {k}); Ctrl-C stops", file=sys.stderr)
+    run_server(app, args.host, args.port)
     return 0
 
 

@@ -1,0 +1,429 @@
+"""`specdec serve` end to end: uvicorn on loopback, spoken to with the real `openai` client (raw
+HTTP where the client cannot send what is tested), on the tiny models the tests build."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import openai
+import pytest
+import torch
+import uvicorn
+from openai import AsyncOpenAI, OpenAI
+
+from specdec import cli
+from specdec.cli import TextStreamer, main
+from specdec.drafters import Draft, PromptLookup
+from specdec.engine import generate
+from specdec.errors import TokenizerMismatchError
+from specdec.models import load_model
+from specdec.serve import create_app
+
+from .conftest import VOCAB, make_model, make_tokenizer
+
+# A chat template for the tiny word-level tokenizer, whose words are w0..w60.
+CHAT_TEMPLATE = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+                 "{% if add_generation_prompt %}w3{% endif %}")
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serve app with uvicorn on a free loopback port in a thread; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def wait_for(condition, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def raw_post(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", path, body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def words(seed: int, n: int = 8) -> str:
+    """A prompt of tiny-tokenizer words with a repeated phrase (prompt lookup finds matches)."""
+    ids = torch.randint(3, VOCAB, (n // 2,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return " ".join(f"w{i - 3}" for i in ids + ids)
+
+
+def chat_ids(model, messages) -> list[int]:
+    ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir):
+    """The tiny Llama loaded the way `specdec generate --target DIR` loads it, with a chat template."""
+    model = load_model(str(model_dir))
+    model.tokenizer.chat_template = CHAT_TEMPLATE
+    return model
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny", max_queue=64, max_tokens=16)
+    with running(app) as url:
+        yield url
+
+
+def greedy(model, ids, max_new, k=3, drafter="lookup", stop=()):
+    return generate(model, ids, PromptLookup(3) if drafter == "lookup" else None, k=k,
+                    max_new_tokens=max_new, temperature=0.0, stop=list(stop))
+
+
+# ---- completions and chat ---------------------------------------------------------------------
+
+def test_completion_equals_specdec_generate(served, tiny, model_dir, capsys, monkeypatch):
+    prompt = "w1 w2 w3 w4 w5 w1 w2 w3"
+    r = client(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                          extra_body={"k": 3})
+    # TextStreamer's default `out` is the sys.stdout of import time; point it at capsys's.
+    monkeypatch.setattr(cli, "TextStreamer", lambda tok, stop: TextStreamer(tok, stop, out=sys.stdout))
+    assert main(["generate", prompt, "--target", str(model_dir), "-k", "3", "--max-new-tokens", "24"]) == 0
+    assert r.choices[0].text == capsys.readouterr().out.split("\n\n--- ")[0]
+    ref = greedy(tiny, tiny.encode(prompt), 24)
+    assert r.choices[0].finish_reason == ("length" if ref.stats.stop_reason == "length" else "stop")
+    assert r.object == "text_completion" and r.model == "tiny"
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (8, len(ref.tokens), 8 + len(ref.tokens))
+    spec = u.model_extra["speculative"]
+    assert spec["k"] == 3 and spec["drafter"] == "prompt-lookup"
+    assert (spec["rounds"], spec["drafted"], spec["accepted"]) == (ref.stats.rounds, ref.stats.drafted, ref.stats.accepted)
+    assert spec["acceptance_per_position"] == pytest.approx(ref.stats.acceptance_per_position)
+    assert spec["mean_accepted_length"] == pytest.approx(ref.stats.tau)
+    assert spec["tokens_per_s"] > 0
+
+
+def test_completion_stream_with_stop_string_and_usage(served, tiny):
+    prompt = words(3)
+    ids = tiny.encode(prompt)
+    full = greedy(tiny, ids, 16).text.split()
+    assert len(full) >= 6, "the tiny model should not stop this early"
+    stop = full[4]  # cuts the output inside: the streamed text must hold it back
+    ref = greedy(tiny, ids, 16, stop=[stop])
+    chunks = list(client(served).completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                    stop=stop, stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == ref.text
+    assert stop not in ref.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "stop"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.tokens)
+    assert chunks[-1].usage.model_extra["speculative"]["accepted"] == ref.stats.accepted
+
+
+def test_chat_plain_and_stream(served, tiny):
+    messages = [{"role": "system", "content": "w9 w8"}, {"role": "user", "content": "w4 w5 w6 w4 w5"}]
+    ref = greedy(tiny, chat_ids(tiny, messages), 12)
+    c = client(served)
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(chat_ids(tiny, messages)) and r.usage.completion_tokens == len(ref.tokens)
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    # Content given as parts reads the same as a string.
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "w4 w5 w6 w4 w5"}]}]
+    assert c.chat.completions.create(model="tiny", messages=parts, max_tokens=12, temperature=0).choices[0].message.content == ref.text
+
+
+def test_drafter_and_k_per_request(served, tiny):
+    prompt = words(5)
+    ref = greedy(tiny, tiny.encode(prompt), 16)
+    c = client(served)
+    plain = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"drafter": "none"})
+    spec = plain.usage.model_extra["speculative"]
+    assert plain.choices[0].text == ref.text  # speculation does not change greedy output
+    assert spec["drafter"] == "none" and spec["k"] == 0 and spec["drafted"] == 0
+    assert spec["rounds"] == plain.usage.completion_tokens
+    k1 = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"k": 1})
+    assert k1.choices[0].text == ref.text
+    assert k1.usage.model_extra["speculative"]["k"] == 1
+    assert len(k1.usage.model_extra["speculative"]["acceptance_per_position"]) <= 1
+
+
+def test_a_draft_model_per_request(tiny):
+    draft = make_model("llama", seed=7)  # the same word-level vocabulary as the tiny target
+    prompt = words(8)
+    ref = greedy(tiny, tiny.encode(prompt), 12, drafter=None, k=0)
+    with running(create_app(tiny, "none", 2, draft=draft, model_name="tiny")) as url:
+        c = client(url)
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"drafter": "model"})
+        assert r.choices[0].text == ref.text
+        spec = r.usage.model_extra["speculative"]
+        assert spec["drafter"] == "model" and spec["drafted"] > 0
+        default = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert default.usage.model_extra["speculative"]["drafter"] == "none"
+    other = make_model("llama", seed=7, tokenizer=make_tokenizer([f"x{i}" for i in range(VOCAB - 3)]))
+    with pytest.raises(TokenizerMismatchError):
+        create_app(tiny, "model", draft=other)
+
+
+def test_sampling_with_a_seed_is_reproducible(served):
+    c = client(served)
+    runs = [c.completions.create(model="tiny", prompt=words(6), max_tokens=12, temperature=1.0, top_p=0.9,
+                                 seed=s, extra_body={"top_k": 20}).choices[0].text for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+
+
+def test_50_concurrent_streams_each_equal_their_solo_greedy_output(served, tiny):
+    prompts = [words(100 + i, n=6 + i % 5) for i in range(50)]
+    expected = [greedy(tiny, tiny.encode(p), 10) for p in prompts]
+    assert len({e.text for e in expected}) > 10  # distinct outputs, so a mix-up would show
+
+    async def one(c: AsyncOpenAI, prompt: str):
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices), {ch.id for ch in chunks}, chunks[-1].usage
+
+    async def all_of_them():
+        async with AsyncOpenAI(base_url=served + "/v1", api_key="x", max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 50
+    for (text, ids, usage), ref in zip(results, expected):
+        assert text == ref.text and usage.completion_tokens == len(ref.tokens)
+        assert len(ids) == 1
+    assert len({next(iter(ids)) for _, ids, _ in results}) == 50
+    assert metrics(served)["specdec_queue_depth"] == 0
+
+
+# ---- the queue: 429 and cancellation ----------------------------------------------------------
+
+class GateDrafter:
+    """Blocks in propose() until released, so the worker stays busy for as long as a test needs."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def prepare(self, target):
+        pass
+
+    def propose(self, context, k, sampler):
+        self.entered.set()
+        assert self.release.wait(30)
+        return Draft([])
+
+
+class SlowDrafter:
+    """Proposes nothing, slowly: a full 80-token run takes about 4 s."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def prepare(self, target):
+        pass
+
+    def propose(self, context, k, sampler):
+        self.calls += 1
+        time.sleep(0.05)
+        return Draft([])
+
+
+def test_full_queue_answers_429_and_the_queue_drains():
+    gate = GateDrafter()
+    model = make_model("llama", seed=1)  # never stops on EOS
+    app = create_app(model, "gate", 2, drafters={"gate": gate}, model_name="tiny", max_queue=2, max_tokens=4)
+    with running(app) as url, ThreadPoolExecutor(3) as pool:
+        c = client(url)
+        ask = lambda: c.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=4, temperature=0)  # noqa: E731
+        first = pool.submit(ask)
+        assert gate.entered.wait(15)
+        queued = [pool.submit(ask), pool.submit(ask)]
+        wait_for(lambda: metrics(url)["specdec_queue_depth"] == 2, what="two queued requests")
+        with pytest.raises(openai.RateLimitError) as e:
+            ask()
+        assert e.value.status_code == 429 and "busy" in e.value.message
+        assert metrics(url)['specdec_requests_total{outcome="rejected"}'] == 1
+        gate.release.set()
+        for f in [first, *queued]:
+            assert f.result(timeout=30).usage.completion_tokens == 4
+        m = metrics(url)
+        assert m['specdec_requests_total{outcome="completed"}'] == 3 and m["specdec_queue_depth"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels_its_generation(stream):
+    slow = SlowDrafter()
+    model = make_model("llama", seed=1)
+    app = create_app(model, "slow", 1, drafters={"slow": slow}, model_name="tiny", max_tokens=80)
+    with running(app) as url:
+        u = urlparse(url)
+        body = json.dumps({"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 80, "temperature": 0, "stream": stream})
+        sock = socket.create_connection((u.hostname, u.port), timeout=10)
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        if stream:
+            received = b""
+            while b"data: " not in received:  # generation is under way
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the stream"
+                received += chunk
+        else:
+            wait_for(lambda: slow.calls >= 3, what="generation to start")
+        sock.close()
+        wait_for(lambda: metrics(url)['specdec_requests_total{outcome="cancelled"}'] == 1, what="the cancellation")
+        assert slow.calls < 60  # stopped long before its 80 tokens
+        m = metrics(url)
+        assert m['specdec_requests_total{outcome="completed"}'] == 0 and m["specdec_requests_running"] == 0
+        # The worker is free again.
+        r = client(url).completions.create(model="tiny", prompt="w1", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+
+
+# ---- bad requests -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+    ({"max_tokens": "lots"}, "max_tokens", "integer"),
+    ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"k": -1}, "k", "k (draft length) must be >= 0"),
+    ({"k": "bogus"}, "k", "'bogus'"),
+    ({"k": 2.5}, "k", "expected an integer >= 0"),
+    ({"stop": 3}, "stop", "expected a string or a list of strings"),
+    ({"drafter": "nope"}, "drafter", "this server has: prompt-lookup"),
+    ({"drafter": "model"}, "drafter", "--draft MODEL"),
+    ({"n": 2}, "n", "send n separate requests"),
+    ({"prompt": ["w1", "w2"]}, "prompt", "one prompt per request"),
+    ({"prompt": [1, 2, 10_000]}, "prompt", "outside the model's vocabulary"),
+    ({"prompt": ""}, "prompt", "the prompt is empty"),
+    ({"prompt": None}, "prompt", "prompt"),
+    ({"seed": 2**70}, "seed", "seed"),
+])
+def test_bad_parameters_get_400_with_a_clear_message(served, body, param, needle):
+    status, err = raw_post(served, "/v1/completions",
+                           json.dumps({"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, **body}).encode())
+    assert status == 400, err
+    assert needle in err["error"]["message"]
+    assert err["error"]["type"] == "invalid_request_error"
+    if param:
+        assert err["error"]["param"] == param
+
+
+def test_malformed_requests_never_crash_the_server(served, tiny):
+    before = metrics(served)['specdec_requests_total{outcome="invalid"}']
+    status, err = raw_post(served, "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert status == 400 and "not valid JSON" in err["error"]["message"] and err["error"]["code"] == "invalid_json"
+    status, err = raw_post(served, "/v1/chat/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in err["error"]["message"]
+    status, err = raw_post(served, "/v1/chat/completions", json.dumps({"model": "tiny", "messages": []}).encode())
+    assert status == 400 and err["error"]["param"] == "messages"
+    status, err = raw_post(served, "/v1/nothing", b"{}")
+    assert status == 404 and "/v1/completions" in err["error"]["message"]
+    c = client(served)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="w1", max_tokens=2)
+    assert "'tiny'" in e.value.message and e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt=" ".join(["w1"] * 200), max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and f"holds {tiny.n_ctx}" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": " ".join(["w1"] * 200)}])
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert metrics(served)['specdec_requests_total{outcome="invalid"}'] >= before + 6
+    # Still serving.
+    assert json.loads(urllib.request.urlopen(served + "/health", timeout=10).read())["status"] == "ok"
+    assert c.completions.create(model="tiny", prompt="w1 w2", max_tokens=2, temperature=0).usage.completion_tokens >= 1
+
+
+def test_a_model_without_a_chat_template_says_so():
+    app = create_app(make_model("llama", seed=1), model_name="plain")
+    with running(app) as url:
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).chat.completions.create(model="plain", messages=[{"role": "user", "content": "w1"}])
+        assert "no chat template" in e.value.message and "/v1/completions" in e.value.message
+
+
+def test_bad_server_options_are_refused(tiny, capsys):
+    with pytest.raises(ValueError, match="unknown drafter 'model'.*--draft MODEL"):
+        create_app(tiny, "model")
+    with pytest.raises(ValueError, match="max_queue"):
+        create_app(tiny, max_queue=0)
+    assert main(["serve", "-k", "-1"]) == 2
+    assert "-k must be a whole number" in capsys.readouterr().err
+
+
+# ---- models, health, metrics ------------------------------------------------------------------
+
+def test_models_and_health(served, tiny):
+    models = client(served).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].model_extra["max_model_len"] == tiny.n_ctx
+    health = json.loads(urllib.request.urlopen(served + "/health", timeout=10).read())
+    assert health == {"status": "ok", "model": "tiny", "queue_depth": 0, "running": 0}
+
+
+def test_metrics_count_one_request_exactly(tiny):
+    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny")
+    prompt = "w1 w2 w3 w4 w5 w1 w2 w3 w4"
+    ref = greedy(tiny, tiny.encode(prompt), 20)
+    with running(app) as url:
+        r = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        m = metrics(url)
+    for name in ["specdec_drafts_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
+                 "specdec_acceptance_rate_by_position", "specdec_request_latency_seconds", "specdec_queue_depth"]:
+        assert f"# TYPE {name} " in text
+    s = ref.stats
+    assert s.drafted > 0 and s.accepted > 0  # the prompt repeats: prompt lookup drafts and hits
+    assert m["specdec_draft_tokens_total"] == s.drafted == r.usage.model_extra["speculative"]["drafted"]
+    assert m["specdec_accepted_tokens_total"] == s.accepted
+    assert m["specdec_drafts_total"] == s.drafted_at[0]
+    assert m["specdec_rounds_total"] == s.rounds
+    assert m["specdec_generation_tokens_total"] == r.usage.completion_tokens == len(ref.tokens)
+    assert m["specdec_prompt_tokens_total"] == 9
+    for i, (d, a) in enumerate(zip(s.drafted_at, s.accepted_at)):
+        assert m[f'specdec_draft_tokens_by_position_total{{position="{i}"}}'] == d
+        assert m[f'specdec_accepted_tokens_by_position_total{{position="{i}"}}'] == a
+        assert m[f'specdec_acceptance_rate_by_position{{position="{i}"}}'] == pytest.approx(a / d)
+    assert m['specdec_requests_total{outcome="completed"}'] == 1
+    assert m["specdec_request_latency_seconds_count"] == 1
+    assert m['specdec_request_latency_seconds_bucket{le="+Inf"}'] == 1
+    assert 0 < m["specdec_request_latency_seconds_sum"] < 60
+    assert m["specdec_queue_depth"] == 0 and m["specdec_queue_capacity"] == 64
