@@ -511,10 +511,12 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
 
     drafter: the default drafter of a request that names none: a name in specdec.DRAFTERS
     ("prompt-lookup" uses max_ngram and min_ngram; "model" needs `draft`, a model sharing the
-    target's tokenizer), a key of `drafters`, or None / "none" for plain decoding. k: the default draft length. drafters: extra
-    named drafter objects requests may choose (they override built-in names). model_name: the id
-    clients send as "model" (default: target.name). max_queue: requests that may wait while one
-    runs; past it the server answers 429. max_tokens: the default of a request's max_tokens.
+    target's tokenizer), a key of `drafters`, or None / "none" for plain decoding. k: the default
+    draft length. drafters: extra named drafter objects requests may choose (they override
+    built-in names). model_name: the id clients send as "model" (default: target.name).
+    max_queue: requests that may wait while one runs; past it the server answers 429.
+    max_tokens: the default of a request's max_tokens. The app starts its worker thread on
+    startup (its lifespan) and cancels what is left on shutdown.
 
     Raises ValueError on a bad default (unknown drafter, negative k, max_queue < 1, ...), and
     TokenizerMismatchError when `draft` does not share the target's tokenizer.
