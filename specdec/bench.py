@@ -54,7 +54,8 @@ class Pair:
 
     @classmethod
     def parse(cls, text: str) -> "Pair":
-        """`target[:drafter[:draft]]`, e.g. `qwen2.5-coder-1.5b:model:qwen2.5-coder-0.5b`."""
+        """`target[:drafter[:draft]]`, e.g. `qwen2.5-coder-1.5b:model:qwen2.5-coder-0.5b`; for
+        `layer-skip` the third part is the layers to keep, e.g. `smollm2-135m:layer-skip:0-9,12`."""
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or (len(parts) > 1 and parts[1] == "model" and len(parts) != 3):
             raise ValueError(f"--pair {text!r}: use TARGET[:DRAFTER[:DRAFT]], DRAFT required for the model drafter")
@@ -150,8 +151,11 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
                peers: list[str], workload: str, peer_k: int = 4, progress: bool = True, **load_kwargs) -> dict:
     """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results)."""
     target = load_model(pair.target, **load_kwargs)
-    draft_model = load_model(pair.draft, **load_kwargs) if pair.draft else None
-    drafter = make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
+    draft_model = load_model(pair.draft, **load_kwargs) if pair.draft and pair.drafter == "model" else None
+    if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
+        drafter = make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
+    else:
+        drafter = make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
     encoded = [_encode(target, p) for p in prompts]
     run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
 

@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-k", type=int, default=4, help="draft length per round; 0 = plain decoding (default 4)")
     g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
     g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
+    g.add_argument("--min-match", type=int, default=1, help="suffix: propose nothing below this match length (default 1)")
+    g.add_argument("--layers", help="layer-skip: decoder layers to keep, e.g. 0-9,12 (default: the stored `specdec calibrate-skip` choice)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -103,6 +105,18 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--cache-dir")
     sv.set_defaults(run=_serve)
 
+    cs = sub.add_parser("calibrate-skip", help="choose the decoder layers a layer-skip draft keeps, and store them")
+    cs.add_argument("--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)")
+    cs.add_argument("-k", type=int, default=4, help="draft length the speed-up estimate assumes (default 4)")
+    cs.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per calibration prompt (default 32)")
+    cs.add_argument("--max-keep", type=int, help="keep at most this many layers (default: all but one)")
+    cs.add_argument("--beam", type=int, default=4, help="layers re-tried per step after the first; 0 = all (default 4)")
+    cs.add_argument("--verify-ratio", type=float, help="cost of verifying k+1 tokens over one (default: timed)")
+    cs.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    cs.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
+    cs.add_argument("--cache-dir")
+    cs.set_defaults(run=_calibrate_skip)
+
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
     pt.add_argument("results", type=Path)
     pt.add_argument("--out", type=Path, help="folder for the PNGs (default: next to results.json)")
@@ -153,6 +167,10 @@ def _generate(args) -> int:
     target = load_model(args.target, **load)
     if args.drafter == "model":
         drafter = make_drafter("model", draft=load_model(args.draft, **load))
+    elif args.drafter == "suffix":
+        drafter = make_drafter("suffix", min_match=args.min_match)
+    elif args.drafter == "layer-skip":
+        drafter = make_drafter("layer-skip", layers=args.layers, cache=args.cache_dir)
     else:
         drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
     ids = target.encode(prompt, chat=args.chat)
@@ -282,6 +300,22 @@ def _serve(args) -> int:
     print(f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "
           f"(drafter {args.drafter}, k {k}); Ctrl-C stops", file=sys.stderr)
     run_server(app, args.host, args.port)
+    return 0
+
+
+def _calibrate_skip(args) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from .calibrate import calibrate_skip, save_skip_layers
+
+    hf_logging.disable_progress_bar()
+    target = load_model(args.target, dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
+    res = calibrate_skip(target, k=args.k, max_new_tokens=args.max_new_tokens, beam=args.beam, max_keep=args.max_keep,
+                         verify_ratio=args.verify_ratio, progress=lambda line: print(line, file=sys.stderr))
+    path = save_skip_layers(res, args.cache_dir)
+    print(f"keep {len(res['layers'])} of {res['n_layers']} layers: {','.join(map(str, res['layers']))}")
+    print(f"tau {res['tau']:.2f} at k {res['k']}, draft cost {res['draft_cost']:.2f}, verify ratio "
+          f"{res['verify_ratio']:.2f}, estimated speed-up {res['est_speedup']:.2f}x; wrote {path}")
     return 0
 
 

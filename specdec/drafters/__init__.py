@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Callable
 
 from .base import Draft, Drafter
+from .layerskip import LayerSkipDrafter
 from .lookup import PromptLookup
 from .model import ModelDrafter
+from .suffix import SuffixDrafter
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "prompt-lookup": PromptLookup,
     "model": ModelDrafter,
+    "suffix": SuffixDrafter,
+    "layer-skip": LayerSkipDrafter,
 }
 
 
@@ -23,4 +27,5 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     return DRAFTERS[name](**kwargs)
 
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "ModelDrafter", "PromptLookup", "make_drafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "LayerSkipDrafter", "ModelDrafter", "PromptLookup", "SuffixDrafter",
+           "make_drafter"]

@@ -1,0 +1,232 @@
+"""Choosing which decoder layers a layer-skip draft keeps (`specdec calibrate-skip`).
+
+The search is a greedy one (Draft & Verify, Zhang et al. 2023, searches the same space with Bayesian
+optimisation) made cheap: starting from all layers, drop one layer at a time, each time the one
+whose removal keeps the draft's acceptance highest, down to max_keep layers and on while that
+improves the estimated speed-up; then keep the point of that path, among those with at most
+max_keep layers, with the best estimated speed-up.
+
+Acceptance is measured without running speculative decoding. With greedy verification a round
+accepts drafted tokens exactly as long as the draft's argmax agrees with the target's next token
+(while every earlier one was accepted the draft saw the true prefix), so one teacher-forced
+forward of the draft over prompt + the target's own greedy output gives, per position, whether a
+draft there is right, and from that τ (mean accepted length, bonus included) for draft length k
+follows exactly. Candidates reuse the hidden states of the layers before the removed one.
+
+The estimated speed-up per round is τ / (k·c + v): c is the draft's cost per token relative to the
+target (kept decoder parameters plus the output layer, over the target's: decoding at batch 1 is
+memory-bound), v the target's cost to verify k+1 tokens relative to one (timed here, or given).
+
+The prompts are the package's own (specdec/data/calibration_prompts.jsonl), not a benchmark's. The
+chosen layers are written atomically to <cache>/layer-skip/<model>.json, which LayerSkipDrafter
+reads by model name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .cache import KVCache
+from .drafters.layerskip import _build_view, decoder_layers, parse_layers
+from .engine import generate
+from .models import Model
+from .weights import cache_dir
+
+SCHEMA = "specdec.layer-skip/1"
+
+
+def calibration_prompts() -> list[str]:
+    """The packaged calibration prompts (12 short texts over Spec-Bench-like task kinds)."""
+    text = resources.files("specdec").joinpath("data/calibration_prompts.jsonl").read_text()
+    return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
+
+
+def skip_file(model_name: str, cache=None) -> Path:
+    """Where the calibration of `model_name` (a registry name, path or hub id) is stored."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("._") or "model"
+    if safe != model_name:  # a path or hub id: keep distinct names distinct
+        safe += "-" + hashlib.sha256(model_name.encode()).hexdigest()[:8]
+    return cache_dir(cache) / "layer-skip" / f"{safe}.json"
+
+
+def save_skip_layers(result: dict, cache=None) -> Path:
+    """Write a calibration result (as calibrate_skip returns it) atomically: to a temporary file in
+    the same folder, then renamed, so a reader never sees a partial file. Returns the path."""
+    path = skip_file(result["model"], cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_skip_layers(target: Model, cache=None) -> list[int]:
+    """The layers stored for `target` by `specdec calibrate-skip`. Raises ValueError, saying what
+    to run, when there is none or it was made for a model with a different number of layers."""
+    path = skip_file(target.name, cache)
+    total = len(decoder_layers(target.hf))
+    if not path.is_file():
+        raise ValueError(f"no layer-skip calibration for {target.name!r} ({path} is missing): run "
+                         f"`specdec calibrate-skip --target {target.name}`, or give the layers to keep "
+                         "(--layers 0,1,2,... / layers=[...])")
+    data = json.loads(path.read_text())
+    if data.get("schema") != SCHEMA or data.get("n_layers") != total:
+        raise ValueError(f"{path} does not describe {target.name!r} ({total} decoder layers): run "
+                         f"`specdec calibrate-skip --target {target.name}` again")
+    return parse_layers(data["layers"], total)
+
+
+def simulated_tau(matches: list[bool], k: int) -> tuple[int, int]:
+    """Rounds and accepted tokens of greedy speculative decoding with draft length k over one
+    output, given whether the draft's token at each output position would be right.
+
+    matches: (n,) for the n output tokens. Each round drafts min(k, tokens left - 1), accepts the
+    leading right ones and commits one more, as specdec.engine does; τ = n / rounds."""
+    n, i, rounds, accepted = len(matches), 0, 0, 0
+    while i < n:
+        kk = min(k, n - i - 1)
+        a = 0
+        while a < kk and matches[i + a]:
+            a += 1
+        rounds, accepted, i = rounds + 1, accepted + a, i + a + 1
+    return rounds, accepted
+
+
+@torch.inference_mode()
+def _run_from(view: Model, inputs: torch.Tensor, n_out: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Run the view's layers on hidden states `inputs` (1, T, H): its argmax (n_out,) over the last
+    n_out positions, and the hidden state entering each of its layers."""
+    out = view.hf(inputs_embeds=inputs, use_cache=False, output_hidden_states=True, logits_to_keep=n_out)
+    return out.logits[0].argmax(-1), list(out.hidden_states[: len(view.hf.model.layers)])
+
+
+def draft_cost_ratio(target: Model, kept: list[int]) -> float:
+    """c: the draft's cost per token relative to the target's, by parameter count (kept decoder
+    layers plus the output layer, over all layers plus the output layer)."""
+    size = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(target.hf)]
+    head = target.hf.get_output_embeddings().weight.numel()
+    return (sum(size[i] for i in kept) + head) / (sum(size) + head)
+
+
+def verify_cost_ratio(target: Model, k: int, context: list[int], repeats: int = 7) -> float:
+    """v: the target's time to score k+1 tokens over its time for one, on a KV cache holding
+    `context` (medians, the two timed alternately)."""
+    kv = KVCache(target)
+    kv.extend(context, all_logits=False)
+    n = len(kv)
+    times: dict[int, list[float]] = {1: [], k + 1: []}
+    for i in range(repeats + 1):  # the first pass warms up
+        for width in times:
+            start = time.perf_counter()
+            kv.extend(context[:width])
+            if i:
+                times[width].append(time.perf_counter() - start)
+            kv.rollback(n)
+    return statistics.median(times[k + 1]) / statistics.median(times[1])
+
+
+def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, max_new_tokens: int = 32,
+                   beam: int = 4, max_keep: int | None = None, patience: int = 3, verify_ratio: float | None = None,
+                   chat: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+    """Pick the decoder layers a layer-skip draft of `target` keeps; see the module docstring.
+
+    prompts: texts (default: the packaged calibration prompts), wrapped in the chat template when
+    chat and the model has one. k: draft length the estimate assumes. max_new_tokens: length of
+    the target's greedy output per prompt that acceptance is measured on. beam: after the first
+    step (which tries every layer), try only the `beam` layers whose removal scored best when
+    last tried (0: every layer at every step, the exact greedy search, about L/beam times slower).
+    max_keep: the choice keeps at most this many of the L layers (default L - 1; Draft & Verify
+    skips about half the layers of 13B models, but on a small model each layer matters more and
+    the output layer alone is a large share of a step, see the README).
+    patience: once within max_keep layers, stop after this many steps without a better estimate.
+    verify_ratio: v, else timed. progress: called with a line per step.
+
+    Returns a dict (schema specdec.layer-skip/1): model, n_layers, layers (the choice), tau,
+    est_speedup, draft_cost, verify_ratio, k, the settings, and `path`: every step's layers, τ
+    and estimated speed-up. Raises ValueError on k < 1, max_new_tokens < 2, beam < 0, patience < 1,
+    max_keep outside 1..L-1, or no prompts.
+    """
+    n_layers = len(decoder_layers(target.hf))
+    max_keep = n_layers - 1 if max_keep is None else max_keep
+    if k < 1 or max_new_tokens < 2 or beam < 0 or patience < 1 or not 1 <= max_keep < n_layers:
+        raise ValueError(f"need k >= 1, max_new_tokens >= 2, beam >= 0, patience >= 1 and 1 <= max_keep < {n_layers} "
+                         f"(the layers); got k={k}, max_new_tokens={max_new_tokens}, beam={beam}, patience={patience}, "
+                         f"max_keep={max_keep}")
+    prompts = calibration_prompts() if prompts is None else list(prompts)
+    if not prompts:
+        raise ValueError("no calibration prompts")
+    say = progress or (lambda line: None)
+    use_chat = chat and bool(getattr(target.tokenizer, "chat_template", None))
+    started = time.perf_counter()
+
+    # The target's own greedy outputs: what a draft has to agree with.
+    seqs = []  # (ids (1, T) = prompt + output[:-1], output (n,))
+    for text in prompts:
+        ids = target.encode(text, chat=use_chat)
+        out = generate(target, ids, None, max_new_tokens=max_new_tokens).tokens
+        if len(out) >= 2:
+            seqs.append((torch.tensor([ids + out[:-1]]), torch.tensor(out)))
+    if not seqs:
+        raise ValueError("the target ended every calibration prompt at once: nothing to measure on")
+    say(f"reference outputs: {len(seqs)} prompts, {sum(len(o) for _, o in seqs)} tokens "
+        f"({time.perf_counter() - started:.0f} s)")
+    v = verify_ratio if verify_ratio is not None else verify_cost_ratio(target, k, seqs[0][0][0].tolist())
+
+    def tau_of(matches: list[list[bool]]) -> float:
+        return sum(len(m) for m in matches) / sum(simulated_tau(m, k)[0] for m in matches)
+
+    def point(kept: list[int], tau: float) -> dict:
+        c = draft_cost_ratio(target, kept)
+        return {"layers": list(kept), "tau": tau, "est_speedup": tau / (k * c + v), "draft_cost": c}
+
+    kept = list(range(n_layers))
+    path = [point(kept, tau_of([[True] * len(out) for _, out in seqs]))]
+    with torch.inference_mode():  # per prompt: the hidden state entering each kept layer
+        embed = target.hf.get_input_embeddings()
+        inputs = [_run_from(_build_view(target, kept), embed(ids), 1)[1] for ids, _ in seqs]
+    last_tau: dict[int, float] = {}  # layer -> τ when it was last tried for removal
+    best_est, stale = float("-inf"), 0  # best estimate within max_keep, steps since it improved
+    while len(kept) > 1 and stale < patience:
+        tried = kept if beam == 0 or not last_tau else sorted(kept, key=lambda j: -last_tau[j])[:beam]
+        best = None
+        for j in tried:
+            i = kept.index(j)
+            rest = _build_view(target, kept[i + 1:])  # the layers after j, fed the state entering j
+            runs = [_run_from(rest, hs[i], len(out)) for hs, (_, out) in zip(inputs, seqs)]
+            last_tau[j] = tau_of([(pred == out).tolist() for (pred, _), (_, out) in zip(runs, seqs)])
+            if best is None or last_tau[j] > last_tau[best[0]]:
+                best = (j, [hs[:i] + after for hs, (_, after) in zip(inputs, runs)])
+        drop, inputs = best
+        kept = [j for j in kept if j != drop]
+        path.append(point(kept, last_tau.pop(drop)))
+        if len(kept) <= max_keep:
+            stale = 0 if path[-1]["est_speedup"] > best_est else stale + 1
+            best_est = max(best_est, path[-1]["est_speedup"])
+        say(f"drop layer {drop:>3}: {len(kept):>3} left, tau {path[-1]['tau']:.2f}, "
+            f"est. speed-up {path[-1]['est_speedup']:.2f}x ({time.perf_counter() - started:.0f} s)")
+    allowed = [p for p in path if len(p["layers"]) <= max_keep]
+    best = max(allowed, key=lambda p: p["est_speedup"])
+    return {"schema": SCHEMA, "model": target.name, "n_layers": n_layers, "layers": best["layers"],
+            "tau": best["tau"], "est_speedup": best["est_speedup"], "draft_cost": best["draft_cost"],
+            "verify_ratio": v, "k": k, "max_new_tokens": max_new_tokens, "prompts": len(seqs), "beam": beam, "max_keep": max_keep,
+            "patience": patience,
+            "chat": use_chat, "seconds": time.perf_counter() - started,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "path": path}

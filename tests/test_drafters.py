@@ -1,0 +1,288 @@
+"""The suffix drafter (a suffix automaton over the context and a corpus) and the layer-skip drafter
+(the target with some decoder layers skipped), and its calibration."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import generate, make_drafter
+from specdec.calibrate import (_run_from, calibrate_skip, load_skip_layers, save_skip_layers,
+                               simulated_tau, skip_file)
+from specdec.cli import main
+from specdec.drafters.layerskip import LayerSkipDrafter, parse_layers, skip_view
+from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter
+from specdec.sampling import Sampler, SamplingParams
+
+from .conftest import VOCAB, make_model, prompt_ids
+
+N_NEW = 40
+GREEDY = Sampler(SamplingParams())
+sequences = st.lists(st.integers(0, 3), min_size=1, max_size=60)
+
+
+# ---- the suffix automaton against brute force ---------------------------------------------------
+
+def brute_repeat(seq: list[int]) -> tuple[int, int, int]:
+    """(length, end of the most recent earlier occurrence, occurrences) of the longest suffix of
+    seq that also ends earlier in it, by trying every length."""
+    n = len(seq)
+    for length in range(n - 1, 0, -1):
+        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1: e + 1] == seq[n - length:]]
+        if ends:
+            return length, ends[-1], len(ends) + 1
+    return 0, -1, 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequences)
+def test_longest_repeat_matches_brute_force(seq):
+    sam = SuffixAutomaton()
+    for i, token in enumerate(seq):
+        sam.extend([token])
+        length, state, end = sam.longest_repeat()
+        want_length, want_end, want_count = brute_repeat(seq[: i + 1])
+        assert (length, end) == (want_length, want_end), seq[: i + 1]
+        if length:
+            assert sam.count[state] == want_count
+
+
+@settings(max_examples=100, deadline=None)
+@given(sequences, st.lists(st.integers(0, 3), max_size=30))
+def test_matching_statistics_match_brute_force(corpus, text):
+    """step() tracks the longest suffix of another text that occurs anywhere in the sequence."""
+    sam = SuffixAutomaton()
+    sam.extend(corpus)
+    state, matched = 0, 0
+    for i, token in enumerate(text):
+        state, matched = sam.step(state, matched, token)
+        seen = text[: i + 1]
+        want = max((n for n in range(len(seen) + 1)
+                    if any(corpus[s: s + n] == seen[len(seen) - n:] for s in range(len(corpus) - n + 1))), default=0)
+        assert matched == want
+        if matched:  # the state's recorded occurrence really ends with the matched text
+            end = sam.recent[state]
+            assert corpus[end - matched + 1: end + 1] == seen[len(seen) - matched:]
+
+
+def test_separators_stop_matches_and_drafts():
+    sam = SuffixAutomaton()
+    sam.extend([5, 6, 7])
+    sam.add_separator()
+    sam.extend([5, 6])
+    length, _, end = sam.longest_repeat()
+    assert (length, end) == (2, 1)
+    assert sam.continuation(end, 4) == [7]  # stops at the separator after 7
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixAutomaton(max_depth=0)
+
+
+def test_capped_statistics_stay_real_occurrences():
+    """With the statistics walk capped, a long repetition still yields genuine earlier matches."""
+    seq = [1, 2] * 40 + [3] + [1, 2] * 5
+    sam = SuffixAutomaton(max_depth=2)
+    sam.extend(seq)
+    length, _, end = sam.longest_repeat()
+    assert length == brute_repeat(seq)[0]
+    assert seq[end - length + 1: end + 1] == seq[len(seq) - length:] and end < len(seq) - 1
+
+
+# ---- the suffix drafter -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("frequent", [True, False])
+def test_drafter_proposes_the_longest_matchs_continuation(frequent):
+    # "9 1 2" occurs twice: after the longer match "8 9 1 2" comes 30, after "9 1 2" alone 20.
+    context = [8, 9, 1, 2, 30, 31, 32, 9, 1, 2, 20, 21, 5, 8, 9, 1, 2]
+    assert SuffixDrafter(frequent=frequent).propose(context, 3).tokens == [30, 31, 32]
+    # Prompt lookup capped at 3 tokens takes the most recent "9 1 2" instead.
+    assert make_drafter("prompt-lookup", max_ngram=3).propose(context, 3, GREEDY).tokens == [20, 21, 5]
+
+
+@pytest.mark.parametrize("frequent", [True, False])
+def test_drafter_continues_a_repetition_past_the_end(frequent):
+    context = [4, 5, 6, 4, 5, 6, 4]
+    assert SuffixDrafter(frequent=frequent).propose(context, 7).tokens == [5, 6, 4, 5, 6, 4, 5]
+
+
+def test_min_match_and_nothing_to_match():
+    context = [1, 2, 3, 9, 2]  # only the 1-token suffix "2" occurred before
+    assert SuffixDrafter(min_match=1).propose(context, 2).tokens == [3, 9]
+    assert SuffixDrafter(min_match=2).propose(context, 2).tokens == []
+    assert SuffixDrafter().propose([1, 2, 3], 4).tokens == []
+    assert SuffixDrafter().propose(context, 0).tokens == []
+
+
+def test_frequent_continuation_prefers_the_most_common():
+    context = [1, 2, 7, 1, 2, 7, 1, 2, 8, 1, 2]  # after "1 2": 7 twice, 8 once (most recent)
+    assert SuffixDrafter(frequent=False).propose(context, 1).tokens == [8]
+    assert SuffixDrafter().propose(context, 1).tokens == [7]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=2, max_size=80), st.lists(st.integers(1, 6), min_size=1, max_size=20),
+       st.booleans())
+def test_incremental_equals_rebuild(seq, steps, frequent):
+    """The drafter extended round by round proposes what a fresh one built on the whole context does."""
+    drafter = SuffixDrafter(frequent=frequent, corpus=[seq[::-1]])
+    end = 1
+    for step in steps:
+        end = min(end + step, len(seq))
+        fresh = SuffixDrafter(frequent=frequent, corpus=[seq[::-1]]).propose(seq[:end], 4)
+        assert drafter.propose(seq[:end], 4).tokens == fresh.tokens
+    assert drafter.ctx.tokens == seq[:end]  # extended, never rebuilt past what it saw
+
+
+def test_new_context_resets():
+    drafter = SuffixDrafter()
+    first = [1, 2, 3, 4, 1, 2]
+    assert drafter.propose(first, 2).tokens == [3, 4]
+    assert drafter.propose(first + [3], 2).tokens == [4, 1]
+    other = [7, 1, 2, 9, 1, 2]  # not an extension of `first`: nothing from `first` may leak in
+    assert drafter.propose(other, 2).tokens == [9, 1]
+    assert drafter.ctx.tokens == other
+    drafter.prepare(None)
+    assert drafter.ctx.tokens == [] and drafter.propose([5, 1, 2], 2).tokens == []
+
+
+def test_corpus_and_remembered_outputs():
+    drafter = SuffixDrafter(corpus=[[10, 11, 12, 13, 14]])
+    assert drafter.propose([3, 10, 11], 3).tokens == [12, 13, 14]
+    assert drafter.propose([3, 10, 11, 12, 13, 14], 3).tokens == []  # the corpus match runs into the document's end
+    # "10 11" matches in both the context and the corpus: the context's (more recent text) wins.
+    assert SuffixDrafter(corpus=[[10, 11, 13]]).propose([3, 10, 11, 12, 10, 11], 3).tokens == [12, 10, 11]
+    remembering = SuffixDrafter(remember=True)
+    remembering.prepare(None)
+    remembering.propose([1, 2], 2)  # prompt [1, 2]
+    remembering.propose([1, 2, 40, 41, 42, 43], 2)  # output so far 40..43
+    remembering.prepare(None)  # a new generation: the last output goes into the corpus
+    assert remembering.propose([6, 40, 41], 2).tokens == [42, 43]
+    assert SuffixDrafter().propose([6, 40, 41], 2).tokens == []
+    with pytest.raises(ValueError, match="token ids"):
+        SuffixDrafter(corpus=["some text"])
+    with pytest.raises(ValueError, match="min_match"):
+        SuffixDrafter(min_match=0)
+
+
+# ---- layer skipping -----------------------------------------------------------------------------
+
+def test_layer_view_shares_weights_and_leaves_the_target_alone():
+    target = make_model("llama", seed=1)
+    before = [(layer.self_attn.layer_idx, layer.self_attn) for layer in target.hf.model.layers]
+    view = skip_view(target, [1])
+    shared = {p.data_ptr() for p in target.hf.parameters()}
+    assert all(p.data_ptr() in shared for p in view.hf.parameters())
+    assert view.hf.lm_head.weight.data_ptr() == target.hf.lm_head.weight.data_ptr()
+    assert view.hf.model.layers[0].mlp.down_proj.weight is target.hf.model.layers[1].mlp.down_proj.weight
+    assert len(view.hf.model.layers) == 1 and view.hf.config.num_hidden_layers == 1
+    assert view.hf.model.layers[0].self_attn.layer_idx == 0
+    assert [(layer.self_attn.layer_idx, layer.self_attn) for layer in target.hf.model.layers] == before
+    assert len(target.hf.model.layers) == 2 and target.hf.config.num_hidden_layers == 2
+
+
+def test_parse_layers():
+    assert parse_layers("0-2,5, 7") == [0, 1, 2, 5, 7]
+    assert parse_layers([3, 1, 3]) == [1, 3]
+    for bad, msg in [("", "empty"), ("1,x", "bad layer"), ([0, 4], "0..1")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_layers(bad, 2)
+
+
+def test_full_view_is_the_target(target):
+    """Keeping every layer, the draft is the target: every drafted token is accepted."""
+    prompt = prompt_ids()
+    got = generate(target, prompt, LayerSkipDrafter([0, 1]), k=4, max_new_tokens=N_NEW)
+    assert got.stats.alpha == 1.0 and got.tokens == generate(target, prompt, None, max_new_tokens=N_NEW).tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_equals_plain(target, k):
+    prompt = prompt_ids()
+    base = generate(target, prompt, None, max_new_tokens=N_NEW)
+    drafters = {"suffix": SuffixDrafter(), "suffix-recent": SuffixDrafter(frequent=False, min_match=2),
+                "layer-skip-0": LayerSkipDrafter([0]), "layer-skip-1": LayerSkipDrafter("1")}
+    for name, drafter in drafters.items():
+        got = generate(target, prompt, drafter, k=k, max_new_tokens=N_NEW)
+        assert got.tokens == base.tokens, f"{name}, k={k}"
+        assert got.stats.drafted > 0 and got.stats.accepted + got.stats.rounds == N_NEW, name
+
+
+def test_layer_skip_sampling_gives_valid_reproducible_output(target):
+    prompt = prompt_ids()
+    run = lambda seed: generate(target, prompt, LayerSkipDrafter([0]), k=3, max_new_tokens=30,  # noqa: E731
+                                temperature=1.0, top_p=0.9, seed=seed)
+    a, b, c = run(5), run(5), run(6)
+    assert len(a.tokens) == 30 and all(0 <= t < VOCAB for t in a.tokens)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    assert 0 < a.stats.drafted and a.stats.accepted <= a.stats.drafted
+
+
+def test_teacher_forced_tau_is_the_engines(target):
+    """The calibration's premise: one teacher-forced forward of the draft predicts exactly the
+    rounds greedy speculative decoding takes."""
+    prompt = prompt_ids()
+    for layers, k in [([0], 3), ([1], 4)]:
+        run = generate(target, prompt, LayerSkipDrafter(layers), k=k, max_new_tokens=N_NEW)
+        out = torch.tensor(run.tokens)
+        view = skip_view(target, layers)
+        embeds = view.hf.get_input_embeddings()(torch.tensor([prompt + run.tokens[:-1]]))
+        matches = (_run_from(view, embeds, len(out))[0] == out).tolist()
+        assert simulated_tau(matches, k) == (run.stats.rounds, run.stats.accepted)
+
+
+def test_calibration_is_written_atomically_and_loaded(tmp_path, monkeypatch):
+    target = make_model("qwen2", seed=1, name="tiny/qwen2")
+    res = calibrate_skip(target, prompts=["w1 w2 w3 w1 w2", "w9 w8 w7"], k=3, max_new_tokens=12, verify_ratio=1.5)
+    assert res["n_layers"] == 2 and len(res["layers"]) == 1 and res["verify_ratio"] == 1.5
+    assert [len(p["layers"]) for p in res["path"]] == [2, 1] and res["path"][0]["tau"] == 4.0  # all accepted: 12 tokens in 3 rounds
+    assert 0 < res["draft_cost"] < 1 and res["est_speedup"] == pytest.approx(res["tau"] / (3 * res["draft_cost"] + 1.5))
+    # The search's τ (from hidden states reused across candidates) is that of the chosen draft run for real.
+    prompts = [target.encode(t) for t in ["w1 w2 w3 w1 w2", "w9 w8 w7"]]
+    runs = [generate(target, p, LayerSkipDrafter(res["layers"]), k=3, max_new_tokens=12).stats for p in prompts]
+    assert res["tau"] == pytest.approx(sum(r.new_tokens for r in runs) / sum(r.rounds for r in runs))
+
+    with pytest.raises(ValueError, match="calibrate-skip --target tiny/qwen2"):
+        load_skip_layers(target, tmp_path)
+    path = save_skip_layers(res, tmp_path)
+    assert path == skip_file("tiny/qwen2", tmp_path) and path.parent == tmp_path / "layer-skip"
+    assert json.loads(path.read_text())["layers"] == res["layers"]
+    assert load_skip_layers(target, tmp_path) == res["layers"]
+    drafter = LayerSkipDrafter(cache=tmp_path)
+    drafter.prepare(target)
+    assert drafter.view.hf.config.num_hidden_layers == 1
+
+    # A write that fails half way leaves the previous file whole and no temporary file behind.
+    def broken_dump(obj, f, **kw):
+        f.write('{"half": ')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(json, "dump", broken_dump)
+    with pytest.raises(OSError):
+        save_skip_layers({**res, "layers": [0]}, tmp_path)
+    monkeypatch.undo()
+    assert json.loads(path.read_text())["layers"] == res["layers"]
+    assert os.listdir(path.parent) == [path.name]
+
+    other = make_model("llama", seed=1, name="tiny/qwen2")
+    other.hf.model.layers.append(other.hf.model.layers[0])  # now 3 layers: the stored file does not fit
+    with pytest.raises(ValueError, match="again"):
+        load_skip_layers(other, tmp_path)
+
+
+def test_cli_suffix_layer_skip_and_calibrate(model_dir, tmp_path, capsys):
+    base = ["generate", "w1 w2 w3 w4 w1 w2 w3", "--target", str(model_dir), "-k", "3", "--max-new-tokens", "16", "--compare"]
+    assert main(base + ["--drafter", "suffix", "--min-match", "2"]) == 0
+    assert "identical to plain greedy: yes" in capsys.readouterr().out
+    assert main(base + ["--drafter", "layer-skip", "--layers", "1"]) == 0
+    assert "identical to plain greedy: yes" in capsys.readouterr().out
+    assert main(base + ["--drafter", "layer-skip", "--cache-dir", str(tmp_path)]) == 2
+    assert "calibrate-skip" in capsys.readouterr().err
+    assert main(["calibrate-skip", "--target", str(model_dir), "--max-new-tokens", "8", "--verify-ratio", "1.2",
+                 "--cache-dir", str(tmp_path)]) == 0
+    assert "keep 1 of 2 layers" in capsys.readouterr().out
+    assert main(base + ["--drafter", "layer-skip", "--cache-dir", str(tmp_path)]) == 0
+    assert "identical to plain greedy: yes" in capsys.readouterr().out
