@@ -31,7 +31,7 @@ from tqdm import tqdm
 from . import costmodel
 from .cache import KVCache
 from .drafters import Drafter, make_drafter
-from .engine import generate
+from .engine import AUTO_K_MAX, generate
 from .exactness import first_divergence
 from .models import Model, load_model
 from .peers import hf_generate, llama_cpp_generate
@@ -158,14 +158,16 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         drafter = make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
     encoded = [_encode(target, p) for p in prompts]
     run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
+    # The costs are measured for every fixed k, and for k = "auto" over the lengths it chooses from.
+    cost_ks = sorted({k for k in ks if k != "auto"} | ({1, AUTO_K_MAX} if "auto" in ks else set()))
 
     # Warm up every path once, then measure the costs at the typical KV length of the decode.
-    generate(target, encoded[0], drafter, k=max(ks), **{**run, "max_new_tokens": 8})
+    generate(target, encoded[0], drafter, k=max(cost_ks), **{**run, "max_new_tokens": 8})
     generate(target, encoded[0], None, **{**run, "max_new_tokens": 8})
     ctx_len = int(statistics.median(len(e) for e in encoded)) + max_new_tokens // 2
     longest = max(encoded, key=len)
-    context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(ks) - 2)]
-    costs = measure_costs(target, drafter, context, ks)
+    context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
+    costs = measure_costs(target, drafter, context, cost_ks)
 
     records, peer_rows = [], []
     bar = tqdm(total=len(prompts) * (len(ks) + 1 + len(peers)), desc=f"bench {pair.target} / {pair.drafter}",
@@ -175,7 +177,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         bar.update()
         runs = {}
         for k in ks:
-            spec = generate(target, ids, drafter, k=k, **run)
+            spec = generate(target, ids, drafter, k=k, k_max=AUTO_K_MAX, **run)
             d = spec.stats.to_dict()
             if temperature == 0:
                 div = first_divergence(target, ids, plain.tokens, spec.tokens)
@@ -242,7 +244,9 @@ def fit(pair: dict, ks: list[int]) -> dict:
         runs = [rec["runs"][str(k)] for rec in records]
         measured = [r["decode_tokens_per_s"] / rec["plain"]["decode_tokens_per_s"] for r, rec in zip(runs, records)]
         ours = [costmodel.our_speedup(r, k, costs) for r in runs]
-        textbook = [costmodel.textbook_speedup(r["alpha"], k, costmodel.cost_ratio(costs, k)) for r in runs]
+        # The textbook formula for k = "auto" is taken at the mean draft length the run chose.
+        kk = [r["drafted"] / r["rounds"] if k == "auto" and r["rounds"] else k for r in runs]
+        textbook = [costmodel.textbook_speedup(r["alpha"], n, costmodel.cost_ratio(costs, n)) for r, n in zip(runs, kk)]
         speed = _quartiles(measured)
         predicted = {"textbook": statistics.median(textbook), "ours": statistics.median(ours)}
         by_category = {}
@@ -253,13 +257,17 @@ def fit(pair: dict, ks: list[int]) -> dict:
                                 "speedup": statistics.median(measured[i] for i in idx)}
         identical = [r["identical"] for r in runs if r["identical"] is not None]
         configs.append({
-            "k": k, **_pooled(runs), "speedup": speed,
+            "k": k, **_pooled(runs), "mean_k": statistics.fmean(r["drafted"] / r["rounds"] if r["rounds"] else 0.0 for r in runs),
+            "speedup": speed,
             "identical": [sum(identical), len(identical)],
             "predicted": predicted,
-            "error": {name: costmodel.relative_error(v, speed["median"]) for name, v in predicted.items()},
+            # Each prediction is checked against the run it predicts, then the median is taken.
+            "error": {name: _quartiles([costmodel.relative_error(p, m) for p, m in zip(values, measured)])["median"]
+                      for name, values in (("textbook", textbook), ("ours", ours))},
             "by_category": by_category,
         })
-    best = lambda key: max(configs, key=key)["k"] if configs else None  # noqa: E731
+    fixed = [c for c in configs if c["k"] != "auto"]
+    best = lambda key: max(fixed, key=key)["k"] if fixed else None  # noqa: E731
     plain_tps = {rec["id"]: rec["plain"]["tokens_per_s"] for rec in records}
     best_k = best(lambda c: c["speedup"]["median"])
     spec_tps = {rec["id"]: rec["runs"][str(best_k)]["tokens_per_s"] for rec in records} if best_k else {}
@@ -277,7 +285,20 @@ def fit(pair: dict, ks: list[int]) -> dict:
     return {"configs": configs,
             "best_k": {"measured": best_k, "textbook": best(lambda c: c["predicted"]["textbook"]),
                        "ours": best(lambda c: c["predicted"]["ours"])},
+            "auto": _auto_summary(configs, best_k),
             "peer_summary": peer_summary}
+
+
+def _auto_summary(configs: list[dict], best_k: int | None) -> dict | None:
+    """How k = "auto" did (issue 5's test): its median speed-up over the best fixed k's, and its
+    speed-up over plain decoding on its worst category."""
+    auto = next((c for c in configs if c["k"] == "auto"), None)
+    if auto is None:
+        return None
+    best = next((c for c in configs if c["k"] == best_k), None)
+    worst = min(auto["by_category"].items(), key=lambda kv: kv[1]["speedup"], default=(None, {"speedup": float("nan")}))
+    return {"vs_best_fixed": auto["speedup"]["median"] / best["speedup"]["median"] if best else float("nan"),
+            "best_fixed_k": best_k, "worst_category": worst[0], "worst_category_vs_plain": worst[1]["speedup"]}
 
 
 def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[int], max_new_tokens: int,
@@ -285,8 +306,8 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
               categories: list[str] | None = None, limit: int | None = None, progress: bool = True,
               **load_kwargs) -> dict:
     """The whole results dict (schema specdec.bench/1) for the given pairs and prompts."""
-    if not ks or min(ks) < 1:
-        raise ValueError(f"--k needs draft lengths >= 1 (plain decoding is always measured), got {ks}")
+    if not ks or any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):
+        raise ValueError(f"--k needs draft lengths >= 1 or 'auto' (plain decoding is always measured), got {ks}")
     if not prompts:
         raise ValueError("the workload selection is empty")
     return {

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .drafters import DRAFTERS, make_drafter
-from .engine import generate
+from .engine import AUTO_K_MAX, generate
 from .errors import SpecdecError
 from .exactness import first_divergence
 from .models import load_model
@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)")
     g.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS), help="default: prompt-lookup")
     g.add_argument("--draft", help="draft model for --drafter model (same kinds of spec as --target)")
-    g.add_argument("-k", type=int, default=4, help="draft length per round; 0 = plain decoding (default 4)")
+    g.add_argument("-k", default="auto",
+                   help="draft length per round: auto (default: chosen every round from measured costs and acceptance, "
+                        "0..--k-max) or a fixed number; 0 = plain decoding")
+    g.add_argument("--k-max", type=int, default=AUTO_K_MAX, help=f"with -k auto: the longest draft (default {AUTO_K_MAX})")
     g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
     g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
     g.add_argument("--min-match", type=int, default=1, help="suffix: propose nothing below this match length (default 1)")
@@ -74,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workload", type=Path, help="a .jsonl of Spec-Bench or HumanEval rows (default ../shared/workloads/spec_bench_dev.jsonl)")
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="prompts per category (default 2; --quick: 1)")
-    b.add_argument("--k", dest="ks", help="comma-separated draft lengths (default 1,2,3,4,6,8; --quick: 1,2,4)")
+    b.add_argument("--k", dest="ks", help="comma-separated draft lengths, `auto` included (default auto,1,2,3,4,6,8; --quick: auto,1,2,4)")
     b.add_argument("--max-new-tokens", type=int, help="default 128; --quick: 48")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--peers", default="hf,hf-lookup", help="comma-separated: hf, hf-lookup, hf-assisted (model pairs), llama-cpp, llama-cpp-lookup (need llama-cpp-python), or none")
@@ -92,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--drafter", default="prompt-lookup", choices=[*sorted(DRAFTERS), "none"],
                     help="default drafter of a request that names none (default: prompt-lookup)")
     sv.add_argument("--draft", help="draft model for the model drafter (same kinds of spec as --target)")
-    sv.add_argument("-k", default="4", help="default draft length per round; 0 = plain decoding (default 4)")
+    sv.add_argument("-k", default="auto", help="default draft length per round: auto (default, chosen every round), "
+                                                "or a fixed number; 0 = plain decoding")
     sv.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
     sv.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
@@ -137,6 +141,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def k_arg(text: str) -> int | str:
+    """A draft length from the command line: `auto` or an integer >= 0."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"k must be `auto` or a whole number >= 0, got {text!r}") from None
+    if k < 0:
+        raise ValueError(f"k (draft length) must be >= 0 (0 = plain decoding) or `auto`, got {k}")
+    return k
+
+
 def workload_prompt(path: Path, category: str | None, row: int) -> str:
     """The text of row `row` (from 0) of a workload file, within `category` if given."""
     prompts = load_workload(path, [category] if category else None)
@@ -147,8 +164,9 @@ def workload_prompt(path: Path, category: str | None, row: int) -> str:
 
 def _generate(args) -> int:
     # Check the cheap things before loading any model (which can take a minute).
-    if args.k < 0:
-        raise ValueError(f"k (draft length) must be >= 0, got {args.k}")
+    args.k = k_arg(str(args.k))
+    if args.k_max < 1:
+        raise ValueError(f"--k-max must be >= 1, got {args.k_max}")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -167,22 +185,24 @@ def _generate(args) -> int:
     target = load_model(args.target, **load)
     if args.drafter == "model":
         drafter = make_drafter("model", draft=load_model(args.draft, **load))
+    elif args.drafter == "prompt-lookup":
+        drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
     elif args.drafter == "suffix":
         drafter = make_drafter("suffix", min_match=args.min_match)
     elif args.drafter == "layer-skip":
         drafter = make_drafter("layer-skip", layers=args.layers, cache=args.cache_dir)
     else:
-        drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
+        drafter = make_drafter(args.drafter)
     ids = target.encode(prompt, chat=args.chat)
     run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.compare:  # warm up both paths so neither pays first-call costs in the timing
-        generate(target, ids, drafter, k=args.k, **{**run, "max_new_tokens": 4})
+        generate(target, ids, drafter, k=args.k, k_max=args.k_max, **{**run, "max_new_tokens": 4})
         generate(target, ids, None, **{**run, "max_new_tokens": 4})
 
     print(f"# target {args.target}, drafter {args.drafter}, k {args.k}, prompt {len(ids)} tokens", file=sys.stderr)
     streamer = TextStreamer(target.tokenizer, args.stop)
-    spec = generate(target, ids, drafter, k=args.k, stream=streamer, **run)
+    spec = generate(target, ids, drafter, k=args.k, k_max=args.k_max, stream=streamer, **run)
     streamer.finish(spec.text)
     print("\n--- speculative" if args.k else "\n--- plain")
     print(spec.stats.summary())
@@ -255,7 +275,7 @@ def _bench(args) -> int:
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
-    ks = [int(k) for k in (args.ks or ("1,2,4" if args.quick else "1,2,3,4,6,8")).split(",")]
+    ks = [k_arg(k) for k in (args.ks or ("auto,1,2,4" if args.quick else "auto,1,2,3,4,6,8")).split(",")]
     workload = args.workload or default_workload()
     categories = args.categories.split(",") if args.categories else (QUICK_CATEGORIES if args.quick and workload.name.startswith("spec_bench") else None)
     limit = args.limit or (1 if args.quick else 2)
@@ -281,9 +301,7 @@ def _serve(args) -> int:
 
     from .serve import create_app, run_server
 
-    k = int(args.k) if args.k.strip().isdigit() else args.k.strip()
-    if isinstance(k, str) and k != "auto":
-        raise ValueError(f"-k must be a whole number >= 0 (0 = plain decoding) or auto, got {args.k!r}")
+    k = k_arg(args.k)
     if args.max_queue < 1 or args.max_tokens < 0:
         raise ValueError("--max-queue must be >= 1 and --max-tokens >= 0")
     if not 0 < args.port < 65536:

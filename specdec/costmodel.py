@@ -54,11 +54,34 @@ def verify_ms(costs: dict, n: int) -> float:
     return curve[b] + (curve[b] - curve[a]) / (b - a) * (n - b)
 
 
-def our_speedup(run: dict, k: int, costs: dict) -> float:
+def draft_ms_at(costs: dict, n: int) -> float:
+    """One proposal of n tokens in ms, from the measured draft_ms (keys are strings): measured
+    points as they are, linear in between, per-token beyond the last (0 for n = 0)."""
+    if n <= 0:
+        return 0.0
+    curve = {int(key): value for key, value in costs["draft_ms"].items()}
+    if n in curve or not curve:
+        return curve.get(n, 0.0)
+    xs = sorted(curve)
+    lower, upper = [x for x in xs if x < n], [x for x in xs if x > n]
+    if lower and upper:
+        a, b = lower[-1], upper[0]
+        return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
+    edge = lower[-1] if lower else upper[0]
+    return curve[edge] * n / edge
+
+
+def our_speedup(run: dict, k: int | str, costs: dict) -> float:
     """Predicted speed-up of one speculative run over plain decoding, from the measured costs and
-    the run's acceptance (tokens per round = tau, bonus included)."""
+    the run's acceptance (tokens per round = tau, bonus included). For k = "auto" the round time
+    is averaged over the draft lengths the run chose (run["k_per_round"]), each drafted length n
+    costing one proposal of n tokens plus V(n + 1)."""
     if not run["rounds"]:
         return float("nan")
+    if k == "auto":
+        lengths = run["k_per_round"]
+        round_ms = sum(draft_ms_at(costs, n) + verify_ms(costs, n + 1) for n in lengths) / len(lengths)
+        return run["tau"] * (verify_ms(costs, 1) + costs["overhead_ms"]) / (round_ms + costs["overhead_ms"])
     dist = draft_length_distribution(run)
     all_accepted = run["accepted_at"][k - 1] / run["rounds"] if len(run["accepted_at"]) >= k else 0.0
     d1 = costs["draft_ms"].get(str(k), 0.0)
@@ -69,9 +92,14 @@ def our_speedup(run: dict, k: int, costs: dict) -> float:
     return run["tau"] * plain_ms / round_ms
 
 
-def cost_ratio(costs: dict, k: int) -> float:
-    """c: the draft's cost per drafted token over one target step V(1)."""
-    return costs["draft_ms"].get(str(k), 0.0) / k / verify_ms(costs, 1) if k else 0.0
+def cost_ratio(costs: dict, k: float) -> float:
+    """c: the draft's cost per drafted token over one target step V(1), for proposals of k tokens
+    (a mean draft length may be fractional: the cost is interpolated)."""
+    if not k or math.isnan(k):
+        return 0.0
+    lo, hi = math.floor(k), math.ceil(k)
+    ms = draft_ms_at(costs, lo) + (draft_ms_at(costs, hi) - draft_ms_at(costs, lo)) * (k - lo)
+    return ms / k / verify_ms(costs, 1)
 
 
 def relative_error(predicted: float, measured: float) -> float:

@@ -13,12 +13,14 @@ One round, as in gpt-fast and Leviathan et al. 2023:
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from .adaptive import AdaptiveK
 from .cache import KVCache
 from .drafters import Draft, Drafter, make_drafter
 from .errors import ContextLengthError
@@ -26,6 +28,8 @@ from .models import Model
 from .sampling import Sampler, SamplingParams, processed_probs
 from .stats import RunStats
 from .verify import verify_greedy, verify_sampling
+
+AUTO_K_MAX = 8  # the longest draft k = "auto" chooses by default
 
 
 @dataclass
@@ -42,7 +46,8 @@ def generate(
     target: Model,
     input_ids: Sequence[int] | torch.Tensor,
     drafter: Drafter | str | None = None,
-    k: int = 4,
+    k: int | str = "auto",
+    k_max: int = AUTO_K_MAX,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -54,8 +59,10 @@ def generate(
     """Generate up to max_new_tokens tokens after input_ids, speculatively when a drafter is given.
 
     input_ids: prompt ids, a list or a (n,) / (1, n) tensor. drafter: a Drafter, a registry name
-    (`prompt-lookup`), or None for plain decoding. k: draft length per round (0 = plain decoding);
-    each round it is clamped to the budget and the context left. temperature 0 is greedy, and then
+    (`prompt-lookup`), or None for plain decoding. k: draft length per round (0 = plain decoding),
+    or "auto" (the default): chosen every round, 0..k_max, from the costs and acceptance measured
+    while generating (specdec.adaptive); each round it is clamped to the budget and the context
+    left. temperature 0 is greedy, and then
     the output is token-for-token plain greedy decoding of the target; otherwise speculative
     sampling keeps the target's distribution exactly. seed: seeds the run's one torch.Generator
     (None: a random seed). stop: strings that end the text. stream: called after every round with
@@ -65,8 +72,8 @@ def generate(
     no room in the target's context, TokenizerMismatchError from a draft model that does not share
     the target's tokenizer.
     """
-    if k < 0:
-        raise ValueError(f"k (draft length) must be >= 0, got {k}")
+    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"k (draft length) must be an integer >= 0 or 'auto', got {k!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     params = SamplingParams(temperature, top_k, top_p)
@@ -83,6 +90,8 @@ def generate(
         drafter = make_drafter(drafter)
     if drafter is None:
         k = 0
+    adaptive = AdaptiveK.for_pair(target, drafter, k_max) if k == "auto" else None
+    incremental = adaptive is not None and "keep_going" in inspect.signature(drafter.propose).parameters
     generator = torch.Generator()
     if seed is None:
         seed = generator.seed()
@@ -109,11 +118,21 @@ def generate(
             stats.stop_reason = "length" if budget <= 0 else "context"
             break
         # A round commits at most k+1 tokens and its forward reaches position len(tokens) - 1 + k.
-        kk = min(k, budget - 1, room - 1)
+        t_round = time.perf_counter()
+        kk = min(k_max if adaptive else k, budget - 1, room - 1)
+        if adaptive:
+            kk = adaptive.plan(kk, incremental)
         t0 = time.perf_counter()
-        draft = drafter.propose(tokens, kk, sampler) if kk > 0 else Draft([])
+        if kk <= 0:
+            draft = Draft([])
+        elif incremental:
+            draft = drafter.propose(tokens, kk, sampler, keep_going=adaptive.keep_going)
+        else:
+            draft = drafter.propose(tokens, kk, sampler)
         t1 = time.perf_counter()
         drafted = _usable(draft.tokens[:kk], vocab)
+        if adaptive:
+            drafted = drafted[: adaptive.cut(drafted, deterministic=params.greedy or draft.probs is None)]
         logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
@@ -126,6 +145,9 @@ def generate(
             verdict = verify_sampling(drafted, q, processed_probs(logits, params), generator)
         kv.rollback(len(tokens) + verdict.n_accepted)
         stats.record_round(len(drafted), verdict.n_accepted)
+        if adaptive:
+            adaptive.observe(len(drafted), verdict.n_accepted, (t2 - t1) * 1e3, (t1 - t0) * 1e3,
+                             (time.perf_counter() - t_round - (t2 - t0)) * 1e3, kk, incremental)
 
         committed = []
         for t in drafted[: verdict.n_accepted] + [verdict.token]:

@@ -16,6 +16,8 @@ import re
 import secrets
 from pathlib import Path
 
+from .results import k_order
+
 FIGURES = ("acceptance_vs_k", "speedup_vs_k", "acceptance_by_position", "verify_cost", "speedup_by_category")
 
 
@@ -77,8 +79,14 @@ def _k_axis(ax, ks: list[int]) -> None:
         ax.set_xlim(min(ks) - 0.5, max(ks) + 0.5)
 
 
+def _split_auto(configs: list[dict]) -> tuple[list[dict], dict | None]:
+    """The fixed-k configs (for a k axis) and the k = "auto" one, if any."""
+    return [c for c in configs if c["k"] != "auto"], next((c for c in configs if c["k"] == "auto"), None)
+
+
 def _acceptance_vs_k(pair: dict, configs: list[dict]):
     fig, ax = _new_figure()
+    configs, auto = _split_auto(configs)
     ks = [c["k"] for c in configs]
     alpha = [_num(c["alpha"]) for c in configs]
     tau = [_num(c["tau"]) for c in configs]
@@ -89,6 +97,10 @@ def _acceptance_vs_k(pair: dict, configs: list[dict]):
     l2 = ax2.plot(ks, tau, "s--", color="tab:orange", label="mean accepted length τ, bonus included (right axis)")
     ax2.set_ylabel("τ (tokens per round)")
     top = max([t for t in tau if not math.isnan(t)] + [1.0])
+    if auto:  # k = "auto" has no single k: drawn as levels across the axis
+        l1 += [ax.axhline(_num(auto["alpha"]), color="tab:blue", linestyle=":", label=f"α, k = auto (mean k {_num(auto.get('mean_k')):.2f})")]
+        l2 += [ax2.axhline(_num(auto["tau"]), color="tab:orange", linestyle=":", label="τ, k = auto")]
+        top = max(top, _num(auto["tau"]) if not math.isnan(_num(auto["tau"])) else 1.0)
     ax2.set_ylim(0, top * 1.1)
     _k_axis(ax, ks)
     ax.set_title(_title(pair, "Acceptance vs draft length"))
@@ -100,6 +112,7 @@ def _acceptance_vs_k(pair: dict, configs: list[dict]):
 
 def _speedup_vs_k(pair: dict, configs: list[dict]):
     fig, ax = _new_figure()
+    configs, auto = _split_auto(configs)
     ks = [c["k"] for c in configs]
     med = [_num(c["speedup"]["median"]) for c in configs]
     lo = [m - _num(c["speedup"]["min"]) for m, c in zip(med, configs)]
@@ -111,6 +124,9 @@ def _speedup_vs_k(pair: dict, configs: list[dict]):
             label="predicted, textbook (V(k+1) = V(1))")
     ax.plot(ks, [_num(c["predicted"]["ours"]) for c in configs], "s:", color="tab:green", linewidth=2,
             label="predicted, ours (measured V(n), draft, overhead)")
+    if auto:
+        ax.axhline(_num(auto["speedup"]["median"]), color="tab:purple", linewidth=2,
+                   label=f"measured, k = auto (chosen per round, mean k {_num(auto.get('mean_k')):.2f})")
     _k_axis(ax, ks)
     ax.set_ylabel("speed-up over plain decoding (×)")
     ax.set_title(_title(pair, "Speed-up vs draft length"))
@@ -197,7 +213,7 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
         seen[slug] = seen.get(slug, 0) + 1
         if seen[slug] > 1:
             slug = f"{slug}-{seen[slug]}"
-        configs = sorted(pair["configs"], key=lambda c: c["k"])
+        configs = sorted(pair["configs"], key=lambda c: k_order(c["k"]))
         present = [cat for c in configs for cat in c["by_category"]]
         order = list(results.get("settings", {}).get("categories") or []) + present
         categories = [cat for i, cat in enumerate(order) if cat in present and cat not in order[:i]]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 
+from .results import k_order
+
+AUTO_NOTE = "0..8 tokens, from the costs and acceptance measured while generating"
 
 def _nan(x) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
@@ -80,8 +83,9 @@ def _header(results: dict) -> list[str]:
     out += _table(["", ""], rows, "ll")
     out += ["", "Speeds are decode-only tokens/s (prefill excluded); a speed-up is the median over prompts of "
                 "speculative / plain tokens/s measured in the same run. α = accepted / drafted tokens; τ = new "
-                "tokens per round, the recovered or bonus token included. Prediction errors are "
-                "(predicted - measured) / measured."]
+                "tokens per round, the recovered or bonus token included. A prediction is made per "
+                "prompt from that run's acceptance; its error is (predicted - measured) / measured for each prompt, "
+                "and the table gives the median of those errors beside the median prediction."]
     return out
 
 
@@ -105,13 +109,13 @@ def _costs(pair: dict) -> list[str]:
 
 
 def _configs(pair: dict) -> list[str]:
-    configs = sorted(pair["configs"], key=lambda c: c["k"])
+    configs = sorted(pair["configs"], key=lambda c: k_order(c["k"]))
     out = ["### Speed-up by draft length k", ""]
     rows = []
     for c in configs:
         s = c["speedup"]
         rows.append([
-            c["k"], _f(c["alpha"]), _f(c["tau"]),
+            f"auto (mean {_f(c.get('mean_k'))})" if c["k"] == "auto" else c["k"], _f(c["alpha"]), _f(c["tau"]),
             " ".join(_f(a) for a in c["acceptance_per_position"]) or "-",
             f"{_x(s['median'])} [{_f(s['min'])}..{_f(s['max'])}]", _count(c["identical"]),
             _x(c["predicted"]["textbook"]), _pct(c["error"]["textbook"]),
@@ -120,12 +124,17 @@ def _configs(pair: dict) -> list[str]:
     out += _table(["k", "α", "τ", "acceptance by position", "speed-up median [min..max]", "identical",
                    "textbook", "textbook error", "ours", "ours error"], rows, "rrrlrrrrrr")
     best = pair["best_k"]
-    out += ["", f"Best k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}."]
+    out += ["", f"Best fixed k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}."]
+    auto = pair.get("auto")
+    if auto:
+        out += ["", f"k = auto (chosen every round, {AUTO_NOTE}): {_x(auto['vs_best_fixed'])} the speed-up of the "
+                f"best fixed k ({auto['best_fixed_k']}); on its worst category ({auto['worst_category']}) "
+                f"{_x(auto['worst_category_vs_plain'])} plain decoding."]
     return out
 
 
 def _categories(pair: dict) -> list[str]:
-    configs = sorted(pair["configs"], key=lambda c: c["k"])
+    configs = sorted(pair["configs"], key=lambda c: k_order(c["k"]))
     cats: list[str] = []
     for c in configs:
         cats += [cat for cat in c["by_category"] if cat not in cats]
@@ -159,7 +168,7 @@ def _peers(pair: dict) -> list[str]:
 def _divergences(pair: dict) -> list[str]:
     items = []
     for prompt in pair["prompts"]:
-        for k, run in sorted(prompt["runs"].items(), key=lambda kv: int(kv[0])):
+        for k, run in sorted(prompt["runs"].items(), key=lambda kv: k_order(kv[0] if kv[0] == "auto" else int(kv[0]))):
             if run.get("identical") is False:
                 d = run.get("divergence") or {}
                 where = (f"first differing token at position {d['position']} (plain {d['plain_token']}, "

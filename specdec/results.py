@@ -9,7 +9,7 @@ read only this file and never run a model. Schema `specdec.bench/1`:
       "environment": {"cpu": str, "gpu": str | null, "threads": int, "python": str, "torch": str,
                       "transformers": str, "platform": str, "git_commit": str | null},
       "settings": {"workload": str, "categories": [str], "limit": int, "max_new_tokens": int,
-                   "temperature": float, "ks": [int], "quick": bool, "repeats": int},
+                   "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int},
       "pairs": [{
         "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
         "costs": {                      # medians after warm-up, ms
@@ -22,7 +22,7 @@ read only this file and never run a model. Schema `specdec.bench/1`:
         "prompts": [{                   # raw measurements, one per prompt
           "id": str, "category": str, "prompt_tokens": int,
           "plain": RunStats.to_dict(),
-          "runs": {"<k>": RunStats.to_dict() + {"identical": bool | null,
+          "runs": {"<k>": RunStats.to_dict() + {"identical": bool | null,   # "<k>": "1", ..., "auto"
                                                   "divergence": null | {"position": int,
                                                    "plain_token": int, "other_token": int,
                                                    "logit_gap": float}}}
@@ -30,14 +30,17 @@ read only this file and never run a model. Schema `specdec.bench/1`:
         "peers": [{"name": str, "prompt_id": str, "tokens_per_s": float, "identical": bool | null,
                    "error": str | null}],
         "configs": [{                   # the fit: one per k, over all prompts
-          "k": int, "alpha": float, "tau": float, "acceptance_per_position": [float],
+          "k": int | "auto", "alpha": float, "tau": float, "acceptance_per_position": [float],
+          "mean_k": float,              # tokens drafted per round, mean over prompts
           "speedup": {"median": float, "min": float, "max": float, "q1": float, "q3": float},
           "identical": [int, int],      # [identical prompts, prompts] (greedy only)
           "predicted": {"textbook": float, "ours": float},
-          "error": {"textbook": float, "ours": float},   # (predicted - measured) / measured
+          "error": {"textbook": float, "ours": float},   # median over prompts of (predicted - measured) / measured
           "by_category": {"<category>": {"alpha": float, "tau": float, "speedup": float}}
         }],
-        "best_k": {"measured": int, "textbook": int, "ours": int},
+        "best_k": {"measured": int, "textbook": int, "ours": int},   # among the fixed k
+        "auto": null | {"vs_best_fixed": float, "best_fixed_k": int,   # k = "auto", when run:
+                        "worst_category": str, "worst_category_vs_plain": float},
         "peer_summary": [{"name": str, "vs_plain": float, "vs_speculative": float, "identical": [int, int]}]
       }]
     }
@@ -65,6 +68,11 @@ _REQUIRED = {
     "prompt": ["id", "category", "prompt_tokens", "plain", "runs"],
     "config": ["k", "alpha", "tau", "acceptance_per_position", "speedup", "identical", "predicted", "error", "by_category"],
 }
+
+
+def k_order(k: int | str) -> tuple[int, int]:
+    """Sort key for draft lengths: the fixed k ascending, then "auto"."""
+    return (1, 0) if k == "auto" else (0, int(k))
 
 
 def validate(results: dict) -> None:

@@ -152,7 +152,7 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
 _ONE_OF = {  # fields that take one of several types, and how to say so
     "prompt": "a string or a list of token ids (or a list holding one of these)",
     "stop": "a string or a list of strings",
-    "k": "an integer >= 0 (0 = plain decoding)",
+    "k": "an integer >= 0 (0 = plain decoding) or \"auto\"",
     "messages.*.content": 'a string or a list of text parts ({"type": "text", "text": ...})',
 }
 
@@ -317,7 +317,7 @@ class Server:
         except Exception as e:
             if isinstance(e, (ValueError, TypeError)) and not job.started_output:  # the engine refused a parameter
                 k = job.run["k"]
-                message = (f"k = {k!r} is not supported: send an integer >= 0" if isinstance(e, TypeError)
+                message = (f"k = {k!r} is not supported: send an integer >= 0 or \"auto\"" if isinstance(e, TypeError)
                            and isinstance(k, str) else str(e))
                 self.metrics.count("invalid")
                 return "error", ApiError(400, message, code="invalid_parameter", param="k" if isinstance(k, str) else None)
@@ -503,7 +503,7 @@ def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int) -> d
     return out
 
 
-def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | str = 4, *,
+def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | str = "auto", *,
                draft: Model | None = None, drafters: Mapping[str, Drafter] | None = None,
                model_name: str | None = None, max_queue: int = 64, max_tokens: int = 256,
                max_ngram: int = 3, min_ngram: int = 1) -> FastAPI:

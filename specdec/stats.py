@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class RunStats:
-    k: int
+    k: int | str  # the draft length asked for: an int, or "auto"
     prompt_tokens: int = 0
     new_tokens: int = 0
     rounds: int = 0
@@ -24,6 +24,7 @@ class RunStats:
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)  # tokens drafted and verified in each round
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -32,6 +33,7 @@ class RunStats:
 
     def record_round(self, n_drafted: int, n_accepted: int) -> None:
         self.rounds += 1
+        self.k_per_round.append(n_drafted)
         self.drafted += n_drafted
         self.accepted += n_accepted
         while len(self.drafted_at) < n_drafted:
@@ -74,15 +76,24 @@ class RunStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(alpha=self.alpha, tau=self.tau, acceptance_per_position=self.acceptance_per_position,
-                 other_s=self.other_s, tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+                 other_s=self.other_s, mean_k=self.mean_k, tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
         return d
+
+    @property
+    def mean_k(self) -> float:
+        """Mean tokens drafted per round (for k="auto", the mean chosen k)."""
+        return self.drafted / self.rounds if self.rounds else float("nan")
 
     def summary(self) -> str:
         per_pos = " ".join(f"{a:.2f}" for a in self.acceptance_per_position) or "-"
+        auto = ""
+        if self.k == "auto" and self.rounds:
+            counts = {n: self.k_per_round.count(n) for n in sorted(set(self.k_per_round))}
+            auto = f" (mean drafted {self.mean_k:.2f}; rounds by k: " + ", ".join(f"{n}: {c}" for n, c in counts.items()) + ")"
         return "\n".join([
             f"new tokens {self.new_tokens} (prompt {self.prompt_tokens}) in {self.total_s:.2f} s: "
             f"{self.tokens_per_s:.1f} tokens/s, stopped by {self.stop_reason}",
-            f"k {self.k}, rounds {self.rounds}, drafted {self.drafted}, accepted {self.accepted}, "
+            f"k {self.k}{auto}, rounds {self.rounds}, drafted {self.drafted}, accepted {self.accepted}, "
             f"acceptance rate alpha {self.alpha:.3f}, mean accepted length tau {self.tau:.2f} (bonus included)",
             f"acceptance by draft position: {per_pos}",
             f"time: prefill {self.prefill_s * 1e3:.0f} ms, draft {self.draft_s * 1e3:.0f} ms, "

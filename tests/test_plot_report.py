@@ -30,9 +30,10 @@ def _canonical(obj) -> str:
     return json.dumps(obj, sort_keys=True)  # NaN-safe equality (NaN != NaN in a dict comparison)
 
 
-def _row(report: str, k: int) -> list[str]:
+def _row(report: str, k: int | str) -> list[str]:
     """Cells of the main table's row for k (the only table whose rows carry "x [" speed-up ranges)."""
-    rows = [line for line in report.splitlines() if line.startswith(f"| {k} |") and "x [" in line]
+    start = "| auto (mean " if k == "auto" else f"| {k} |"
+    rows = [line for line in report.splitlines() if line.startswith(start) and "x [" in line]
     assert len(rows) == 1, rows
     return [cell.strip() for cell in rows[0].strip("|").split("|")]
 
@@ -40,7 +41,7 @@ def _row(report: str, k: int) -> list[str]:
 # --- the stored data ---------------------------------------------------------------------------
 
 def test_stored_file_is_small_valid_and_complete(data):
-    assert DATA.stat().st_size < 40_000
+    assert DATA.stat().st_size < 60_000
     assert len(data["pairs"]) == 1
     pair = data["pairs"][0]
     assert (pair["target"], pair["drafter"], pair["draft"]) == ("tiny-llama", "prompt-lookup", None)
@@ -117,10 +118,16 @@ def test_report_contents(data):
         assert cells[6] == f"{config['predicted']['textbook']:.2f}x"
         assert cells[7] == f"{round(config['error']['textbook'] * 100):+d}%"
         assert cells[9] == f"{round(config['error']['ours'] * 100):+d}%"
-        assert len(cells[3].split()) == config["k"]  # acceptance at each draft position
+        assert len(cells[3].split()) == len(config["acceptance_per_position"])  # acceptance at each draft position
+        if config["k"] != "auto":
+            assert len(cells[3].split()) == config["k"]
     assert _row(report, 4)[5] == "3/4"
+    assert _row(report, "auto")[0] == f"auto (mean {pair['configs'][-1]['mean_k']:.2f})"
     best = pair["best_k"]
-    assert f"Best k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}." in report
+    assert f"Best fixed k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}." in report
+    auto = pair["auto"]
+    assert f"{auto['vs_best_fixed']:.2f}x the speed-up of the best fixed k ({best['measured']})" in report
+    assert f"worst category ({auto['worst_category']}) {auto['worst_category_vs_plain']:.2f}x plain" in report
     assert "2e-06" in report and "translation-1" in report and "position 57" in report
     assert "| hf-lookup | 1.07x |" in report
     assert "| 1 | 65 | 1.00 |" in report  # V(1) and V(1)/V(1) in the costs table

@@ -386,7 +386,7 @@ def test_bad_server_options_are_refused(tiny, capsys):
     with pytest.raises(ValueError, match="max_queue"):
         create_app(tiny, max_queue=0)
     assert main(["serve", "-k", "-1"]) == 2
-    assert "-k must be a whole number" in capsys.readouterr().err
+    assert "k (draft length) must be >= 0" in capsys.readouterr().err
 
 
 # ---- models, health, metrics ------------------------------------------------------------------

@@ -8,11 +8,13 @@ from .base import Draft, Drafter
 from .layerskip import LayerSkipDrafter
 from .lookup import PromptLookup
 from .model import ModelDrafter
+from .random import RandomDrafter
 from .suffix import SuffixDrafter
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "prompt-lookup": PromptLookup,
     "model": ModelDrafter,
+    "random": RandomDrafter,
     "suffix": SuffixDrafter,
     "layer-skip": LayerSkipDrafter,
 }
@@ -27,5 +29,4 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     return DRAFTERS[name](**kwargs)
 
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "LayerSkipDrafter", "ModelDrafter", "PromptLookup", "SuffixDrafter",
-           "make_drafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "LayerSkipDrafter", "ModelDrafter", "PromptLookup", "RandomDrafter", "SuffixDrafter", "make_drafter"]

@@ -17,10 +17,13 @@ class Draft:
 
     probs: (len(tokens), V_draft) float32, or None for a deterministic drafter, which the verifier
     treats as a one-hot distribution on each proposed token.
+    confidence: the drafter's probability for each proposed token, when it reports one (used by
+    the adaptive draft length of specdec.adaptive), else None.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
 
 
 class Drafter(Protocol):
@@ -29,6 +32,10 @@ class Drafter(Protocol):
     prepare(target) is called once at the start of each generation (check compatibility, reset
     state); propose(context, k, sampler) returns at most k tokens to follow `context`, all of
     prompt plus committed output; a drafter may return fewer, or none.
+
+    A drafter that drafts token by token may also take a keyword `keep_going`: a callable
+    (n drafted so far, probability of the last drafted token) -> bool, asked after each token
+    whether to draft another (k="auto" passes it; see specdec.adaptive).
     """
 
     def prepare(self, target: Model) -> None: ...

@@ -3,6 +3,8 @@ transformers' `assistant_model=`)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..cache import KVCache
@@ -31,7 +33,11 @@ class ModelDrafter:
             self.checked = target
         self.kv = KVCache(self.draft)
 
-    def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
+    def propose(self, context: list[int], k: int, sampler: Sampler,
+                keep_going: Callable[[int, float], bool] | None = None) -> Draft:
+        """Up to k tokens; with keep_going, after each drafted token keep_going(n drafted so far,
+        the draft's probability for the last token) decides whether to draft another (the
+        adaptive policy of specdec.adaptive), and the Draft carries those confidences."""
         k = min(k, self.draft.n_ctx - len(context) + 1)  # positions left in the draft's context
         if k <= 0:
             return Draft([])
@@ -39,11 +45,16 @@ class ModelDrafter:
         if max(todo) >= self.draft.vocab_size:  # the target emitted an id the draft cannot embed
             return Draft([])
         logits = self.kv.extend(todo, all_logits=False)[-1]  # (V,)
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         for i in range(k):
             token, p = sampler.choose(logits)
             tokens.append(token)
             probs.append(p)
+            if keep_going is not None:
+                confidence.append(float(p[token]) if p is not None else float(logits.float().softmax(-1)[token]))
+                if not keep_going(i + 1, confidence[-1]):
+                    break
             if i < k - 1:
                 logits = self.kv.extend([token], all_logits=False)[-1]
-        return Draft(tokens, None if sampler.params.greedy else torch.stack(probs))
+        return Draft(tokens, None if sampler.params.greedy else torch.stack(probs),
+                     confidence if keep_going is not None else None)

@@ -1,0 +1,271 @@
+"""Adaptive speculation (`k="auto"`): choose the draft length every round from measured costs, so
+that speculating is never much slower than plain decoding.
+
+The choice maximises long-run tokens per second. A round that drafts m tokens yields
+1 + P_1 + ... + P_m tokens (P_j: probability that the first j drafted tokens are all accepted) and
+takes draft(m) + V(m + 1) + overhead ms (V(n): one target forward over n new tokens). By the
+renewal-reward argument (Dinkelbach's method for ratio objectives), the rate is maximised by
+choosing, every round, the m that maximises  tokens(m) - rho * time(m), where rho is the best
+achievable rate; rho is estimated as the best rate of a fixed draft length under the current
+estimates, never below plain decoding's 1 / (V(1) + overhead). m = 0 is plain decoding.
+
+Estimates, all learned online while generating:
+- V(n): running averages of the timed verify forwards, per n; an n never tried is interpolated
+  between tried ones, or extrapolated with a deliberately optimistic slope so that it gets tried;
+- draft costs: for a drafter that drafts token by token (a draft model), the first step (which
+  also reads the tokens committed since its last proposal) and each further step; for one that
+  proposes all at once (prompt lookup), its cost per requested token;
+- acceptance: per draft position, the probability that token j is accepted given that tokens
+  1..j-1 were, as decayed counts (recent rounds weigh more) over a weak prior; when the drafter
+  reports its confidence in each token (its probability for it), acceptance per confidence bin.
+
+Within a round, a draft model is asked after every drafted token whether to go on (the confidence
+stop of transformers' `assistant_confidence_threshold` and llama.cpp's `--draft-p-min`, with the
+threshold replaced by the same cost-benefit test), and a finished draft is cut to its best length
+(only when it is deterministic: greedy drafting, or a drafter without probabilities, so that
+speculative sampling stays exact). When plain decoding wins for a while, a one-token probe is
+drafted now and then (exponential back-off) to notice when speculation starts paying again.
+
+The verify-cost table is kept per target model and the acceptance and draft-cost estimates per
+(drafter, target), across generations: a server or a bench learns them once.
+
+Related work: SpecDec++ (Huang et al. 2024) and "dynamic speculation lookahead" (Mamou et al. 2024)
+choose the draft length per round; BanditSpec and SWIFT adapt online.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from .models import Model
+
+BIN_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)  # confidence bins: [0, .2), [.2, .4), ..., [.97, 1]
+
+
+def _bin(confidence: float) -> int:
+    return sum(confidence >= edge for edge in BIN_EDGES)
+
+
+@dataclass
+class VerifyCosts:
+    """Running averages of V(n) in ms, n = new tokens in one target forward."""
+
+    ema: float = 0.3  # weight of the newest observation
+    optimistic_slope: float = 0.25  # extrapolation: V(n + 1) - V(n) = slope * V(1) beyond the tried n
+    ms: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, n: int, ms: float) -> None:
+        old = self.ms.get(n)
+        self.ms[n] = ms if old is None else (1 - self.ema) * old + self.ema * ms
+
+    def known(self) -> bool:
+        return bool(self.ms)
+
+    def __call__(self, n: int) -> float:
+        """Estimated V(n) in ms (0 when nothing has been timed yet)."""
+        if n in self.ms:
+            return self.ms[n]
+        if not self.ms:
+            return 0.0
+        tried = sorted(self.ms)
+        lower = [m for m in tried if m < n]
+        upper = [m for m in tried if m > n]
+        if lower and upper:
+            a, b = lower[-1], upper[0]
+            return self.ms[a] + (self.ms[b] - self.ms[a]) * (n - a) / (b - a)
+        first = tried[0]
+        v1 = self.ms.get(1, self.ms[first] / (1 + self.optimistic_slope * (first - 1)))
+        if upper:  # n below every tried length
+            return max(0.0, self.ms[first] - self.optimistic_slope * v1 * (first - n))
+        return self.ms[tried[-1]] + self.optimistic_slope * v1 * (n - tried[-1])
+
+
+_VERIFY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target.hf -> VerifyCosts
+_CONTROLLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> AdaptiveK
+
+
+class AdaptiveK:
+    """The per-round draft-length policy of `generate(..., k="auto")` for one (drafter, target).
+
+    k_max: the longest draft of a round (>= 1). decay: weight kept by old acceptance counts each
+    round that drafts (0.9: about the last 10 rounds). prior: acceptance assumed before any round,
+    worth prior_weight rounds. probe_after: plain rounds before a one-token probe; it doubles after
+    each probe that fails, up to probe_max, and resets when one is accepted.
+
+    Use for_pair() to get the shared instance; raises ValueError for k_max < 1.
+    """
+
+    def __init__(self, costs: VerifyCosts, k_max: int = 8, decay: float = 0.9, prior: float = 0.5,
+                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64):
+        if k_max < 1:
+            raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
+        self.verify, self.k_max, self.decay = costs, k_max, decay
+        self.prior, self.prior_weight = prior, prior_weight
+        self.probe_after, self.probe_max = probe_after, probe_max
+        self.reached = [0.0] * k_max  # decayed counts: rounds whose j-th token was verified after j-1 accepts
+        self.accepted = [0.0] * k_max
+        self.bin_reached = [0.0] * (len(BIN_EDGES) + 1)
+        self.bin_accepted = [0.0] * (len(BIN_EDGES) + 1)
+        self.draft_first_ms: float | None = None  # draft model: first step of a proposal
+        self.draft_step_ms: float | None = None  # draft model: each further step
+        self.draft_token_ms: float | None = None  # all-at-once drafter: proposal ms per requested token
+        self.overhead_ms = 0.0  # per round, outside drafting and verifying
+        self.plain_streak = 0
+        self.probe_interval = probe_after
+        self.probing = False
+        # the round in progress
+        self.rho = 0.0
+        self.cap = k_max
+        self.confidence: list[float] = []
+        self._t_start = self._t_last = 0.0
+        self._stopped = False
+
+    @classmethod
+    def for_pair(cls, target: Model, drafter, k_max: int = 8) -> "AdaptiveK":
+        """The controller of this drafter with this target, created on first use and kept (weakly)
+        for later generations; the verify costs are shared by every drafter of the target."""
+        costs = _VERIFY_COSTS.setdefault(target.hf, VerifyCosts())
+        ctl = _CONTROLLERS.get(drafter)
+        if ctl is None or ctl.verify is not costs or ctl.k_max != k_max:
+            ctl = _CONTROLLERS[drafter] = cls(costs, k_max=k_max)
+        return ctl
+
+    # ---- estimates ----------------------------------------------------------------------------
+    def acceptance(self, j: int) -> float:
+        """P(draft token j accepted | tokens 1..j-1 accepted), j from 1."""
+        i = min(j, self.k_max) - 1
+        return (self.accepted[i] + self.prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
+
+    def confident_acceptance(self, confidence: float) -> float:
+        """P(a token accepted | the drafter gave it this probability), prior: the confidence."""
+        b = _bin(confidence)
+        return (self.bin_accepted[b] + confidence * self.prior_weight) / (self.bin_reached[b] + self.prior_weight)
+
+    def _draft_ms(self, m: int, incremental: bool) -> float:
+        """Estimated ms to draft m tokens from scratch."""
+        if m == 0:
+            return 0.0
+        if incremental:
+            first = self.draft_first_ms or 0.0
+            return first + (m - 1) * (self.draft_step_ms if self.draft_step_ms is not None else first)
+        return m * (self.draft_token_ms or 0.0)
+
+    def _best_rate(self, cap: int, incremental: bool) -> float:
+        """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
+        best, tokens, p = 0.0, 1.0, 1.0
+        for m in range(cap + 1):
+            if m:
+                p *= self.acceptance(m)
+                tokens += p
+            ms = self._draft_ms(m, incremental) + self.verify(m + 1) + self.overhead_ms
+            best = max(best, tokens / ms if ms > 0 else 0.0)
+        return best
+
+    # ---- one round ----------------------------------------------------------------------------
+    def plan(self, cap: int, incremental: bool) -> int:
+        """How many tokens to ask the drafter for this round (0: a plain round). cap: the most the
+        budget and context allow. An incremental drafter is then steered by keep_going()."""
+        self.confidence, self._stopped, self.probing = [], False, False
+        if cap <= 0:
+            return 0
+        if not self.verify.known():
+            return 0  # the first round times V(1) before any choice
+        self.cap = cap
+        self.rho = self._best_rate(cap, incremental)
+        gain, p, best, best_m = 0.0, 1.0, 0.0, 0
+        for m in range(1, cap + 1):
+            p *= self.acceptance(m)
+            gain += p
+            value = gain - self.rho * (self._draft_ms(m, incremental) + self.verify(m + 1) - self.verify(1))
+            if value > best:
+                best, best_m = value, m
+        if best_m:
+            self._t_start = self._t_last = time.perf_counter()
+            return cap if incremental else best_m  # keep_going() steers an incremental drafter
+        self.plain_streak += 1
+        if self.plain_streak >= self.probe_interval:
+            self.probing = True
+            self._t_start = self._t_last = time.perf_counter()
+            return 1
+        return 0
+
+    def keep_going(self, n_drafted: int, confidence: float) -> bool:
+        """Called by an incremental drafter after each drafted token (n_drafted so far, the last
+        one's probability under the drafter): draft another? Also times the draft steps."""
+        now = time.perf_counter()
+        step = now - self._t_last
+        self._t_last = now
+        if n_drafted == 1:
+            self.draft_first_ms = self._ema(self.draft_first_ms, step * 1e3)
+        else:
+            self.draft_step_ms = self._ema(self.draft_step_ms, step * 1e3)
+        self.confidence.append(confidence)
+        if self.probing or n_drafted >= self.cap:
+            self._stopped = True
+            return False
+        p_now = 1.0
+        for c in self.confidence:
+            p_now *= self.confident_acceptance(c)
+        step_ms = self.draft_step_ms if self.draft_step_ms is not None else self.draft_first_ms
+        gain, p = 0.0, p_now
+        for m in range(n_drafted + 1, self.cap + 1):
+            p *= self.acceptance(m)
+            gain += p
+            cost = (m - n_drafted) * step_ms + self.verify(m + 1) - self.verify(n_drafted + 1)
+            if gain - self.rho * cost > 0:
+                return True
+        self._stopped = True
+        return False
+
+    def cut(self, drafted: list[int], deterministic: bool) -> int:
+        """The best length to verify of a finished draft (<= len(drafted)). Only a deterministic
+        draft may be cut by what it contains: cutting a sampled draft by its own tokens'
+        probabilities would bias speculative sampling."""
+        n = len(drafted)
+        if n == 0 or self.probing:
+            return min(n, 1)
+        if not deterministic:
+            return n
+        have = self.confidence[:n]
+        best_m, best, gain, p = 0, 0.0, 0.0, 1.0
+        for m in range(1, n + 1):
+            p *= self.confident_acceptance(have[m - 1]) if m <= len(have) else self.acceptance(m)
+            gain += p
+            value = gain - self.rho * (self.verify(m + 1) - self.verify(1))
+            if value > best:
+                best_m, best = m, value
+        if best_m == 0:  # the draft is not worth verifying: count as a plain round, maybe probe
+            self.plain_streak += 1
+            if self.plain_streak >= self.probe_interval:
+                self.probing = True
+                return 1
+        return best_m
+
+    def observe(self, n_verified: int, n_accepted: int, verify_ms: float, draft_ms: float, other_ms: float,
+                requested: int, incremental: bool) -> None:
+        """Learn from the finished round: n_verified drafted tokens were scored in a forward of
+        verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens."""
+        self.verify.observe(n_verified + 1, verify_ms)
+        self.overhead_ms = self._ema(self.overhead_ms, other_ms)
+        if requested and not incremental:
+            self.draft_token_ms = self._ema(self.draft_token_ms, draft_ms / requested)
+        if n_verified:
+            self.reached = [x * self.decay for x in self.reached]
+            self.accepted = [x * self.decay for x in self.accepted]
+            self.bin_reached = [x * self.decay for x in self.bin_reached]
+            self.bin_accepted = [x * self.decay for x in self.bin_accepted]
+            for j in range(min(n_verified, n_accepted + 1)):
+                self.reached[min(j, self.k_max - 1)] += 1
+                self.accepted[min(j, self.k_max - 1)] += j < n_accepted
+                if j < len(self.confidence):
+                    b = _bin(self.confidence[j])
+                    self.bin_reached[b] += 1
+                    self.bin_accepted[b] += j < n_accepted
+            if self.probing:
+                self.probe_interval = self.probe_after if n_accepted else min(2 * self.probe_interval, self.probe_max)
+            self.plain_streak = 0
+
+    @staticmethod
+    def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
+        return new if old is None else (1 - weight) * old + weight * new

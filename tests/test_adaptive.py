@@ -1,0 +1,177 @@
+"""k = "auto": the per-round draft-length policy (specdec.adaptive) and its use by the engine."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import adaptive, generate
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.drafters import ModelDrafter
+
+from .conftest import make_model, prompt_ids
+
+
+def controller(v: dict[int, float], acceptance: list[float] | None = None, rounds: int = 1000, **kw) -> AdaptiveK:
+    """A controller with a known verify curve and (when given) conditional acceptance per position,
+    backed by `rounds` observations so the prior no longer matters."""
+    ctl = AdaptiveK(VerifyCosts(ms=dict(v)), **kw)
+    for j, a in enumerate(acceptance or []):
+        ctl.reached[j], ctl.accepted[j] = rounds, rounds * a
+    return ctl
+
+
+def rate(ctl: AdaptiveK, m: int) -> float:
+    """Tokens per ms of always drafting m tokens, under the controller's own estimates."""
+    tokens, p = 1.0, 1.0
+    for j in range(1, m + 1):
+        p *= ctl.acceptance(j)
+        tokens += p
+    return tokens / (ctl._draft_ms(m, incremental=False) + ctl.verify(m + 1) + ctl.overhead_ms)
+
+
+def test_verify_costs_interpolate_and_extrapolate_optimistically():
+    v = VerifyCosts(ms={1: 10.0, 3: 20.0})
+    assert v(1) == 10.0 and v(2) == 15.0  # between two tried lengths: linear
+    assert v(5) == pytest.approx(20.0 + 2 * 0.25 * 10.0)  # beyond: the optimistic slope of V(1)
+    v.observe(3, 30.0)
+    assert v(3) == pytest.approx(0.7 * 20.0 + 0.3 * 30.0)  # a running average, not the last sample
+    assert VerifyCosts()(4) == 0.0 and not VerifyCosts().known()
+    only4 = VerifyCosts(ms={4: 17.5})
+    assert only4(1) == pytest.approx(17.5 / (1 + 0.25 * 3))  # V(1) inferred from the one tried length
+
+
+@settings(max_examples=200, deadline=None)
+@given(acceptance=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
+       steps=st.lists(st.floats(0.0, 3.0), min_size=8, max_size=8),
+       cap=st.integers(1, 8))
+def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, steps, cap):
+    """The Dinkelbach rule: speculate iff the best fixed draft length's rate beats plain decoding's,
+    and then with the length of the best rate (all-at-once drafter, free drafting)."""
+    v = {1: 10.0}
+    for n, step in enumerate(steps, start=2):
+        v[n] = v[n - 1] + step
+    ctl = controller(v, acceptance)
+    m = ctl.plan(cap, incremental=False)
+    rates = [rate(ctl, j) for j in range(cap + 1)]
+    if max(rates[1:]) > rates[0] * (1 + 1e-9):
+        assert m >= 1 and rates[m] == pytest.approx(max(rates), rel=1e-6)
+    elif max(rates[1:]) < rates[0] * (1 - 1e-9):
+        assert m == 0
+
+
+def test_a_useless_drafter_is_probed_with_exponential_back_off():
+    ctl = controller({1: 10.0, 2: 16.0, 3: 20.0}, [0.0] * 8)  # verifying 2 tokens costs 1.6x one
+    asked = []
+    for _ in range(400):
+        m = ctl.plan(4, incremental=False)
+        asked.append(m)
+        n = ctl.cut([7] * m, deterministic=True)
+        ctl.observe(n, 0, 10.0 + 6.0 * n, 0.0, 0.0, m, incremental=False)
+    probes = [i for i, m in enumerate(asked) if m]
+    assert all(asked[i] == 1 for i in probes)  # a probe is one token
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 3 and gaps[:4] == [8, 16, 32, 64] and set(gaps[4:]) == {64}  # doubling up to the cap
+    assert len(probes) <= 12  # about 1% of the rounds; the cost over plain stays ~0.6% here
+
+
+def test_probing_notices_when_drafts_start_paying_again():
+    ctl = controller({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0}, [0.0] * 8, rounds=20)
+    for _ in range(200):  # the drafter is useless: probes back off
+        m = ctl.plan(4, incremental=False)
+        ctl.observe(ctl.cut([7] * m, deterministic=True), 0, 10.0, 0.0, 0.0, m, incremental=False)
+    for _ in range(200):  # now every drafted token is accepted
+        m = ctl.plan(4, incremental=False)
+        n = ctl.cut([7] * m, deterministic=True)
+        ctl.observe(n, n, 10.0 + n, 0.0, 0.0, m, incremental=False)
+    assert ctl.plan(4, incremental=False) == 4 and ctl.acceptance(1) > 0.9
+
+
+def test_draft_model_stops_at_low_confidence_and_cuts_a_greedy_draft():
+    ctl = controller({n: 10.0 + n for n in range(1, 10)}, [0.8] * 8)
+    ctl.draft_first_ms, ctl.draft_step_ms = 2.0, 2.0
+    for b in range(len(ctl.bin_reached)):  # calibrated: acceptance equals the draft's confidence
+        ctl.bin_reached[b] = 1000.0
+        ctl.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
+    assert ctl.plan(8, incremental=True) == 8
+    assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.99)
+    assert not ctl.keep_going(3, 0.05)  # a 5% token: the rest of the draft is not worth its cost
+    assert ctl.draft_first_ms is not None and len(ctl.confidence) == 3
+    assert ctl.cut([4, 5, 6], deterministic=True) == 2  # ...and the unlikely third token is not verified
+    assert ctl.cut([4, 5, 6], deterministic=False) == 3  # a sampled draft is never cut by its contents
+
+
+def test_controller_is_shared_per_drafter_and_verify_costs_per_target():
+    a, b = make_model("llama", seed=1), make_model("llama", seed=2)
+    d1, d2 = object.__new__(ModelDrafter), object.__new__(ModelDrafter)
+    assert AdaptiveK.for_pair(a, d1) is AdaptiveK.for_pair(a, d1)
+    assert AdaptiveK.for_pair(a, d1) is not AdaptiveK.for_pair(a, d2)
+    assert AdaptiveK.for_pair(a, d1).verify is AdaptiveK.for_pair(a, d2).verify
+    assert AdaptiveK.for_pair(b, d1).verify is not AdaptiveK.for_pair(a, d2).verify
+    with pytest.raises(ValueError, match="k_max"):
+        AdaptiveK(VerifyCosts(), k_max=0)
+
+
+def test_auto_records_its_choices_and_steers_a_draft_model(draft_model):
+    target = make_model("qwen2", seed=5)  # fresh: no verify costs learned yet
+    prompt = prompt_ids()
+    base = generate(target, prompt, None, max_new_tokens=40)
+    drafter = ModelDrafter(draft_model)
+    calls = []
+    real = drafter.propose
+
+    def spy(context, k, sampler, keep_going=None):
+        calls.append(keep_going)
+        return real(context, k, sampler, keep_going=keep_going)
+
+    drafter.propose = spy
+    got = generate(target, prompt, drafter, k="auto", k_max=5, max_new_tokens=40)
+    s = got.stats
+    assert got.tokens == base.tokens
+    assert s.k == "auto" and len(s.k_per_round) == s.rounds and sum(s.k_per_round) == s.drafted
+    assert max(s.k_per_round) <= 5 and s.k_per_round[0] == 0  # the first round times V(1)
+    assert calls and all(c is not None for c in calls)  # the draft model was asked after every token
+    assert "mean drafted" in s.summary()
+
+
+class SteepCosts(VerifyCosts):
+    """A fixed verify curve on which verifying a doubtful token does not pay (V(2) = 1.8 V(1))."""
+
+    def __init__(self):
+        super().__init__(ms={1: 10.0, 2: 18.0})
+
+    def observe(self, n: int, ms: float) -> None:
+        pass
+
+
+def test_auto_sampling_keeps_the_target_distribution(draft_model):
+    """Under k = "auto" a sampled draft is never cut by its contents (that would bias the output:
+    the rejection rule's residual assumes every drawn token is tested). The costs are set so that a
+    doubtful greedy draft would be cut; here every first token must still go through the draft and
+    the rejection rule, and the tokens follow the target's own distribution."""
+    target = make_model("llama", seed=1)
+    prompt = prompt_ids()
+    with torch.no_grad():
+        p = target.hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+    drafter = ModelDrafter(draft_model)
+    adaptive._VERIFY_COSTS[target.hf] = SteepCosts()
+    ctl = AdaptiveK.for_pair(target, drafter)
+
+    def always_draft(cap: int, incremental: bool) -> int:
+        ctl.confidence, ctl.probing, ctl.cap, ctl.rho = [], False, cap, 0.1  # rho: plain decoding's tokens/ms
+        return cap
+
+    ctl.plan = always_draft
+    n = 1500
+    counts = collections.Counter()
+    for seed in range(n):
+        got = generate(target, prompt, drafter, k="auto", max_new_tokens=2, temperature=1.0, seed=seed)
+        assert got.stats.k_per_round[0] == 1  # the first token went through the draft and the rejection rule
+        counts[got.tokens[0]] += 1
+    assert ctl.cut([5], deterministic=True) == 0 or ctl.confident_acceptance(ctl.confidence[0]) >= 0.8
+    tv = 0.5 * sum(abs(counts.get(t, 0) / n - float(q)) for t, q in enumerate(p))
+    assert tv < 0.08  # sampling noise alone: E[TV] ~ 0.03 for this distribution and n
