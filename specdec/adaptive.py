@@ -19,6 +19,14 @@ Estimates, all learned online while generating:
   1..j-1 were, as decayed counts (recent rounds weigh more) over a weak prior; when the drafter
   reports its confidence in each token (its probability for it), acceptance per confidence bin.
 
+A drafter that proposes all at once and cheaply (prompt lookup, suffix matching) is asked for a
+full draft every round, which is then cut to its best length, maybe 0. Such a draft is
+deterministic, so it is also checked later against the tokens the target actually committed
+("shadow" verification, free): that is exactly what verifying it would have accepted under greedy
+decoding (and, when sampling, an unbiased draw of it), so acceptance is learned every round,
+verified or not, per draft position and per match length (Draft.match_length: a 12-token match
+predicts its continuation better than a 1-token one).
+
 Within a round, a draft model is asked after every drafted token whether to go on (the confidence
 stop of transformers' `assistant_confidence_threshold` and llama.cpp's `--draft-p-min`, with the
 threshold replaced by the same cost-benefit test), and a finished draft is cut to its best length
@@ -41,10 +49,17 @@ from dataclasses import dataclass, field
 from .models import Model
 
 BIN_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)  # confidence bins: [0, .2), [.2, .4), ..., [.97, 1]
+MATCH_EDGES = (1, 2, 3, 4, 6, 10, 16)  # match-length classes: unknown, 1, 2, 3, 4-5, 6-9, 10-15, 16+
+CHEAP = 0.02  # a proposal of k_max tokens under this fraction of V(1) counts as free
 
 
 def _bin(confidence: float) -> int:
     return sum(confidence >= edge for edge in BIN_EDGES)
+
+
+def match_class(match_length: int | None) -> int:
+    """Acceptance-table row of a draft: 0 when the drafter gives no match length, else its class."""
+    return 0 if not match_length else sum(match_length >= edge for edge in MATCH_EDGES)
 
 
 @dataclass
@@ -103,8 +118,13 @@ class AdaptiveK:
         self.verify, self.k_max, self.decay = costs, k_max, decay
         self.prior, self.prior_weight = prior, prior_weight
         self.probe_after, self.probe_max = probe_after, probe_max
-        self.reached = [0.0] * k_max  # decayed counts: rounds whose j-th token was verified after j-1 accepts
-        self.accepted = [0.0] * k_max
+        # decayed counts per match class and draft position: drafts whose j-th token was checked
+        # after tokens 1..j-1 were accepted, and those whose j-th token was accepted too
+        self.reached = [[0.0] * k_max for _ in range(len(MATCH_EDGES) + 1)]
+        self.accepted = [[0.0] * k_max for _ in range(len(MATCH_EDGES) + 1)]
+        self.pending: list[tuple[int, list[int], int]] = []  # shadow drafts: (position, tokens, class)
+        self.shadowing = False  # this round's draft is free and learned from by shadow verification
+        self.tokens_ema = self.ms_ema = 0.0  # realised tokens and ms per round (running averages)
         self.bin_reached = [0.0] * (len(BIN_EDGES) + 1)
         self.bin_accepted = [0.0] * (len(BIN_EDGES) + 1)
         self.draft_first_ms: float | None = None  # draft model: first step of a proposal
@@ -132,10 +152,11 @@ class AdaptiveK:
         return ctl
 
     # ---- estimates ----------------------------------------------------------------------------
-    def acceptance(self, j: int) -> float:
-        """P(draft token j accepted | tokens 1..j-1 accepted), j from 1."""
+    def acceptance(self, j: int, cls: int = 0) -> float:
+        """P(draft token j accepted | tokens 1..j-1 accepted), j from 1, for drafts of match class
+        cls (0: drafters without a match length)."""
         i = min(j, self.k_max) - 1
-        return (self.accepted[i] + self.prior * self.prior_weight) / (self.reached[i] + self.prior_weight)
+        return (self.accepted[cls][i] + self.prior * self.prior_weight) / (self.reached[cls][i] + self.prior_weight)
 
     def confident_acceptance(self, confidence: float) -> float:
         """P(a token accepted | the drafter gave it this probability), prior: the confidence."""
@@ -173,6 +194,12 @@ class AdaptiveK:
             return 0  # the first round times V(1) before any choice
         self.cap = cap
         self.rho = self._best_rate(cap, incremental)
+        cheap = self.draft_token_ms is None or self.draft_token_ms * cap < CHEAP * self.verify(1)
+        self.shadowing = not incremental and cheap
+        if self.shadowing:  # free: always draft fully, then cut() decides what to verify
+            plain = 1.0 / (self.verify(1) + self.overhead_ms)
+            self.rho = max(plain, self.tokens_ema / self.ms_ema if self.ms_ema else 0.0)
+            return cap
         gain, p, best, best_m = 0.0, 1.0, 0.0, 0
         for m in range(1, cap + 1):
             p *= self.acceptance(m)
@@ -218,11 +245,15 @@ class AdaptiveK:
         self._stopped = True
         return False
 
-    def cut(self, drafted: list[int], deterministic: bool) -> int:
+    def cut(self, drafted: list[int], deterministic: bool, position: int = 0, match_length: int | None = None) -> int:
         """The best length to verify of a finished draft (<= len(drafted)). Only a deterministic
         draft may be cut by what it contains: cutting a sampled draft by its own tokens'
-        probabilities would bias speculative sampling."""
+        probabilities would bias speculative sampling. A free draft (shadowing) is also kept for
+        shadow verification: `position` is the index its first token would have in the sequence."""
         n = len(drafted)
+        cls = match_class(match_length)
+        if self.shadowing and n:
+            self.pending.append((position, list(drafted), cls))
         if n == 0 or self.probing:
             return min(n, 1)
         if not deterministic:
@@ -230,12 +261,12 @@ class AdaptiveK:
         have = self.confidence[:n]
         best_m, best, gain, p = 0, 0.0, 0.0, 1.0
         for m in range(1, n + 1):
-            p *= self.confident_acceptance(have[m - 1]) if m <= len(have) else self.acceptance(m)
+            p *= self.confident_acceptance(have[m - 1]) if m <= len(have) else self.acceptance(m, cls)
             gain += p
             value = gain - self.rho * (self.verify(m + 1) - self.verify(1))
             if value > best:
                 best_m, best = m, value
-        if best_m == 0:  # the draft is not worth verifying: count as a plain round, maybe probe
+        if best_m == 0 and not self.shadowing:  # not worth verifying: a plain round, maybe a probe
             self.plain_streak += 1
             if self.plain_streak >= self.probe_interval:
                 self.probing = True
@@ -248,16 +279,15 @@ class AdaptiveK:
         verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens."""
         self.verify.observe(n_verified + 1, verify_ms)
         self.overhead_ms = self._ema(self.overhead_ms, other_ms)
+        self.tokens_ema = self._ema(self.tokens_ema or None, n_accepted + 1.0, 0.1)
+        self.ms_ema = self._ema(self.ms_ema or None, verify_ms + draft_ms + other_ms, 0.1)
         if requested and not incremental:
             self.draft_token_ms = self._ema(self.draft_token_ms, draft_ms / requested)
-        if n_verified:
-            self.reached = [x * self.decay for x in self.reached]
-            self.accepted = [x * self.decay for x in self.accepted]
+        if n_verified and not self.shadowing:  # a shadowed draft is learned from in resolve()
+            self._learn(0, min(n_verified, n_accepted + 1), n_accepted)
             self.bin_reached = [x * self.decay for x in self.bin_reached]
             self.bin_accepted = [x * self.decay for x in self.bin_accepted]
             for j in range(min(n_verified, n_accepted + 1)):
-                self.reached[min(j, self.k_max - 1)] += 1
-                self.accepted[min(j, self.k_max - 1)] += j < n_accepted
                 if j < len(self.confidence):
                     b = _bin(self.confidence[j])
                     self.bin_reached[b] += 1
@@ -265,6 +295,36 @@ class AdaptiveK:
             if self.probing:
                 self.probe_interval = self.probe_after if n_accepted else min(2 * self.probe_interval, self.probe_max)
             self.plain_streak = 0
+
+    def _learn(self, cls: int, reached: int, accepted: int) -> None:
+        """One draft's outcome: its tokens 1..reached were checked, 1..accepted were accepted."""
+        self.reached[cls] = [x * self.decay for x in self.reached[cls]]
+        self.accepted[cls] = [x * self.decay for x in self.accepted[cls]]
+        for j in range(reached):
+            self.reached[cls][min(j, self.k_max - 1)] += 1
+            self.accepted[cls][min(j, self.k_max - 1)] += j < accepted
+
+    def resolve(self, sequence: list[int], final: bool = False) -> None:
+        """Shadow verification: check the pending free drafts against the committed `sequence`
+        (prompt + output); a draft is settled once it mismatches or is covered, or at the end
+        (final=True) with what is known."""
+        waiting = []
+        for position, tokens, cls in self.pending:
+            seen = sequence[position: position + len(tokens)]
+            run = 0
+            while run < len(seen) and seen[run] == tokens[run]:
+                run += 1
+            if run < len(seen):  # mismatch at draft position run + 1
+                self._learn(cls, run + 1, run)
+            elif len(seen) == len(tokens) or final:
+                self._learn(cls, run, run)
+            else:
+                waiting.append((position, tokens, cls))
+        self.pending = waiting
+
+    def begin(self) -> None:
+        """A new generation: drop shadow drafts left from an earlier one."""
+        self.pending = []
 
     @staticmethod
     def _ema(old: float | None, new: float, weight: float = 0.3) -> float:

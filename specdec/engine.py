@@ -91,6 +91,8 @@ def generate(
     if drafter is None:
         k = 0
     adaptive = AdaptiveK.for_pair(target, drafter, k_max) if k == "auto" else None
+    if adaptive:
+        adaptive.begin()
     incremental = adaptive is not None and "keep_going" in inspect.signature(drafter.propose).parameters
     generator = torch.Generator()
     if seed is None:
@@ -132,7 +134,8 @@ def generate(
         t1 = time.perf_counter()
         drafted = _usable(draft.tokens[:kk], vocab)
         if adaptive:
-            drafted = drafted[: adaptive.cut(drafted, deterministic=params.greedy or draft.probs is None)]
+            deterministic = params.greedy or draft.probs is None
+            drafted = drafted[: adaptive.cut(drafted, deterministic, len(tokens), draft.match_length)]
         logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
@@ -160,9 +163,13 @@ def generate(
                 break
         tokens += committed
         out += committed
+        if adaptive:
+            adaptive.resolve(tokens)
         if stream is not None:
             stream(committed)
 
+    if adaptive:
+        adaptive.resolve(tokens, final=True)
     stats.new_tokens = len(out)
     stats.total_s = time.perf_counter() - start
     text = target.tokenizer.decode(out, skip_special_tokens=True)

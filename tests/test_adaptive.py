@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import adaptive, generate
-from specdec.adaptive import AdaptiveK, VerifyCosts
-from specdec.drafters import ModelDrafter
+from specdec.adaptive import AdaptiveK, VerifyCosts, match_class
+from specdec.drafters import ModelDrafter, PromptLookup
 
 from .conftest import make_model, prompt_ids
 
@@ -21,7 +21,7 @@ def controller(v: dict[int, float], acceptance: list[float] | None = None, round
     backed by `rounds` observations so the prior no longer matters."""
     ctl = AdaptiveK(VerifyCosts(ms=dict(v)), **kw)
     for j, a in enumerate(acceptance or []):
-        ctl.reached[j], ctl.accepted[j] = rounds, rounds * a
+        ctl.reached[0][j], ctl.accepted[0][j] = rounds, rounds * a
     return ctl
 
 
@@ -51,12 +51,14 @@ def test_verify_costs_interpolate_and_extrapolate_optimistically():
        cap=st.integers(1, 8))
 def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, steps, cap):
     """The Dinkelbach rule: speculate iff the best fixed draft length's rate beats plain decoding's,
-    and then with the length of the best rate (all-at-once drafter, free drafting)."""
+    and then with the length of the best rate (an all-at-once drafter that is not free)."""
     v = {1: 10.0}
     for n, step in enumerate(steps, start=2):
         v[n] = v[n - 1] + step
     ctl = controller(v, acceptance)
+    ctl.draft_token_ms = 0.5
     m = ctl.plan(cap, incremental=False)
+    assert not ctl.shadowing
     rates = [rate(ctl, j) for j in range(cap + 1)]
     if max(rates[1:]) > rates[0] * (1 + 1e-9):
         assert m >= 1 and rates[m] == pytest.approx(max(rates), rel=1e-6)
@@ -64,14 +66,14 @@ def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, 
         assert m == 0
 
 
-def test_a_useless_drafter_is_probed_with_exponential_back_off():
+def test_a_useless_draft_model_is_probed_with_exponential_back_off():
     ctl = controller({1: 10.0, 2: 16.0, 3: 20.0}, [0.0] * 8)  # verifying 2 tokens costs 1.6x one
     asked = []
     for _ in range(400):
-        m = ctl.plan(4, incremental=False)
+        m = ctl.plan(4, incremental=True)
         asked.append(m)
         n = ctl.cut([7] * m, deterministic=True)
-        ctl.observe(n, 0, 10.0 + 6.0 * n, 0.0, 0.0, m, incremental=False)
+        ctl.observe(n, 0, 10.0 + 6.0 * n, 0.0, 0.0, m, incremental=True)
     probes = [i for i, m in enumerate(asked) if m]
     assert all(asked[i] == 1 for i in probes)  # a probe is one token
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -81,14 +83,46 @@ def test_a_useless_drafter_is_probed_with_exponential_back_off():
 
 def test_probing_notices_when_drafts_start_paying_again():
     ctl = controller({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0}, [0.0] * 8, rounds=20)
-    for _ in range(200):  # the drafter is useless: probes back off
-        m = ctl.plan(4, incremental=False)
-        ctl.observe(ctl.cut([7] * m, deterministic=True), 0, 10.0, 0.0, 0.0, m, incremental=False)
+    for _ in range(200):  # the draft model is useless: probes back off
+        m = ctl.plan(4, incremental=True)
+        ctl.observe(ctl.cut([7] * m, deterministic=True), 0, 10.0, 0.0, 0.0, m, incremental=True)
     for _ in range(200):  # now every drafted token is accepted
-        m = ctl.plan(4, incremental=False)
+        m = ctl.plan(4, incremental=True)
         n = ctl.cut([7] * m, deterministic=True)
-        ctl.observe(n, n, 10.0 + n, 0.0, 0.0, m, incremental=False)
-    assert ctl.plan(4, incremental=False) == 4 and ctl.acceptance(1) > 0.9
+        ctl.observe(n, n, 10.0 + n, 0.0, 0.0, m, incremental=True)
+    assert ctl.plan(4, incremental=True) == 4 and ctl.acceptance(1) > 0.9
+
+
+def test_free_drafts_are_learned_from_by_shadow_verification():
+    """A free deterministic draft is always proposed in full, cut to what pays, and checked later
+    against the committed tokens, verified or not, per match class."""
+    ctl = controller({1: 10.0, 2: 16.0, 3: 17.0, 4: 18.0, 5: 19.0})
+    assert ctl.plan(4, incremental=False) == 4 and ctl.shadowing
+    assert match_class(None) == 0 and match_class(1) == 1 and match_class(5) == 4 and match_class(40) == 7
+    seq = [1, 2, 3, 4, 5, 6, 7, 8]
+    ctl.cut([4, 5, 9, 9], deterministic=True, position=3, match_length=5)  # 2 right, then wrong
+    ctl.cut([8, 1], deterministic=True, position=7, match_length=1)  # 1 right, 1 not yet known
+    ctl.resolve(seq[:5])  # covers the first draft up to its first 2 tokens only: still pending
+    assert len(ctl.pending) == 2
+    ctl.resolve(seq)
+    assert ctl.reached[4][:4] == [1, 1, 1, 0] and ctl.accepted[4][:3] == [1, 1, 0]
+    assert len(ctl.pending) == 1  # the second waits for its second token
+    ctl.resolve(seq, final=True)
+    assert ctl.reached[1][:2] == [1, 0] and ctl.accepted[1][:1] == [1] and not ctl.pending
+    for _ in range(40):  # long matches always right, short ones never
+        assert ctl.plan(4, incremental=False) == 4
+        ctl.cut([1, 2, 3, 4], True, 0, match_length=12)
+        ctl.cut([7, 7, 7, 7], True, 0, match_length=1)
+        ctl.resolve([1, 2, 3, 4], final=True)
+    assert ctl.cut([1, 2, 3, 4], True, 0, match_length=12) == 4
+    assert ctl.cut([7, 7, 7, 7], True, 0, match_length=1) == 0
+
+
+def test_prompt_lookup_reports_how_long_its_match_is():
+    lookup = PromptLookup()
+    draft = lookup.propose([1, 2, 3, 4, 9, 8, 1, 2, 3, 4], 3, None)
+    assert draft.tokens == [9, 8, 1] and draft.match_length == 4  # 3-gram [2, 3, 4], extended to 4
+    assert lookup.propose([5, 6, 7], 3, None).match_length is None
 
 
 def test_draft_model_stops_at_low_confidence_and_cuts_a_greedy_draft():

@@ -17,13 +17,16 @@ class Draft:
 
     probs: (len(tokens), V_draft) float32, or None for a deterministic drafter, which the verifier
     treats as a one-hot distribution on each proposed token.
-    confidence: the drafter's probability for each proposed token, when it reports one (used by
-    the adaptive draft length of specdec.adaptive), else None.
+    confidence: the drafter's probability for each proposed token, when it reports one, else None.
+    match_length: for a drafter that copies what followed an earlier occurrence of the context's
+    end, how many tokens that occurrence matches (longer matches are accepted more often).
+    Both feed the adaptive draft length (specdec.adaptive).
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     confidence: list[float] | None = None
+    match_length: int | None = None
 
 
 class Drafter(Protocol):

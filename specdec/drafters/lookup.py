@@ -8,6 +8,8 @@ from ..models import Model
 from ..sampling import Sampler
 from .base import Draft
 
+MAX_MATCH = 32  # how far back a match's length is measured
+
 
 class PromptLookup:
     """n-gram match over prompt + output so far.
@@ -26,10 +28,16 @@ class PromptLookup:
         pass
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
+        """Up to k tokens; Draft.match_length is how far back the chosen occurrence matches the
+        context's end (at least its n-gram, at most MAX_MATCH)."""
         L = len(context)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
             pattern = context[L - n:]
             for start in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
                 if context[start:start + n] == pattern:
-                    return Draft(context[start + n:start + n + k])
+                    length = n
+                    while length < MAX_MATCH and start - (length - n) > 0 and \
+                            context[start - (length - n) - 1] == context[L - length - 1]:
+                        length += 1
+                    return Draft(context[start + n:start + n + k], match_length=length)
         return Draft([])
