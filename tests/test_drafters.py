@@ -155,6 +155,10 @@ def test_corpus_and_remembered_outputs():
     assert drafter.propose([3, 10, 11, 12, 13, 14], 3).tokens == []  # the corpus match runs into the document's end
     # "10 11" matches in both the context and the corpus: the context's (more recent text) wins.
     assert SuffixDrafter(corpus=[[10, 11, 13]]).propose([3, 10, 11, 12, 10, 11], 3).tokens == [12, 10, 11]
+    late = SuffixDrafter()
+    assert late.propose([3, 20, 21], 2).tokens == []
+    late.add_document([20, 21, 22, 23])  # mid-generation: the context is matched against it afresh
+    assert late.propose([3, 20, 21], 2).tokens == [22, 23]
     remembering = SuffixDrafter(remember=True)
     remembering.prepare(None)
     remembering.propose([1, 2], 2)  # prompt [1, 2]
@@ -199,7 +203,7 @@ def test_full_view_is_the_target(target):
     assert got.stats.alpha == 1.0 and got.tokens == generate(target, prompt, None, max_new_tokens=N_NEW).tokens
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 4, 8, "auto"])
 def test_greedy_equals_plain(target, k):
     prompt = prompt_ids()
     base = generate(target, prompt, None, max_new_tokens=N_NEW)
@@ -208,7 +212,8 @@ def test_greedy_equals_plain(target, k):
     for name, drafter in drafters.items():
         got = generate(target, prompt, drafter, k=k, max_new_tokens=N_NEW)
         assert got.tokens == base.tokens, f"{name}, k={k}"
-        assert got.stats.drafted > 0 and got.stats.accepted + got.stats.rounds == N_NEW, name
+        assert got.stats.accepted + got.stats.rounds == N_NEW, name
+        assert got.stats.drafted > 0 or k == "auto", name  # auto may find drafting does not pay
 
 
 def test_layer_skip_sampling_gives_valid_reproducible_output(target):

@@ -4,8 +4,10 @@ Speeding Up Large Language Model Inference").
 
 Each round the drafter finds the longest suffix of the context that occurred before, in the
 context itself or in a corpus of earlier token sequences, and proposes the tokens that followed
-that occurrence. Unlike prompt lookup the match is not capped at a few tokens: the longest earlier
-match is usually the best predictor, and a long match is found in O(1) from the automaton.
+it: by default, step by step, the token that followed the match most often (SuffixDecoding's
+frequency score), else what followed its most recent occurrence. Unlike prompt lookup the match
+is not capped at a few tokens: the longest earlier match is usually the best predictor, and a
+long match is found in O(1) from the automaton.
 
 The structure is the suffix automaton of Blumer et al. 1985 ("The smallest automaton recognizing
 the subwords of a text"), built online: appending a token costs O(1) amortized, so the drafter
@@ -200,11 +202,12 @@ class SuffixDrafter:
         if tokens:
             self.corpus.extend(tokens)
             self.corpus.add_separator()
+            self._rematch = True  # new states may have split the one the context's match was in
 
     def _reset(self) -> None:
         self.ctx = SuffixAutomaton(self.max_depth)
         self.prompt_len: int | None = None
-        self.corpus_state, self.corpus_match = 0, 0
+        self.corpus_state, self.corpus_match, self._rematch = 0, 0, False
 
     def prepare(self, target: Model | None) -> None:
         """Start a new generation: remember the last one's output when remember=True, then reset."""
@@ -214,7 +217,8 @@ class SuffixDrafter:
 
     def _observe(self, context: list[int]) -> None:
         """Bring the automaton up to `context`: extend it by the new tokens, or rebuild when the
-        context does not extend what it holds (a new generation)."""
+        context does not extend what it holds (a new generation). The extension check compares
+        the held prefix (a C-speed list comparison); the automaton work is O(new tokens)."""
         seen = self.ctx.tokens
         if len(context) < len(seen) or context[: len(seen)] != seen:
             self._reset()
@@ -225,6 +229,8 @@ class SuffixDrafter:
         self.ctx.extend(new)
         if self.corpus.tokens:
             state, matched = self.corpus_state, self.corpus_match
+            if self._rematch:
+                state, matched, new, self._rematch = 0, 0, context, False
             for t in new:
                 state, matched = self.corpus.step(state, matched, t)
             self.corpus_state, self.corpus_match = state, matched
