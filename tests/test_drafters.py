@@ -98,7 +98,8 @@ def test_capped_statistics_stay_real_occurrences():
 def test_drafter_proposes_the_longest_matchs_continuation(frequent):
     # "9 1 2" occurs twice: after the longer match "8 9 1 2" comes 30, after "9 1 2" alone 20.
     context = [8, 9, 1, 2, 30, 31, 32, 9, 1, 2, 20, 21, 5, 8, 9, 1, 2]
-    assert SuffixDrafter(frequent=frequent).propose(context, 3).tokens == [30, 31, 32]
+    draft = SuffixDrafter(frequent=frequent).propose(context, 3)
+    assert draft.tokens == [30, 31, 32] and draft.match_length == 4
     # Prompt lookup capped at 3 tokens takes the most recent "9 1 2" instead.
     assert make_drafter("prompt-lookup", max_ngram=3).propose(context, 3, GREEDY).tokens == [20, 21, 5]
 

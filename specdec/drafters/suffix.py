@@ -237,7 +237,8 @@ class SuffixDrafter:
 
     def propose(self, context: list[int], k: int, sampler: Sampler | None = None) -> Draft:
         """Up to k tokens after `context` (prompt + committed output), or none when no suffix of at
-        least min_match tokens occurred before."""
+        least min_match tokens occurred before. Draft.match_length: the matched suffix's length in
+        tokens (the adaptive draft length learns acceptance per match length)."""
         self._observe(context)
         if k <= 0:
             return Draft([])
@@ -248,6 +249,5 @@ class SuffixDrafter:
             end = self.corpus.recent[state]
         if length < self.min_match or end < 0:
             return Draft([])
-        if self.frequent:
-            return Draft(source.frequent_continuation(state, k))
-        return Draft(source.continuation(end, k))
+        tokens = source.frequent_continuation(state, k) if self.frequent else source.continuation(end, k)
+        return Draft(tokens, match_length=length)
