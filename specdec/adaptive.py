@@ -106,7 +106,7 @@ class AdaptiveK:
     k_max: the longest draft of a round (>= 1). decay: weight kept by old acceptance counts each
     round that drafts (0.9: about the last 10 rounds). prior: acceptance assumed before any round,
     worth prior_weight rounds. probe_after: plain rounds before a one-token probe; it doubles after
-    each probe that fails, up to probe_max, and resets when one is accepted.
+    each probe, up to probe_max, and resets when the policy chooses to draft again.
 
     Use for_pair() to get the shared instance; raises ValueError for k_max < 1.
     """
@@ -208,6 +208,7 @@ class AdaptiveK:
             if value > best:
                 best, best_m = value, m
         if best_m:
+            self.probe_interval = self.probe_after  # drafting pays: probe promptly if it stops paying
             self._t_start = self._t_last = time.perf_counter()
             return cap if incremental else best_m  # keep_going() steers an incremental drafter
         self.plain_streak += 1
@@ -292,8 +293,8 @@ class AdaptiveK:
                     b = _bin(self.confidence[j])
                     self.bin_reached[b] += 1
                     self.bin_accepted[b] += j < n_accepted
-            if self.probing:
-                self.probe_interval = self.probe_after if n_accepted else min(2 * self.probe_interval, self.probe_max)
+            if self.probing:  # an accepted probe need not make drafting pay (costs): back off until plan() drafts
+                self.probe_interval = min(2 * self.probe_interval, self.probe_max)
             self.plain_streak = 0
 
     def _learn(self, cls: int, reached: int, accepted: int) -> None:
