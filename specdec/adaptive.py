@@ -138,8 +138,7 @@ class AdaptiveK:
         self.rho = 0.0
         self.cap = k_max
         self.confidence: list[float] = []
-        self._t_start = self._t_last = 0.0
-        self._stopped = False
+        self._t_last = 0.0  # when the last draft step ended
 
     @classmethod
     def for_pair(cls, target: Model, drafter, k_max: int = 8) -> "AdaptiveK":
@@ -187,7 +186,7 @@ class AdaptiveK:
     def plan(self, cap: int, incremental: bool) -> int:
         """How many tokens to ask the drafter for this round (0: a plain round). cap: the most the
         budget and context allow. An incremental drafter is then steered by keep_going()."""
-        self.confidence, self._stopped, self.probing = [], False, False
+        self.confidence, self.probing = [], False
         if cap <= 0:
             return 0
         if not self.verify.known():
@@ -209,12 +208,12 @@ class AdaptiveK:
                 best, best_m = value, m
         if best_m:
             self.probe_interval = self.probe_after  # drafting pays: probe promptly if it stops paying
-            self._t_start = self._t_last = time.perf_counter()
+            self._t_last = time.perf_counter()
             return cap if incremental else best_m  # keep_going() steers an incremental drafter
         self.plain_streak += 1
         if self.plain_streak >= self.probe_interval:
             self.probing = True
-            self._t_start = self._t_last = time.perf_counter()
+            self._t_last = time.perf_counter()
             return 1
         return 0
 
@@ -230,7 +229,6 @@ class AdaptiveK:
             self.draft_step_ms = self._ema(self.draft_step_ms, step * 1e3)
         self.confidence.append(confidence)
         if self.probing or n_drafted >= self.cap:
-            self._stopped = True
             return False
         p_now = 1.0
         for c in self.confidence:
@@ -243,7 +241,6 @@ class AdaptiveK:
             cost = (m - n_drafted) * step_ms + self.verify(m + 1) - self.verify(n_drafted + 1)
             if gain - self.rho * cost > 0:
                 return True
-        self._stopped = True
         return False
 
     def cut(self, drafted: list[int], deterministic: bool, position: int = 0, match_length: int | None = None) -> int:
