@@ -14,6 +14,7 @@ from .engine import AUTO_K_MAX, generate
 from .errors import SpecdecError
 from .exactness import first_divergence
 from .models import load_model
+from .textstream import TextDeltas
 from .weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from .registry import REGISTRY
 from .sampling import SamplingParams
@@ -228,40 +229,22 @@ def _generate(args) -> int:
 
 class TextStreamer:
     """Prints text as tokens arrive, holding back what could still change: an incomplete UTF-8
-    character, or the start of a stop string."""
+    character, or the start of a stop string (specdec.textstream). out: default sys.stdout."""
 
-    def __init__(self, tokenizer, stop: list[str], out=sys.stdout):
-        self.tokenizer, self.stop, self.out = tokenizer, [s for s in stop if s], out
-        self.ids: list[int] = []
-        self.printed = 0
+    def __init__(self, tokenizer, stop: list[str], out=None):
+        self.deltas, self.out = TextDeltas(tokenizer, stop), out
 
     def __call__(self, new_tokens: list[int]) -> None:
-        self.ids += new_tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        safe = len(text.rstrip("\ufffd"))
-        for s in self.stop:
-            hit = text.find(s)
-            safe = min(safe, hit) if hit >= 0 else min(safe, _held_back(text, s))
-        self._emit(text[self.printed:safe])
+        self._write(self.deltas(new_tokens))
 
     def finish(self, final_text: str) -> None:
-        self._emit(final_text[self.printed:])
-        self.out.write("\n")
-        self.out.flush()
+        self._write(final_text[self.deltas.sent:] + "\n")
 
-    def _emit(self, piece: str) -> None:
+    def _write(self, piece: str) -> None:
         if piece:
-            self.out.write(piece)
-            self.out.flush()
-            self.printed += len(piece)
-
-
-def _held_back(text: str, stop: str) -> int:
-    """Where the longest suffix of text that is a proper prefix of stop begins (len(text) if none)."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return len(text) - n
-    return len(text)
+            out = self.out or sys.stdout
+            out.write(piece)
+            out.flush()
 
 
 def _bench(args) -> int:

@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .models import Model, check_same_tokenizer
 from .sampling import SamplingParams
 from .stats import RunStats
+from .textstream import TextDeltas
 
 log = logging.getLogger("specdec.serve")
 
@@ -188,35 +189,6 @@ class _Job:
             self.cancelled.set()
 
 
-class _TextDeltas:
-    """The new text after each round, holding back what could still change: an incomplete UTF-8
-    character at the end, or the beginning of a stop string (the rule of the CLI's TextStreamer)."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def __call__(self, tokens: list[int]) -> str:
-        self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        safe = len(text.rstrip("\ufffd"))
-        for s in self.stop:
-            hit = text.find(s)
-            safe = min(safe, hit if hit >= 0 else _partial_stop_start(text, s))
-        piece = text[self.sent:safe] if safe > self.sent else ""
-        self.sent += len(piece)
-        return piece
-
-
-def _partial_stop_start(text: str, stop: str) -> int:
-    """Where the longest suffix of text that is a proper prefix of stop begins (len(text) if none)."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return len(text) - n
-    return len(text)
-
-
 class Server:
     """The state behind the app: the target, its drafters, the bounded queue, the worker thread
     and the metrics. Built by create_app; started and stopped by the app's lifespan."""
@@ -298,7 +270,7 @@ class Server:
     def _run(self, job: _Job) -> tuple[str, Any] | None:
         """Generate one job; returns its last event for the client: ("done", Generation) or
         ("error", ApiError), or None when it was cancelled. Counts it in the metrics."""
-        deltas = _TextDeltas(self.target.tokenizer, job.run["stop"]) if job.stream else None
+        deltas = TextDeltas(self.target.tokenizer, job.run["stop"]) if job.stream else None
 
         def on_round(tokens: list[int]) -> None:
             if job.cancelled.is_set():

@@ -22,11 +22,11 @@ def test_generate_compare_reports_identical(model_dir, capsys):
 
 def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):
     args = ["generate", "w5 w6 w7", "--target", str(model_dir), "--drafter", "model", "--draft", str(model_dir),
-            "--temperature", "0.8", "--top-k", "20", "--seed", "1", "--max-new-tokens", "12"]
+            "--temperature", "0.8", "--top-k", "20", "--seed", "1", "--max-new-tokens", "12", "-k", "3"]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert main(args) == 0
-    assert capsys.readouterr().out.split("---")[0] == first.split("---")[0]  # same seed, same text
+    assert capsys.readouterr().out.split("---")[0] == first.split("---")[0]  # same seed and k, same text
     # A draft equal to the target accepts (almost) everything: the acceptance rate is printed.
     assert "acceptance rate alpha" in first
 
