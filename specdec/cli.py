@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _loading_options(p: argparse.ArgumentParser) -> None:
+    """--dtype, --pull and --cache-dir, shared by the commands that load models."""
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
+    p.add_argument("--cache-dir", help="specdec cache folder (default: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for causal LMs.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
@@ -67,9 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--workload", type=Path, help="take the prompt from a workload .jsonl (Spec-Bench or HumanEval)")
     g.add_argument("--category", help="with --workload: only rows of this category")
     g.add_argument("--row", type=int, default=0, help="with --workload: which (filtered) row, from 0")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    g.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
-    g.add_argument("--cache-dir", help="specdec cache folder (default: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec)")
+    _loading_options(g)
     g.set_defaults(run=_generate)
 
     b = sub.add_parser("bench", help="sweep k over a workload: exactness, acceptance, costs, speed-up, cost model, peers")
@@ -86,9 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="5 categories x 1 prompt, k 1,2,4, 48 tokens: about 3 minutes on 2 cores")
     b.add_argument("--out", type=Path, default=Path("specdec-bench"), help="folder for results.json, report.md and plots")
     b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    b.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    b.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
-    b.add_argument("--cache-dir")
+    _loading_options(b)
     b.set_defaults(run=_bench)
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /metrics")
@@ -105,9 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait while one runs; past it: 429 (default 64)")
     sv.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
     sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
-    sv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    sv.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
-    sv.add_argument("--cache-dir")
+    _loading_options(sv)
     sv.set_defaults(run=_serve)
 
     cs = sub.add_parser("calibrate-skip", help="choose the decoder layers a layer-skip draft keeps, and store them")
@@ -117,9 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--max-keep", type=int, help="keep at most this many layers (default: all but one)")
     cs.add_argument("--beam", type=int, default=4, help="layers re-tried per step after the first; 0 = all (default 4)")
     cs.add_argument("--verify-ratio", type=float, help="cost of verifying k+1 tokens over one (default: timed)")
-    cs.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    cs.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
-    cs.add_argument("--cache-dir")
+    _loading_options(cs)
     cs.set_defaults(run=_calibrate_skip)
 
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
