@@ -46,6 +46,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
+from .costmodel import interpolate
 from .models import Model
 
 BIN_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)  # confidence bins: [0, .2), [.2, .4), ..., [.97, 1]
@@ -79,21 +80,16 @@ class VerifyCosts:
 
     def __call__(self, n: int) -> float:
         """Estimated V(n) in ms (0 when nothing has been timed yet)."""
-        if n in self.ms:
-            return self.ms[n]
         if not self.ms:
             return 0.0
-        tried = sorted(self.ms)
-        lower = [m for m in tried if m < n]
-        upper = [m for m in tried if m > n]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-            return self.ms[a] + (self.ms[b] - self.ms[a]) * (n - a) / (b - a)
-        first = tried[0]
+        inside = interpolate(self.ms, n)
+        if inside is not None:
+            return inside
+        first, last = min(self.ms), max(self.ms)
         v1 = self.ms.get(1, self.ms[first] / (1 + self.optimistic_slope * (first - 1)))
-        if upper:  # n below every tried length
+        if n < first:
             return max(0.0, self.ms[first] - self.optimistic_slope * v1 * (first - n))
-        return self.ms[tried[-1]] + self.optimistic_slope * v1 * (n - tried[-1])
+        return self.ms[last] + self.optimistic_slope * v1 * (n - last)
 
 
 _VERIFY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target.hf -> VerifyCosts
@@ -124,7 +120,8 @@ class AdaptiveK:
         self.accepted = [[0.0] * k_max for _ in range(len(MATCH_EDGES) + 1)]
         self.pending: list[tuple[int, list[int], int]] = []  # shadow drafts: (position, tokens, class)
         self.shadowing = False  # this round's draft is free and learned from by shadow verification
-        self.tokens_ema = self.ms_ema = 0.0  # realised tokens and ms per round (running averages)
+        self.tokens_ema: float | None = None  # realised tokens per round (running average)
+        self.ms_ema: float | None = None  # realised ms per round
         self.bin_reached = [0.0] * (len(BIN_EDGES) + 1)
         self.bin_accepted = [0.0] * (len(BIN_EDGES) + 1)
         self.draft_first_ms: float | None = None  # draft model: first step of a proposal
@@ -277,8 +274,8 @@ class AdaptiveK:
         verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens."""
         self.verify.observe(n_verified + 1, verify_ms)
         self.overhead_ms = self._ema(self.overhead_ms, other_ms)
-        self.tokens_ema = self._ema(self.tokens_ema or None, n_accepted + 1.0, 0.1)
-        self.ms_ema = self._ema(self.ms_ema or None, verify_ms + draft_ms + other_ms, 0.1)
+        self.tokens_ema = self._ema(self.tokens_ema, n_accepted + 1.0, 0.1)
+        self.ms_ema = self._ema(self.ms_ema, verify_ms + draft_ms + other_ms, 0.1)
         if requested and not incremental:
             self.draft_token_ms = self._ema(self.draft_token_ms, draft_ms / requested)
         if n_verified and not self.shadowing:  # a shadowed draft is learned from in resolve()

@@ -244,8 +244,9 @@ def fit(pair: dict, ks: list[int]) -> dict:
         runs = [rec["runs"][str(k)] for rec in records]
         measured = [r["decode_tokens_per_s"] / rec["plain"]["decode_tokens_per_s"] for r, rec in zip(runs, records)]
         ours = [costmodel.our_speedup(r, k, costs) for r in runs]
+        mean_k = [r["drafted"] / r["rounds"] if r["rounds"] else 0.0 for r in runs]  # tokens drafted per round
         # The textbook formula for k = "auto" is taken at the mean draft length the run chose.
-        kk = [r["drafted"] / r["rounds"] if k == "auto" and r["rounds"] else k for r in runs]
+        kk = mean_k if k == "auto" else [k] * len(runs)
         textbook = [costmodel.textbook_speedup(r["alpha"], n, costmodel.cost_ratio(costs, n)) for r, n in zip(runs, kk)]
         speed = _quartiles(measured)
         predicted = {"textbook": statistics.median(textbook), "ours": statistics.median(ours)}
@@ -257,7 +258,7 @@ def fit(pair: dict, ks: list[int]) -> dict:
                                 "speedup": statistics.median(measured[i] for i in idx)}
         identical = [r["identical"] for r in runs if r["identical"] is not None]
         configs.append({
-            "k": k, **_pooled(runs), "mean_k": statistics.fmean(r["drafted"] / r["rounds"] if r["rounds"] else 0.0 for r in runs),
+            "k": k, **_pooled(runs), "mean_k": statistics.fmean(mean_k),
             "speedup": speed,
             "identical": [sum(identical), len(identical)],
             "predicted": predicted,

@@ -54,20 +54,28 @@ def verify_ms(costs: dict, n: int) -> float:
     return curve[b] + (curve[b] - curve[a]) / (b - a) * (n - b)
 
 
+def interpolate(curve: dict[int, float], n: int) -> float | None:
+    """curve[n] if measured, else linear between the nearest measured points on either side;
+    None when n lies outside them (each caller extrapolates its own way)."""
+    if n in curve:
+        return curve[n]
+    lower = max((x for x in curve if x < n), default=None)
+    upper = min((x for x in curve if x > n), default=None)
+    if lower is None or upper is None:
+        return None
+    return curve[lower] + (curve[upper] - curve[lower]) * (n - lower) / (upper - lower)
+
+
 def draft_ms_at(costs: dict, n: int) -> float:
     """One proposal of n tokens in ms, from the measured draft_ms (keys are strings): measured
-    points as they are, linear in between, per-token beyond the last (0 for n = 0)."""
-    if n <= 0:
-        return 0.0
+    points as they are, linear in between, per-token beyond them (0 for n = 0)."""
     curve = {int(key): value for key, value in costs["draft_ms"].items()}
-    if n in curve or not curve:
-        return curve.get(n, 0.0)
-    xs = sorted(curve)
-    lower, upper = [x for x in xs if x < n], [x for x in xs if x > n]
-    if lower and upper:
-        a, b = lower[-1], upper[0]
-        return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
-    edge = lower[-1] if lower else upper[0]
+    if n <= 0 or not curve:
+        return 0.0
+    inside = interpolate(curve, n)
+    if inside is not None:
+        return inside
+    edge = max(curve) if n > max(curve) else min(curve)
     return curve[edge] * n / edge
 
 

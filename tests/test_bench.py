@@ -131,3 +131,11 @@ def test_fully_accepted_rounds_pay_the_catch_up_draft_cost():
     assert costmodel.our_speedup(run, 2, costs) == pytest.approx(expected)
     without = {**COSTS, "draft_ms": {"2": 10.0}}  # an older results file: D2 falls back to D1
     assert costmodel.our_speedup(run, 2, without) == pytest.approx(2.0 * 12.0 / (10.0 + 25.0 + 2.0))
+
+
+def test_draft_cost_between_and_beyond_the_measured_lengths():
+    costs = {"draft_ms": {"2": 10.0, "4": 30.0}}
+    assert costmodel.draft_ms_at(costs, 0) == 0.0
+    assert costmodel.draft_ms_at(costs, 3) == 20.0  # linear between 2 and 4
+    assert costmodel.draft_ms_at(costs, 8) == 60.0 and costmodel.draft_ms_at(costs, 1) == 5.0  # per token outside
+    assert costmodel.interpolate({2: 10.0, 4: 30.0}, 5) is None
