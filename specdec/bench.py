@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from . import costmodel
-from .cache import KVCache
+from .cache import new_cache
 from .drafters import Drafter, make_drafter
 from .engine import AUTO_K_MAX, generate
 from .exactness import first_divergence
@@ -113,7 +113,7 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
       (the round before rejected a drafted token);
     - draft_catchup_ms[k]: the same when it lags by two (the round before accepted everything, so
       the last drafted token and the bonus token are both new to a draft model)."""
-    kv = KVCache(target)
+    kv = new_cache(target)
     kv.extend(context[:-1], all_logits=False)
     n_keep = len(kv)
     block = (context * (max(ks) + 2))[: max(ks) + 1]

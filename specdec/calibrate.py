@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from .cache import KVCache
+from .cache import new_cache
 from .drafters.layerskip import _build_view, decoder_layers, parse_layers
 from .engine import generate
 from .models import Model
@@ -129,7 +129,7 @@ def draft_cost_ratio(target: Model, kept: list[int]) -> float:
 def verify_cost_ratio(target: Model, k: int, context: list[int], repeats: int = 7) -> float:
     """v: the target's time to score k+1 tokens over its time for one, on a KV cache holding
     `context` (medians, the two timed alternately)."""
-    kv = KVCache(target)
+    kv = new_cache(target)
     kv.extend(context, all_logits=False)
     n = len(kv)
     times: dict[int, list[float]] = {1: [], k + 1: []}

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from .adaptive import AdaptiveK
-from .cache import KVCache
+from .cache import new_cache
 from .drafters import Draft, Drafter, make_drafter
 from .errors import ContextLengthError
 from .models import Model
@@ -107,7 +107,7 @@ def generate(
     start = time.perf_counter()
     if drafter is not None:
         drafter.prepare(target)
-    kv = KVCache(target)
+    kv = new_cache(target)
     if len(prompt) > 1:
         kv.extend(prompt[:-1], all_logits=False)  # the cache holds all committed tokens but the last
     stats.prefill_s = time.perf_counter() - start

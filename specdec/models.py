@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -19,18 +19,46 @@ from .registry import REGISTRY
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../x" are paths
 
 
-@dataclass
+BACKENDS = ("auto", "lean", "hf")
+
+
+@dataclass(eq=False)
 class Model:
     """A causal LM (a transformers `PreTrainedModel`) with its tokenizer.
 
-    `name` is what it was loaded from. The KV cache lives outside, in `specdec.cache.KVCache`, so
-    one model can serve several runs.
+    `name` is what it was loaded from. The KV cache lives outside, in `specdec.cache`, so one model
+    can serve several runs. backend: how forwards run. "lean" is specdec.lean's forward over
+    prepacked weights and a preallocated cache (Llama and Qwen2 models; built at first use, about
+    one more copy of the linear weights); "hf" is the transformers model itself; "auto" (default)
+    picks lean where it can run the model. Raises ValueError for backend="lean" on a model it
+    cannot run, or an unknown backend.
     """
 
     hf: torch.nn.Module
     tokenizer: object
     name: str
     eos_token_ids: frozenset[int] = frozenset()  # ids that end generation; empty: never stop on EOS
+    backend: str = "auto"
+    _lean: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        from .lean import unsupported_reason
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        reason = unsupported_reason(self.hf) if self.backend != "hf" else None
+        if self.backend == "lean" and reason:
+            raise ValueError(f"the lean backend cannot run {self.name}: {reason}; use backend 'hf' or 'auto'")
+        if self.backend == "auto":
+            self.backend = "hf" if reason else "lean"
+
+    def lean(self):
+        """The specdec.lean.LeanModel of this model, built at the first call."""
+        if self._lean is None:
+            from .lean import LeanModel
+
+            self._lean = LeanModel(self.hf)
+        return self._lean
 
     @property
     def n_ctx(self) -> int:
@@ -62,6 +90,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     pull_missing: bool = False,
     cache: str | os.PathLike | None = None,
+    backend: str = "auto",
 ) -> Model:
     """Load a model and its tokenizer, in eval mode.
 
@@ -104,7 +133,7 @@ def load_model(
     except OSError as e:
         raise ModelNotFoundError(f"could not load {spec!r}: {e}") from e
     hf.eval()
-    return Model(hf, tokenizer, spec, default_eos_ids(hf, tokenizer))
+    return Model(hf, tokenizer, spec, default_eos_ids(hf, tokenizer), backend)
 
 
 def default_eos_ids(hf, tokenizer) -> frozenset[int]:

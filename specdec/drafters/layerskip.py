@@ -74,7 +74,8 @@ def skip_view(model: Model, layers: Sequence[int] | str) -> Model:
     Every parameter is shared with `model` (no copy: the same tensors, the same data_ptr). The view
     has its own config copy with num_hidden_layers (and layer_types, for models that mix sliding
     and full attention) cut to the kept layers, and the kept attention layers are renumbered 0..m-1
-    so that a fresh KV cache of m layers (specdec.cache.KVCache on the view) lines up with them.
+    so that a fresh KV cache of m layers (specdec.cache.new_cache on the view) lines up with them.
+    On the lean backend the view runs the target's lean model over the kept layers.
     Raises ValueError on bad indices or an unsupported architecture.
     """
     return _build_view(model, parse_layers(layers, len(decoder_layers(model.hf))))
@@ -106,7 +107,9 @@ def _build_view(model: Model, kept: list[int]) -> Model:
     view = _shallow(hf)
     view.model = inner
     view.config = config
-    return Model(view, model.tokenizer, f"{model.name}[layers {_ranges(kept) if kept else 'none'}]", model.eos_token_ids)
+    lean = model.lean().subset(kept) if model.backend == "lean" else None
+    return Model(view, model.tokenizer, f"{model.name}[layers {_ranges(kept) if kept else 'none'}]",
+                 model.eos_token_ids, model.backend, lean)
 
 
 def _ranges(kept: list[int]) -> str:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..cache import KVCache
+from ..cache import new_cache
 from ..models import Model, check_same_tokenizer, load_model
 from ..sampling import Sampler
 from .base import Draft
@@ -24,14 +24,14 @@ class ModelDrafter:
 
     def __init__(self, draft: Model | str, **load_kwargs):
         self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
-        self.kv = KVCache(self.draft)
+        self.kv = new_cache(self.draft)
         self.checked: Model | None = None  # the target whose tokenizer was last checked
 
     def prepare(self, target: Model) -> None:
         if self.checked is not target:
             check_same_tokenizer(target, self.draft)
             self.checked = target
-        self.kv = KVCache(self.draft)
+        self.kv = new_cache(self.draft)
 
     def propose(self, context: list[int], k: int, sampler: Sampler,
                 keep_going: Callable[[int, float], bool] | None = None) -> Draft:

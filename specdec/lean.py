@@ -1,0 +1,164 @@
+"""The lean decode path: a plain-torch forward for Llama-family models (Llama, SmolLM2, Qwen2)
+over a preallocated, position-indexed KV cache, with weights prepacked for the CPU's BLAS.
+
+Why it exists (issue #6, numbers in ../shared/reference/models.md): with transformers on this CPU a
+forward over 2..16 new tokens costs 2-3x a one-token forward, because MKL's general matrix product
+re-packs each weight on every call and its small-M path is far off the memory floor. oneDNN with
+the weights reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`, the kernels
+inductor's CPU freezing pass uses) reads a weight once for M up to about 16 tokens, so a verify pass
+costs about what a one-token step costs, the premise of speculative decoding. q/k/v and gate/up
+are fused into one product each; the rest is what decoding needs and nothing more, after
+gpt-fast's model.py.
+
+Rollback is moving a counter: the cache rows past it are simply overwritten by the next forward.
+Exactness is against plain decoding on the same backend: both use this forward, and it agrees with
+transformers' to floating-point rounding (tests/test_lean.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "qwen2")
+
+
+def unsupported_reason(hf) -> str | None:
+    """Why the lean forward cannot run this transformers model, or None when it can."""
+    c = hf.config
+    if c.model_type not in SUPPORTED:
+        return f"architecture {c.model_type!r} (the lean path runs {', '.join(SUPPORTED)})"
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rope type {rope.get('rope_type')!r}"
+    if getattr(c, "use_sliding_window", False):
+        return "sliding-window attention"
+    if getattr(c, "hidden_act", "silu") != "silu":
+        return f"activation {c.hidden_act!r}"
+    if getattr(c, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    return None
+
+
+def _packs(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+class Linear:
+    """y = x W^T + b over a weight (out, in) reordered once for oneDNN on CPU; F.linear elsewhere.
+    x: (..., in) -> (..., out)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features = weight.shape[0]
+        self.packed = _packs(weight.dtype, weight.device)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _fused(*linears: torch.nn.Linear) -> Linear:
+    weight = torch.cat([m.weight.detach() for m in linears])
+    biases = [m.bias for m in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device)
+         for m, b in zip(linears, biases)])
+    return Linear(weight, bias)
+
+
+class _Layer:
+    def __init__(self, layer):
+        a, m = layer.self_attn, layer.mlp
+        self.qkv = _fused(a.q_proj, a.k_proj, a.v_proj)
+        self.o = _fused(a.o_proj)
+        self.gate_up = _fused(m.gate_proj, m.up_proj)
+        self.down = _fused(m.down_proj)
+        self.norm_in = layer.input_layernorm.weight.detach()
+        self.norm_post = layer.post_attention_layernorm.weight.detach()
+
+
+class LeanModel:
+    """The weights of a transformers Llama/Qwen2 model, laid out for decoding one sequence.
+
+    Built from (and sharing the embedding and norms of) a loaded `PreTrainedModel`; the projection
+    weights are copies, reordered for oneDNN on CPU (memory: about one more copy of the model's
+    linear layers). Raises ValueError naming what is unsupported (see unsupported_reason); use the
+    transformers backend for such models.
+    """
+
+    def __init__(self, hf):
+        reason = unsupported_reason(hf)
+        if reason:
+            raise ValueError(f"the lean backend cannot run this model: {reason}; use backend='hf'")
+        c = hf.config
+        self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.eps = c.rms_norm_eps
+        self.dtype, self.device = hf.dtype, hf.device
+        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        with torch.no_grad():
+            self.embed = hf.get_input_embeddings().weight.detach()
+            self.layers = [_Layer(layer) for layer in hf.model.layers]
+            self.norm = hf.model.norm.weight.detach()
+            self.lm_head = Linear(hf.get_output_embeddings().weight.detach())
+
+    def subset(self, kept: list[int]) -> "LeanModel":
+        """The same model running only the decoder layers `kept` (layer-skip self-speculation,
+        specdec.drafters.layerskip); shares every weight with this one."""
+        view = copy.copy(self)
+        view.layers = [self.layers[i] for i in kept]
+        return view
+
+    def rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions start..end-1, each (n, 1, head_dim), in the model's dtype."""
+        freqs = torch.arange(start, end, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                start: int, keep: int) -> torch.Tensor:
+        """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
+
+        keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); rows start..start+n-1
+        are written. Returns logits (keep, V) for the last `keep` positions (n for all of them)."""
+        n, hd = ids.shape[0], self.head_dim
+        end = start + n
+        cos, sin = self.rope(start, end)
+        mask = None
+        if n > 1:  # query i sees keys 0..start+i
+            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        h = F.embedding(ids, self.embed)  # (n, d)
+        q_size, kv_size = self.n_heads * hd, self.n_kv * hd
+        for layer, k_cache, v_cache in zip(self.layers, keys, values):
+            x = self.rms_norm(h, layer.norm_in)
+            q, k, v = layer.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
+            q = _rotate(q.view(n, self.n_heads, hd), cos, sin)
+            k = _rotate(k.view(n, self.n_kv, hd), cos, sin)
+            k_cache[:, start:end] = k.transpose(0, 1)
+            v_cache[:, start:end] = v.view(n, self.n_kv, hd).transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)  # (1, H, n, hd)
+            h = h + layer.o(o[0].transpose(0, 1).reshape(n, q_size))
+            gate, up = layer.gate_up(self.rms_norm(h, layer.norm_post)).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        return self.lm_head(self.rms_norm(h[n - keep:], self.norm))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in the rotate-half layout of transformers."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
