@@ -37,6 +37,7 @@ from .models import Model, load_model
 from .peers import hf_generate, llama_cpp_generate
 from .registry import REGISTRY
 from .results import SCHEMA
+from .roofline import memory_bandwidth_gbs, roofline
 from .sampling import Sampler, SamplingParams
 from .weights import cache_dir, gguf_path
 from .workloads import Prompt
@@ -148,10 +149,15 @@ def _encode(model: Model, prompt: Prompt) -> list[int]:
 
 
 def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens: int, temperature: float,
-               peers: list[str], workload: str, peer_k: int = 4, progress: bool = True, **load_kwargs) -> dict:
-    """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results)."""
+               peers: list[str], workload: str, peer_k: int = 4, progress: bool = True,
+               bandwidth_gbs: float | None = None, draft_dtype: torch.dtype | None = None, **load_kwargs) -> dict:
+    """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results).
+    load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
+    bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward."""
     target = load_model(pair.target, **load_kwargs)
-    draft_model = load_model(pair.draft, **load_kwargs) if pair.draft and pair.drafter == "model" else None
+    draft_model = None
+    if pair.draft and pair.drafter == "model":
+        draft_model = load_model(pair.draft, **{**load_kwargs, "dtype": draft_dtype or load_kwargs.get("dtype", torch.float32)})
     if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
         drafter = make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
     else:
@@ -168,6 +174,8 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     longest = max(encoded, key=len)
     context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
     costs = measure_costs(target, drafter, context, cost_ks)
+    if bandwidth_gbs:
+        costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs)
 
     records, peer_rows = [], []
     bar = tqdm(total=len(prompts) * (len(ks) + 1 + len(peers)), desc=f"bench {pair.target} / {pair.drafter}",
@@ -210,7 +218,8 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
                  for r in [rec["plain"], *rec["runs"].values()] if r["rounds"]]
     costs["overhead_ms"] = statistics.median(per_round)
     result = {"target": pair.target, "drafter": pair.drafter, "draft": pair.draft,
-              "dtype": str(target.hf.dtype).removeprefix("torch."), "workload": workload,
+              "dtype": str(target.hf.dtype).removeprefix("torch."), "backend": target.backend,
+              "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None, "workload": workload,
               "costs": costs, "prompts": records, "peers": peer_rows}
     result.update(fit(result, ks))
     return result
@@ -311,13 +320,14 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
         raise ValueError(f"--k needs draft lengths >= 1 or 'auto' (plain decoding is always measured), got {ks}")
     if not prompts:
         raise ValueError("the workload selection is empty")
+    bandwidth = memory_bandwidth_gbs()
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment(),
+        "environment": {**environment(), "memory_bandwidth_gbs": bandwidth},
         "settings": {"workload": workload, "categories": sorted({p.category for p in prompts}),
                      "limit": limit, "max_new_tokens": max_new_tokens, "temperature": temperature,
                      "ks": ks, "quick": quick, "repeats": 1, "peers": list(peers), "peer_k": peer_k},
         "pairs": [bench_pair(pair, prompts, ks, max_new_tokens, temperature, list(peers), workload,
-                             peer_k=peer_k, progress=progress, **load_kwargs) for pair in pairs],
+                             peer_k=peer_k, progress=progress, bandwidth_gbs=bandwidth, **load_kwargs) for pair in pairs],
     }

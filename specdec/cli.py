@@ -13,7 +13,7 @@ from .drafters import DRAFTERS, make_drafter
 from .engine import AUTO_K_MAX, generate
 from .errors import SpecdecError
 from .exactness import first_divergence
-from .models import load_model
+from .models import BACKENDS, load_model
 from .textstream import TextDeltas
 from .weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from .registry import REGISTRY
@@ -39,11 +39,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _loading_options(p: argparse.ArgumentParser) -> None:
-    """--dtype, --pull and --cache-dir, shared by the commands that load models."""
+def _loading_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
+    """--dtype, --backend, --pull and --cache-dir (and --draft-dtype), shared by the commands
+    that load models."""
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    if draft:
+        p.add_argument("--draft-dtype", choices=sorted(DTYPES),
+                       help="the draft model's dtype (default: --dtype); a bfloat16 draft costs about half, and "
+                            "the output stays the target's own")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="lean: specdec's forward over prepacked weights and a preallocated cache (Llama, Qwen2); "
+                        "hf: the transformers model; auto (default): lean where it runs")
     p.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
     p.add_argument("--cache-dir", help="specdec cache folder (default: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec)")
+
+
+def _load_kwargs(args, draft: bool = False) -> dict:
+    """load_model's keyword arguments from the loading options; draft=True: the draft's dtype."""
+    dtype = (getattr(args, "draft_dtype", None) if draft else None) or args.dtype
+    return dict(dtype=DTYPES[dtype], pull_missing=args.pull, cache=args.cache_dir, backend=args.backend)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--max-keep", type=int, help="keep at most this many layers (default: all but one)")
     cs.add_argument("--beam", type=int, default=4, help="layers re-tried per step after the first; 0 = all (default 4)")
     cs.add_argument("--verify-ratio", type=float, help="cost of verifying k+1 tokens over one (default: timed)")
-    _loading_options(cs)
+    _loading_options(cs, draft=False)
     cs.set_defaults(run=_calibrate_skip)
 
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
@@ -181,10 +195,9 @@ def _generate(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # transformers' per-load "Loading weights" bars
-    load = dict(dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
-    target = load_model(args.target, **load)
+    target = load_model(args.target, **_load_kwargs(args))
     if args.drafter == "model":
-        drafter = make_drafter("model", draft=load_model(args.draft, **load))
+        drafter = make_drafter("model", draft=load_model(args.draft, **_load_kwargs(args, draft=True)))
     elif args.drafter == "prompt-lookup":
         drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
     elif args.drafter == "suffix":
@@ -268,7 +281,7 @@ def _bench(args) -> int:
     print(f"# bench: {len(pairs)} pair(s), {len(prompts)} prompts of {workload.name}, k {ks}, "
           f"{max_new} new tokens, temperature {args.temperature}", file=sys.stderr)
     res = run_bench(pairs, prompts, workload.name, ks, max_new, args.temperature, peers, args.quick, args.peer_k,
-                    categories, limit, dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
+                    categories, limit, draft_dtype=DTYPES[args.draft_dtype or args.dtype], **_load_kwargs(args))
     path = results.save(res, args.out / "results.json")
     report = markdown_report(res)
     (args.out / "report.md").write_text(report)
@@ -291,9 +304,8 @@ def _serve(args) -> int:
     if args.drafter == "model" and not args.draft:
         raise ValueError("--drafter model needs --draft MODEL (e.g. --draft qwen2.5-coder-0.5b)")
     hf_logging.disable_progress_bar()
-    load = dict(dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
-    target = load_model(args.target, **load)
-    draft = load_model(args.draft, **load) if args.draft else None
+    target = load_model(args.target, **_load_kwargs(args))
+    draft = load_model(args.draft, **_load_kwargs(args, draft=True)) if args.draft else None
     app = create_app(target, args.drafter, k, draft=draft, model_name=args.served_model_name,
                      max_queue=args.max_queue, max_tokens=args.max_tokens, max_ngram=args.max_ngram,
                      min_ngram=args.min_ngram)
@@ -309,7 +321,7 @@ def _calibrate_skip(args) -> int:
     from .calibrate import calibrate_skip, save_skip_layers
 
     hf_logging.disable_progress_bar()
-    target = load_model(args.target, dtype=DTYPES[args.dtype], pull_missing=args.pull, cache=args.cache_dir)
+    target = load_model(args.target, **_load_kwargs(args))
     res = calibrate_skip(target, k=args.k, max_new_tokens=args.max_new_tokens, beam=args.beam, max_keep=args.max_keep,
                          verify_ratio=args.verify_ratio, progress=lambda line: print(line, file=sys.stderr))
     path = save_skip_layers(res, args.cache_dir)

@@ -105,6 +105,14 @@ def _costs(pair: dict) -> list[str]:
     if rows:
         out += [""] + _table(header, rows)
     out += ["", f"Overhead per round (outside draft and verify): {_ms(costs['overhead_ms'])} ms."]
+    roof = costs.get("roofline")
+    if roof:
+        frac = roof["fraction"]
+        widest = max(frac, key=int)
+        out += ["", f"Roofline ({pair.get('backend', 'hf')} backend, {pair['dtype']}): a forward reads "
+                f"{roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured here that takes "
+                f"at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
+                f"V({widest}) {frac[widest]:.0%}."]
     return out
 
 

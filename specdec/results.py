@@ -7,17 +7,22 @@ read only this file and never run a model. Schema `specdec.bench/1`:
       "schema": "specdec.bench/1",
       "created": "2026-11-29T12:00:00+00:00",
       "environment": {"cpu": str, "gpu": str | null, "threads": int, "python": str, "torch": str,
-                      "transformers": str, "platform": str, "git_commit": str | null},
+                      "transformers": str, "platform": str, "git_commit": str | null,
+                      "memory_bandwidth_gbs": float},   # measured at the start of the run
       "settings": {"workload": str, "categories": [str], "limit": int, "max_new_tokens": int,
                    "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int},
       "pairs": [{
         "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
+        "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
+        "draft_dtype": str | null,      # a draft model's dtype
         "costs": {                      # medians after warm-up, ms
           "context_tokens": int,        # KV length the curve was measured at
           "verify_ms": {"1": float, "2": float, ...},   # V(n): one target forward over n new tokens
           "draft_ms": {"1": float, ...}, # one drafter proposal of k tokens, by k (drafter 1 token behind)
           "draft_catchup_ms": {"1": float, ...}, # the same, 2 tokens behind (after a fully accepted round)
-          "overhead_ms": float          # per round, outside draft and verify (sampling, bookkeeping)
+          "overhead_ms": float,         # per round, outside draft and verify (sampling, bookkeeping)
+          "roofline": {"weight_mb": float, "bandwidth_gbs": float, "floor_ms": float,  # specdec.roofline
+                       "fraction": {"1": float, ...}}   # floor_ms / V(n)
         },
         "prompts": [{                   # raw measurements, one per prompt
           "id": str, "category": str, "prompt_tokens": int,

@@ -104,6 +104,11 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
             assert not math.isnan(config["predicted"]["ours"])
             assert set(config["by_category"]) == {"qa", "summarization"}
     assert model["configs"][0]["alpha"] == 1.0  # a draft identical to the target is always right
+    assert lookup["backend"] == "lean" and model["draft_dtype"] == "float32"
+    roof = lookup["costs"]["roofline"]
+    assert roof["bandwidth_gbs"] == res["environment"]["memory_bandwidth_gbs"] > 0
+    for n, frac in roof["fraction"].items():
+        assert frac == pytest.approx(roof["floor_ms"] / lookup["costs"]["verify_ms"][n])
     peers = {p["name"]: p for p in lookup["peer_summary"]}
     assert peers["hf"]["identical"] == [2, 2] and peers["hf-lookup"]["identical"] == [2, 2]
 
@@ -111,11 +116,12 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
 def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["bench", "--pair", str(model_dir), "--workload", str(workload), "--limit", "1", "--k", "1,2",
-            "--max-new-tokens", "6", "--peers", "none", "--out", str(out)]
+            "--max-new-tokens", "6", "--peers", "none", "--out", str(out), "--backend", "hf"]
     assert main(args) == 0
     assert "identical" in capsys.readouterr().out
     res = results.load(out / "results.json")
     assert res["settings"]["ks"] == [1, 2] and (out / "report.md").read_text().startswith("#")
+    assert res["pairs"][0]["backend"] == "hf" and "Roofline (hf backend" in (out / "report.md").read_text()
     assert len(list(out.glob("*.png"))) == 5
     assert main(["plot", str(out / "results.json"), "--out", str(tmp_path / "again")]) == 0
     assert len(list((tmp_path / "again").glob("*.png"))) == 5

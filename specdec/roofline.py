@@ -1,0 +1,55 @@
+"""The memory roofline of a decode step: a forward over a few tokens must read every weight once,
+so on a CPU it can be no faster than (bytes of weights) / (memory bandwidth). The bench reports
+that floor beside the measured V(n), and the fraction of it reached.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .models import Model
+
+
+def weight_bytes(model: Model) -> int:
+    """Bytes of weights one forward reads: every parameter except the input embedding table (a
+    forward gathers only its n rows), which counts when the output layer reads it (tied weights).
+    Parameters shared between modules count once."""
+    hf = model.hf
+    embed = hf.get_input_embeddings().weight
+    head = hf.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
+    seen, total = set(), 0
+    for p in hf.parameters():
+        if p.data_ptr() in seen or (p.data_ptr() == embed.data_ptr() and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def memory_bandwidth_gbs(size_mb: int = 256, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s: the median time to sum a size_mb fp32 tensor (larger than the
+    caches), with torch's current thread count."""
+    x = torch.ones(size_mb * 2**20 // 4)
+    x.sum()  # first touch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float) -> dict:
+    """The floor of one forward and the fraction of it reached.
+
+    forward_ms: measured ms of one forward over n new tokens, by str(n) (the bench's verify_ms).
+    Returns {"weight_mb", "bandwidth_gbs", "floor_ms", "fraction": {n: floor_ms / forward_ms[n]}}
+    (1.0 would be reading the weights at full bandwidth and nothing else)."""
+    nbytes = weight_bytes(model)
+    floor_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
+    return {"weight_mb": nbytes / 1e6, "bandwidth_gbs": bandwidth_gbs, "floor_ms": floor_ms,
+            "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0}}

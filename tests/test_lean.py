@@ -1,0 +1,109 @@
+"""The lean decode path (specdec.lean) against transformers' own forward on the same weights."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specdec import ContextLengthError, generate
+from specdec.cache import KVCache, LeanKVCache, new_cache
+from specdec.drafters.layerskip import skip_view
+from specdec.models import Model
+
+from .conftest import N_CTX, make_model, prompt_ids
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def with_bias(model: Model) -> Model:
+    """Give every q/k/v projection a nonzero bias (Qwen2's layout), so the fused bias is tested."""
+    torch.manual_seed(3)
+    for layer in model.hf.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            if proj.bias is not None:
+                with torch.no_grad():
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request):
+    """The same weights on both backends: (lean Model, transformers Model)."""
+    model = with_bias(make_model(request.param, seed=4))
+    assert model.backend == "lean"
+    return model, dataclasses.replace(model, backend="hf", _lean=None)
+
+
+def test_lean_logits_match_transformers_through_extend_and_rollback(pair):
+    lean, hf = pair
+    a, b = LeanKVCache(lean, capacity=8), KVCache(hf)  # capacity 8: the cache must grow twice
+    prompt = prompt_ids(20)
+    torch.testing.assert_close(a.extend(prompt), b.extend(prompt), **TOL)
+    for keep, block in [(15, [4, 8, 15, 16]), (19, [23]), (12, list(range(30, 50)))]:
+        a.rollback(keep)
+        b.rollback(keep)
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.extend(block), b.extend(block), **TOL)
+        torch.testing.assert_close(a.extend([7], all_logits=False), b.extend([7], all_logits=False), **TOL)
+
+
+def test_qwen2_bias_is_used():
+    model = make_model("qwen2", seed=4)
+    before = new_cache(model).extend(prompt_ids())
+    biased = with_bias(make_model("qwen2", seed=4))
+    assert not torch.allclose(new_cache(biased).extend(prompt_ids()), before, **TOL)
+
+
+def test_lean_greedy_equals_transformers_greedy(pair):
+    lean, hf = pair
+    prompt = prompt_ids()
+    a = generate(lean, prompt, k=0, max_new_tokens=40).tokens
+    assert a == generate(hf, prompt, k=0, max_new_tokens=40).tokens
+    for drafter in ("prompt-lookup", "suffix"):  # and speculation on the lean path is plain greedy
+        assert generate(lean, prompt, drafter, k=4, max_new_tokens=40).tokens == a
+
+
+def test_layer_skip_view_runs_the_lean_subset(pair):
+    lean, hf = pair
+    view_lean, view_hf = skip_view(lean, [1]), skip_view(hf, [1])
+    assert view_lean.backend == "lean" and view_lean.lean().layers == [lean.lean().layers[1]]
+    prompt = prompt_ids()
+    torch.testing.assert_close(new_cache(view_lean).extend(prompt), new_cache(view_hf).extend(prompt), **TOL)
+
+
+def test_rollback_and_context_errors(pair):
+    lean, _ = pair
+    kv = new_cache(lean)
+    kv.extend(prompt_ids())
+    with pytest.raises(ValueError, match="roll back"):
+        kv.rollback(len(kv) + 1)
+    with pytest.raises(ContextLengthError, match="context"):
+        kv.extend([5] * N_CTX)
+    assert len(kv) == len(prompt_ids())  # a refused forward leaves the cache as it was
+
+
+def test_backend_choice():
+    gemma = make_model("gemma3")
+    assert gemma.backend == "hf"  # auto falls back where the lean forward cannot run the model
+    with pytest.raises(ValueError, match="lean backend cannot run"):
+        Model(gemma.hf, gemma.tokenizer, "g", backend="lean")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Model(gemma.hf, gemma.tokenizer, "g", backend="fast")
+
+
+def test_weight_bytes_counts_what_a_forward_reads():
+    from specdec.roofline import roofline, weight_bytes
+
+    model = make_model("llama")
+    hf = model.hf
+    everything = sum(p.numel() * 4 for p in hf.parameters())
+    embed = hf.get_input_embeddings().weight.numel() * 4
+    assert weight_bytes(model) == everything - embed  # untied: the embedding table is only gathered
+    tied = make_model("llama")
+    tied.hf.lm_head.weight = tied.hf.get_input_embeddings().weight
+    assert weight_bytes(tied) == everything - embed  # tied: read once, by the output layer
+    roof = roofline(model, {"1": 2.0, "4": 4.0}, bandwidth_gbs=1.0)
+    assert roof["floor_ms"] == pytest.approx((everything - embed) / 1e6)
+    assert roof["fraction"]["1"] == pytest.approx(2 * roof["fraction"]["4"])
