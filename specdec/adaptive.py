@@ -10,8 +10,9 @@ achievable rate; rho is estimated as the best rate of a fixed draft length under
 estimates, never below plain decoding's 1 / (V(1) + overhead). m = 0 is plain decoding.
 
 Estimates, all learned online while generating:
-- V(n): running averages of the timed verify forwards, per n; an n never tried is interpolated
-  between tried ones, or extrapolated with a deliberately optimistic slope so that it gets tried;
+- V(n): timed once for n = 1..k_max+1 at the target's first generation (VerifyCosts.calibrate,
+  about k_max+1 forwards), then running averages of the timed verify forwards; an n never timed
+  is interpolated between timed ones, or extrapolated with a deliberately optimistic slope;
 - draft costs: for a drafter that drafts token by token (a draft model), the first step (which
   also reads the tokens committed since its last proposal) and each further step; for one that
   proposes all at once (prompt lookup), its cost per requested token;
@@ -43,9 +44,11 @@ choose the draft length per round; BanditSpec and SWIFT adapt online.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
+
 from .costmodel import interpolate
 from .models import Model
 
@@ -70,6 +73,7 @@ class VerifyCosts:
     ema: float = 0.3  # weight of the newest observation
     optimistic_slope: float = 0.25  # extrapolation: V(n + 1) - V(n) = slope * V(1) beyond the tried n
     ms: dict[int, float] = field(default_factory=dict)
+    calibrated: bool = False
 
     def observe(self, n: int, ms: float) -> None:
         old = self.ms.get(n)
@@ -77,6 +81,26 @@ class VerifyCosts:
 
     def known(self) -> bool:
         return bool(self.ms)
+
+    def calibrate(self, kv, context: list[int], n_max: int, repeats: int = 2) -> None:
+        """Time V(1..n_max) once on kv (a target cache holding the prompt; left as it was), the
+        fastest of `repeats` passes each, so that the first rounds' choice of k rests on the
+        whole measured curve rather than on an extrapolation (on a CPU the curve is not smooth).
+        Rounds keep refining these averages. Does nothing once calibrated."""
+        if self.calibrated:
+            return
+        keep = len(kv)
+        n_max = min(n_max, kv.model.n_ctx - keep)
+        block = (context * (n_max // max(len(context), 1) + 1))[:n_max]
+        best: dict[int, float] = {}
+        for _ in range(repeats):
+            for n in range(1, n_max + 1):
+                start = time.perf_counter()
+                kv.extend(block[:n])
+                best[n] = min(best.get(n, math.inf), (time.perf_counter() - start) * 1e3)
+                kv.rollback(keep)
+        self.ms.update(best)
+        self.calibrated = True
 
     def __call__(self, n: int) -> float:
         """Estimated V(n) in ms (0 when nothing has been timed yet)."""
@@ -92,7 +116,7 @@ class VerifyCosts:
         return self.ms[last] + self.optimistic_slope * v1 * (n - last)
 
 
-_VERIFY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target.hf -> VerifyCosts
+_VERIFY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target Model -> VerifyCosts
 _CONTROLLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> AdaptiveK
 
 
@@ -141,7 +165,7 @@ class AdaptiveK:
     def for_pair(cls, target: Model, drafter, k_max: int = 8) -> "AdaptiveK":
         """The controller of this drafter with this target, created on first use and kept (weakly)
         for later generations; the verify costs are shared by every drafter of the target."""
-        costs = _VERIFY_COSTS.setdefault(target.hf, VerifyCosts())
+        costs = _VERIFY_COSTS.setdefault(target, VerifyCosts())
         ctl = _CONTROLLERS.get(drafter)
         if ctl is None or ctl.verify is not costs or ctl.k_max != k_max:
             ctl = _CONTROLLERS[drafter] = cls(costs, k_max=k_max)

@@ -110,6 +110,8 @@ def generate(
     kv = new_cache(target)
     if len(prompt) > 1:
         kv.extend(prompt[:-1], all_logits=False)  # the cache holds all committed tokens but the last
+    if adaptive:
+        adaptive.verify.calibrate(kv, prompt, k_max + 1)  # once per target: the verify-cost curve
     stats.prefill_s = time.perf_counter() - start
 
     tokens = list(prompt)  # committed: prompt + output
