@@ -152,6 +152,7 @@ class AdaptiveK:
         self.draft_step_ms: float | None = None  # draft model: each further step
         self.draft_token_ms: float | None = None  # all-at-once drafter: proposal ms per requested token
         self.overhead_ms = 0.0  # per round, outside drafting and verifying
+        self.fresh = True  # no draft step timed yet in this generation
         self.plain_streak = 0
         self.probe_interval = probe_after
         self.probing = False
@@ -244,7 +245,9 @@ class AdaptiveK:
         now = time.perf_counter()
         step = now - self._t_last
         self._t_last = now
-        if n_drafted == 1:
+        if n_drafted == 1 and self.fresh:
+            self.fresh = False  # a generation's first step also reads its whole prompt: not a step cost
+        elif n_drafted == 1:
             self.draft_first_ms = self._ema(self.draft_first_ms, step * 1e3)
         else:
             self.draft_step_ms = self._ema(self.draft_step_ms, step * 1e3)
@@ -254,7 +257,7 @@ class AdaptiveK:
         p_now = 1.0
         for c in self.confidence:
             p_now *= self.confident_acceptance(c)
-        step_ms = self.draft_step_ms if self.draft_step_ms is not None else self.draft_first_ms
+        step_ms = next((ms for ms in (self.draft_step_ms, self.draft_first_ms) if ms is not None), 0.0)  # unknown: free
         gain, p = 0.0, p_now
         for m in range(n_drafted + 1, self.cap + 1):
             p *= self.acceptance(m)
@@ -344,6 +347,7 @@ class AdaptiveK:
     def begin(self) -> None:
         """A new generation: drop shadow drafts left from an earlier one."""
         self.pending = []
+        self.fresh = True
 
     @staticmethod
     def _ema(old: float | None, new: float, weight: float = 0.3) -> float:

@@ -101,7 +101,8 @@ class LeanModel:
         self.eps = c.rms_norm_eps
         self.dtype, self.device = hf.dtype, hf.device
         theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=self.device).float()
+                                         / self.head_dim))
         with torch.no_grad():
             self.embed = hf.get_input_embeddings().weight.detach()
             self.layers = [_Layer(layer) for layer in hf.model.layers]
@@ -117,14 +118,13 @@ class LeanModel:
 
     def rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions start..end-1, each (n, 1, head_dim), in the model's dtype."""
-        freqs = torch.arange(start, end, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        freqs = torch.arange(start, end, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
+        """RMSNorm (Zhang & Sennrich 2019), one fused op; statistics in fp32 for low precisions."""
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -138,14 +138,14 @@ class LeanModel:
         cos, sin = self.rope(start, end)
         mask = None
         if n > 1:  # query i sees keys 0..start+i
-            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+            mask = torch.arange(end, device=self.device)[None, :] <= torch.arange(start, end, device=self.device)[:, None]
         h = F.embedding(ids, self.embed)  # (n, d)
         q_size, kv_size = self.n_heads * hd, self.n_kv * hd
         for layer, k_cache, v_cache in zip(self.layers, keys, values):
             x = self.rms_norm(h, layer.norm_in)
-            q, k, v = layer.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
-            q = _rotate(q.view(n, self.n_heads, hd), cos, sin)
-            k = _rotate(k.view(n, self.n_kv, hd), cos, sin)
+            qk, v = layer.qkv(x).split((q_size + kv_size, kv_size), dim=-1)
+            qk = _rotate(qk.reshape(n, self.n_heads + self.n_kv, hd), cos, sin)  # q and k heads in one go
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
             k_cache[:, start:end] = k.transpose(0, 1)
             v_cache[:, start:end] = v.view(n, self.n_kv, hd).transpose(0, 1)
             o = F.scaled_dot_product_attention(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 import torch
@@ -148,6 +149,20 @@ def test_controller_is_shared_per_drafter_and_verify_costs_per_target():
     assert AdaptiveK.for_pair(b, d1).verify is not AdaptiveK.for_pair(a, d2).verify
     with pytest.raises(ValueError, match="k_max"):
         AdaptiveK(VerifyCosts(), k_max=0)
+
+
+def test_a_generations_first_draft_step_is_not_taken_for_a_step_cost():
+    """A draft model's first step in a generation also reads the whole prompt (seconds on a long
+    one); counted as the cost of a step it would stop all drafting for many rounds."""
+    ctl = controller({1: 100.0, 2: 110.0}, [0.9] * 8)
+    ctl.begin()
+    ctl.cap = 8
+    ctl._t_last = time.perf_counter() - 5.0  # a 5 s first step: the draft model's prefill
+    ctl.keep_going(1, 0.9)
+    assert ctl.draft_first_ms is None
+    ctl._t_last = time.perf_counter() - 0.02
+    ctl.keep_going(1, 0.9)
+    assert 20 <= ctl.draft_first_ms < 1000
 
 
 def test_verify_curve_is_timed_once_per_target_at_first_use():
