@@ -56,7 +56,8 @@ class Pair:
     @classmethod
     def parse(cls, text: str) -> "Pair":
         """`target[:drafter[:draft]]`, e.g. `qwen2.5-coder-1.5b:model:qwen2.5-coder-0.5b`; for
-        `layer-skip` the third part is the layers to keep, e.g. `smollm2-135m:layer-skip:0-9,12`."""
+        `layer-skip` the third part is the layers to keep, e.g. `smollm2-135m:layer-skip:0-9,12`; for
+        `eagle` a draft head file (default: the target's stored head)."""
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or (len(parts) > 1 and parts[1] == "model" and len(parts) != 3):
             raise ValueError(f"--pair {text!r}: use TARGET[:DRAFTER[:DRAFT]], DRAFT required for the model drafter")
@@ -126,6 +127,8 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
 
     verify_curve = _interleaved_medians({str(n): (nothing, lambda n=n: verify(n)) for n in range(1, max(ks) + 2)}, repeats)
     drafter.prepare(target)
+    if hasattr(drafter, "attach"):
+        drafter.attach(kv)
     sampler = Sampler(SamplingParams(), torch.Generator().manual_seed(0))
     propose = lambda k: lambda: drafter.propose(context, k, sampler)  # noqa: E731
     lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # leaves a model drafter at context[:-n]  # noqa: E731
@@ -160,6 +163,8 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         draft_model = load_model(pair.draft, **{**load_kwargs, "dtype": draft_dtype or load_kwargs.get("dtype", torch.float32)})
     if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
         drafter = make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
+    elif pair.drafter == "eagle":  # its third part is a head file (default: the target's stored head)
+        drafter = make_drafter("eagle", head=pair.draft, cache=load_kwargs.get("cache"))
     else:
         drafter = make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
     encoded = [_encode(target, p) for p in prompts]

@@ -75,8 +75,9 @@ class LeanKVCache(KVCache):
     """The KV cache of one sequence on the lean path (specdec.lean.LeanModel).
 
     Keys and values live in per-layer tensors (n_kv_heads, capacity, head_dim), preallocated and
-    doubled when full, never past the context length. Rollback moves the length back; the rows
-    past it are overwritten by the next forward.
+    doubled when full, never past the context length; `features` (capacity, hidden) holds each
+    cached position's final-normed hidden state, for a feature-level draft head (specdec.head).
+    Rollback moves the length back; the rows past it are overwritten by the next forward.
     """
 
     def __init__(self, model: Model, capacity: int = 256):
@@ -84,6 +85,7 @@ class LeanKVCache(KVCache):
         self.tokens = []
         self.k: list[torch.Tensor] = []  # per layer (n_kv_heads, capacity, head_dim)
         self.v: list[torch.Tensor] = []
+        self.features: torch.Tensor | None = None  # (capacity, hidden): final-normed hidden states
         self._grow(min(capacity, model.n_ctx))
 
     def _grow(self, capacity: int) -> None:
@@ -97,6 +99,10 @@ class LeanKVCache(KVCache):
 
         self.k = [grown(self.k[i] if self.k else None) for i in range(len(lm.layers))]
         self.v = [grown(self.v[i] if self.v else None) for i in range(len(lm.layers))]
+        features = torch.empty((capacity, lm.hidden_size), dtype=lm.dtype, device=lm.device)
+        if self.features is not None:
+            features[:n] = self.features[:n]
+        self.features = features
 
     def extend(self, tokens: list[int], all_logits: bool = True) -> torch.Tensor:
         """As KVCache.extend. Raises ContextLengthError past the model's context length."""
@@ -106,7 +112,7 @@ class LeanKVCache(KVCache):
         if end > self.k[0].shape[1]:
             self._grow(min(max(end, 2 * self.k[0].shape[1]), self.model.n_ctx))
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
-        logits = self.lean.forward(ids, self.k, self.v, start, len(tokens) if all_logits else 1)
+        logits = self.lean.forward(ids, self.k, self.v, start, len(tokens) if all_logits else 1, self.features)
         self.tokens.extend(tokens)
         return logits
 

@@ -77,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
     g.add_argument("--min-match", type=int, default=1, help="suffix: propose nothing below this match length (default 1)")
     g.add_argument("--layers", help="layer-skip: decoder layers to keep, e.g. 0-9,12 (default: the stored `specdec calibrate-skip` choice)")
+    g.add_argument("--head", help="eagle: a draft head file (default: the target's, from `specdec train` or shipped)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -134,6 +135,19 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--verify-ratio", type=float, help="cost of verifying k+1 tokens over one (default: timed)")
     _loading_options(cs, draft=False)
     cs.set_defaults(run=_calibrate_skip)
+
+    tr = sub.add_parser("train", help="train a feature-level draft head (EAGLE-style) for a target on its own outputs")
+    tr.add_argument("--target", default="smollm2-135m", help="registry name, folder or hub id of a Llama/Qwen2 model (default: smollm2-135m)")
+    tr.add_argument("--prompts", type=int, default=320, help="generated training prompts (default 320)")
+    tr.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
+    tr.add_argument("--epochs", type=int, default=12, help="default 12")
+    tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    tr.add_argument("--vocab", type=int, default=8192, help="tokens the head may draft (default 8192)")
+    tr.add_argument("--out", type=Path, default=Path("specdec-train"), help="folder for data, checkpoint, loss.png, summary.json")
+    tr.add_argument("--head-out", type=Path, help="where to write the head (default: <cache>/heads/<target>.safetensors)")
+    tr.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
+    _loading_options(tr, draft=False)
+    tr.set_defaults(run=_train)
 
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
     pt.add_argument("results", type=Path)
@@ -204,6 +218,8 @@ def _generate(args) -> int:
         drafter = make_drafter("suffix", min_match=args.min_match)
     elif args.drafter == "layer-skip":
         drafter = make_drafter("layer-skip", layers=args.layers, cache=args.cache_dir)
+    elif args.drafter == "eagle":
+        drafter = make_drafter("eagle", head=args.head, cache=args.cache_dir)
     else:
         drafter = make_drafter(args.drafter)
     ids = target.encode(prompt, chat=args.chat)
@@ -328,6 +344,21 @@ def _calibrate_skip(args) -> int:
     print(f"keep {len(res['layers'])} of {res['n_layers']} layers: {','.join(map(str, res['layers']))}")
     print(f"tau {res['tau']:.2f} at k {res['k']}, draft cost {res['draft_cost']:.2f}, verify ratio "
           f"{res['verify_ratio']:.2f}, estimated speed-up {res['est_speedup']:.2f}x; wrote {path}")
+    return 0
+
+
+def _train(args) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from .train import train_head
+
+    hf_logging.disable_progress_bar()
+    target = load_model(args.target, **_load_kwargs(args))
+    summary = train_head(target, args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, epochs=args.epochs,
+                         lr=args.lr, vocab=args.vocab, head_out=args.head_out, restart=args.restart, cache=args.cache_dir)
+    last = summary["history"][-1]
+    print(f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "
+          f"held-out first-token accuracy {last['heldout_acc']:.3f}; wrote {summary['head']}, {args.out / 'loss.png'}")
     return 0
 
 

@@ -108,6 +108,8 @@ def generate(
     if drafter is not None:
         drafter.prepare(target)
     kv = new_cache(target)
+    if drafter is not None and hasattr(drafter, "attach"):
+        drafter.attach(kv)  # a feature-level drafter reads the target's cache
     if len(prompt) > 1:
         kv.extend(prompt[:-1], all_logits=False)  # the cache holds all committed tokens but the last
     if adaptive:

@@ -99,6 +99,7 @@ class LeanModel:
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.eps = c.rms_norm_eps
+        self.hidden_size = c.hidden_size
         self.dtype, self.device = hf.dtype, hf.device
         theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=self.device).float()
@@ -128,11 +129,13 @@ class LeanModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                start: int, keep: int) -> torch.Tensor:
+                start: int, keep: int, features: torch.Tensor | None = None) -> torch.Tensor:
         """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
 
         keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); rows start..start+n-1
-        are written. Returns logits (keep, V) for the last `keep` positions (n for all of them)."""
+        are written. features: (capacity, hidden) or None; when given, rows start..start+n-1 get
+        the final-normed hidden states (what the output layer reads; a feature-level draft head,
+        specdec.head, learns from them). Returns logits (keep, V) for the last `keep` positions."""
         n, hd = ids.shape[0], self.head_dim
         end = start + n
         cos, sin = self.rope(start, end)
@@ -154,7 +157,11 @@ class LeanModel:
             h = h + layer.o(o[0].transpose(0, 1).reshape(n, q_size))
             gate, up = layer.gate_up(self.rms_norm(h, layer.norm_post)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        return self.lm_head(self.rms_norm(h[n - keep:], self.norm))
+        if features is None:
+            return self.lm_head(self.rms_norm(h[n - keep:], self.norm))
+        h = self.rms_norm(h, self.norm)
+        features[start:end] = h
+        return self.lm_head(h[n - keep:])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

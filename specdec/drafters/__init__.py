@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .base import Draft, Drafter
+from .eagle import EagleDrafter
 from .layerskip import LayerSkipDrafter
 from .lookup import PromptLookup
 from .model import ModelDrafter
@@ -17,6 +18,7 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "random": RandomDrafter,
     "suffix": SuffixDrafter,
     "layer-skip": LayerSkipDrafter,
+    "eagle": EagleDrafter,
 }
 
 
@@ -29,4 +31,4 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     return DRAFTERS[name](**kwargs)
 
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "LayerSkipDrafter", "ModelDrafter", "PromptLookup", "RandomDrafter", "SuffixDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "EagleDrafter", "LayerSkipDrafter", "ModelDrafter", "PromptLookup", "RandomDrafter", "SuffixDrafter", "make_drafter"]

@@ -39,6 +39,9 @@ class Drafter(Protocol):
     A drafter that drafts token by token may also take a keyword `keep_going`: a callable
     (n drafted so far, probability of the last drafted token) -> bool, asked after each token
     whether to draft another (k="auto" passes it; see specdec.adaptive).
+
+    A drafter that reads the target's own state may define attach(kv): the engine calls it with
+    the target's KV cache (specdec.cache) once it exists, after prepare().
     """
 
     def prepare(self, target: Model) -> None: ...

@@ -1,0 +1,107 @@
+"""Drafting with a feature-level head over the target's own features (EAGLE, Li et al. 2024);
+the head is specdec.head.DraftHead, trained by `specdec train`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..head import DraftHead, HeadCache, load_head
+from ..lean import Linear
+from ..models import Model
+from ..sampling import Sampler
+from ..weights import cache_dir
+from .base import Draft
+
+PACKAGED = Path(__file__).resolve().parent.parent / "data" / "heads"  # heads that ship with specdec
+
+
+def head_path(target_name: str, cache: str | os.PathLike | None = None) -> Path:
+    """Where the head of a target is found: `<cache>/heads/<name>.safetensors` (written by
+    `specdec train`) if it exists, else the one shipped in the package (specdec/data/heads)."""
+    safe = target_name.replace("/", "--")
+    trained = cache_dir(cache) / "heads" / f"{safe}.safetensors"
+    return trained if trained.is_file() else PACKAGED / f"{safe}.safetensors"
+
+
+class EagleDrafter:
+    """Drafts token by token with a DraftHead that reads the target's features.
+
+    head: a DraftHead, a path to a head file, or None for the target's stored head (head_path).
+    The target must run on the lean backend, whose KV cache keeps every position's feature; the
+    engine hands that cache over with attach(kv) after creating it. Each proposal first feeds the
+    head the committed positions it has not seen (their true features), then drafts: greedy
+    tokens, or sampled ones with their probabilities (zero outside the head's vocabulary).
+
+    prepare() raises ValueError for a target on the transformers backend, HeadError for a missing
+    head or one trained for another target.
+    """
+
+    def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None):
+        self.spec, self.cache = head, cache
+        self.head: DraftHead | None = None
+        self._target: Model | None = None
+        self.kv = None  # the target's LeanKVCache
+        self.hcache: HeadCache | None = None
+        self.seen: list[int] = []  # the tokens behind the head cache's valid positions
+
+    def prepare(self, target: Model) -> None:
+        if target.backend != "lean":
+            raise ValueError("the eagle drafter reads the target's features, which only the lean backend keeps: "
+                             "run a Llama or Qwen2 target with backend 'auto' or 'lean'")
+        if self._target is not target:
+            if isinstance(self.spec, DraftHead):
+                head = self.spec
+            else:
+                head, _ = load_head(self.spec or head_path(target.name, self.cache), target.lean().hidden_size)
+            self.head = head.eval()
+            weight = target.hf.get_output_embeddings().weight.detach()[head.vocab_ids].float()
+            self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
+            self.embed = target.lean().embed
+            self.vocab = target.vocab_size
+            self._target = target
+        self.hcache = HeadCache(self.head)
+        self.seen = []
+
+    def attach(self, kv) -> None:
+        """The target's KV cache of this generation (its `features` are read at each proposal)."""
+        self.kv = kv
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], k: int, sampler: Sampler,
+                keep_going: Callable[[int, float], bool] | None = None) -> Draft:
+        """Up to k tokens after context; keep_going as in ModelDrafter.propose."""
+        n = len(context)
+        if self.kv is None or self.head is None:
+            raise ValueError("call prepare(target) and attach(kv) before propose()")
+        if k <= 0 or n < 2 or len(self.kv) < n - 1:
+            return Draft([])
+        # head position t reads (f_t, e(x_{t+1})); it is valid while x_0..x_{t+1} are unchanged
+        same = 0
+        limit = min(len(self.seen), n)
+        while same < limit and self.seen[same] == context[same]:
+            same += 1
+        start = max(0, min(same - 1, n - 2))  # re-run at least the last position, for its output
+        feats = self.kv.features[start : n - 1].float()
+        embeds = self.embed[torch.tensor(context[start + 1 : n])].float()
+        pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
+        self.seen = list(context)
+        tokens, probs, confidence = [], [], []
+        for i in range(k):
+            sub = self.out(pred)[0]  # (N,)
+            logits = torch.full((self.vocab,), float("-inf"))
+            logits[self.head.vocab_ids] = sub
+            token, p = sampler.choose(logits)
+            tokens.append(token)
+            probs.append(p)
+            if keep_going is not None:
+                confidence.append(float(p[token]) if p is not None else float(logits.softmax(-1)[token]))
+                if not keep_going(i + 1, confidence[-1]):
+                    break
+            if i < k - 1:
+                pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
+        return Draft(tokens, None if sampler.params.greedy else torch.stack(probs),
+                     confidence if keep_going is not None else None)

@@ -1,0 +1,251 @@
+"""`specdec train`: fit a feature-level draft head (specdec.head, after EAGLE) to a target on
+self-distilled data.
+
+1. prompts: generated here from templates and topics (`training_prompts`), never from the
+   workloads, so the benchmarks stay unseen;
+2. data: the target's own greedy answers to them (transformers' batched `generate`, chat
+   template), stored as token ids in `<out>/data.jsonl` (written atomically, reused on a rerun);
+3. features: one teacher-forced lean forward per sequence gives every position's feature f_t and
+   the target's greedy next token (the label);
+4. training: at position t the head reads (f_t plus a little noise, e(x_{t+1})) and is trained to
+   predict f_{t+1} (smooth L1) and the target's next token from it (cross-entropy over the head's
+   vocabulary, weight 0.5: EAGLE (Li et al. 2024) uses 0.1; greedy acceptance depends on the token); AdamW, cosine schedule, one sequence per step;
+   a checkpoint after every epoch (`<out>/checkpoint.pt`, atomic) from which a rerun resumes;
+5. output: the head (`<cache>/heads/<target>.safetensors` unless --head-out), `<out>/loss.png`
+   and `<out>/summary.json` (losses and held-out first-token accuracy per epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .cache import LeanKVCache
+from .head import DraftHead, save_head
+from .models import Model
+
+TOPICS = [
+    "the ocean", "a small village", "climate change", "machine learning", "the Roman Empire", "coffee",
+    "a lost dog", "space travel", "friendship", "the stock market", "volcanoes", "a job interview",
+    "electric cars", "the human heart", "a rainy day", "chess", "photosynthesis", "a birthday party",
+    "the French Revolution", "social media", "honey bees", "a mountain hike", "renewable energy",
+    "a haunted house", "vaccines", "the moon landing", "learning a language", "a robot", "gardening",
+    "the internet", "a bakery", "black holes", "democracy", "a train journey", "sleep", "pirates",
+    "recycling", "music festivals", "ancient Egypt", "a new smartphone",
+]
+TEMPLATES = [
+    "Write a short blog post about {t}.",
+    "Write a poem about {t}.",
+    "Tell me a short story involving {t}.",
+    "Pretend you are a tour guide and describe {t} to visitors.",
+    "Imagine you are a character from a novel who loves {t}. Introduce yourself.",
+    "Explain {t} to a ten-year-old.",
+    "What are three interesting facts about {t}?",
+    "Give me step-by-step reasoning: why does {t} matter to people today?",
+    "Write a Python function related to {t}, with a docstring and an example.",
+    "Summarize the main ideas someone should know about {t} in a few sentences.",
+    "What are the pros and cons of {t}?",
+    "Describe the history of {t} briefly.",
+    "List five questions a student might ask about {t}, and answer the first one.",
+    "Write a persuasive paragraph about {t}.",
+    "Solve this: a shop sells items about {t} for 12 dollars each. How much do 7 items cost with a 10% discount?",
+    "Extract the key facts from this sentence and list them: '{T} has been studied by many researchers since 1950, "
+    "mostly in Europe and Asia.'",
+]
+
+
+def training_prompts(n: int, seed: int = 0) -> list[str]:
+    """n distinct prompts (at most len(TOPICS) * len(TEMPLATES)), deterministic for a seed."""
+    pool = [tpl.format(t=t, T=t[0].upper() + t[1:]) for tpl, t in itertools.product(TEMPLATES, TOPICS)]
+    random.Random(seed).shuffle(pool)
+    return pool[:n]
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def self_distilled_data(target: Model, prompts: list[str], max_new_tokens: int, path: Path,
+                        batch: int = 16) -> list[dict]:
+    """[{"prompt": ids, "answer": ids}] of the target's greedy answers (EOS included when reached),
+    read from `path` when it holds the same prompts and length, else generated and written there."""
+    key = {"prompts": prompts, "max_new_tokens": max_new_tokens, "target": target.name}
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            return stored["rows"]
+    tok = target.tokenizer
+    chat = bool(getattr(tok, "chat_template", None))  # the chat template when the model has one
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids or {0})
+    rows = []
+    for i in tqdm(range(0, len(prompts), batch), desc="self-distilled answers", unit="batch"):
+        ids = [target.encode(p, chat=chat) for p in prompts[i : i + batch]]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        with torch.inference_mode():
+            out = target.hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=pad)
+        for x, seq in zip(ids, out[:, width:].tolist()):
+            answer = []
+            for t in seq:
+                answer.append(t)
+                if t in target.eos_token_ids:
+                    break
+            rows.append({"prompt": x, "answer": answer})
+    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"key": key, "rows": rows})))
+    return rows
+
+
+def features_and_labels(target: Model, rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per sequence (tokens (T,), features (T, d) fp32, labels (T,): the target's greedy token
+    after each position), from one lean forward each."""
+    out = []
+    for row in tqdm(rows, desc="target features", unit="seq"):
+        tokens = row["prompt"] + row["answer"]
+        kv = LeanKVCache(target, capacity=len(tokens))
+        logits = kv.extend(tokens)
+        out.append((torch.tensor(tokens), kv.features[: len(tokens)].float().clone(), logits.argmax(-1)))
+    return out
+
+
+def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
+    """The n token ids the head may draft: those the target emits most in the data, then the
+    lowest ids not chosen yet (BPE gives frequent merges low ids)."""
+    counts = torch.zeros(vocab_size)
+    for tokens, _, labels in data:
+        counts += torch.bincount(labels, minlength=vocab_size)[:vocab_size].float()
+    seen = [int(i) for i in counts.argsort(descending=True) if counts[i] > 0][:n]
+    chosen = set(seen)
+    rest = [i for i in range(vocab_size) if i not in chosen][: n - len(seen)]
+    return torch.tensor(sorted(seen + rest))
+
+
+def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, noise: float, ce_weight: float):
+    """(total, regression, cross-entropy, first-token accuracy) on one sequence."""
+    x_in = feats[:-1]
+    if noise:
+        x_in = x_in + (torch.rand_like(x_in) - 0.5) * 2 * noise * feats.std()
+    pred = head(x_in, embed[tokens[1:]].float())  # (T-1, d): predicted f_1..f_{T-1}
+    reg = F.smooth_l1_loss(pred, feats[1:])
+    target_ids = index[labels[1:]]  # the target's token after position t+1, as a head-vocabulary index
+    logits = pred @ out_weight.T
+    ce = F.cross_entropy(logits, target_ids, ignore_index=-1)
+    valid = target_ids >= 0
+    acc = (logits.argmax(-1)[valid] == target_ids[valid]).float().mean() if valid.any() else torch.tensor(0.0)
+    return reg + ce_weight * ce, reg, ce, acc
+
+
+def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int = 128, epochs: int = 12,
+               lr: float = 1e-3, vocab: int = 8192, noise: float = 0.1, ce_weight: float = 0.5,
+               head_out: Path | None = None, batch: int = 16, seed: int = 0, restart: bool = False,
+               cache=None) -> dict:
+    """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
+
+    Raises ValueError for a target the lean backend cannot run, or bad arguments."""
+    if target.backend != "lean":
+        raise ValueError("specdec train reads the target's features through the lean backend: a Llama or Qwen2 target")
+    if prompts < 2 or epochs < 1 or not 0 < vocab <= target.vocab_size:
+        raise ValueError(f"need prompts >= 2, epochs >= 1 and 0 < vocab <= {target.vocab_size}")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    rows = self_distilled_data(target, training_prompts(prompts, seed), max_new_tokens, out / "data.json", batch)
+    data = features_and_labels(target, rows)
+    held = max(1, len(data) // 20)
+    train, valid = data[held:], data[:held]
+    vocab_ids = choose_vocab(train, target.vocab_size, vocab)
+    index = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    index[vocab_ids] = torch.arange(len(vocab_ids))
+    embed = target.lean().embed
+    out_weight = target.hf.get_output_embeddings().weight.detach()[vocab_ids].float()
+
+    head = DraftHead.for_target(target, vocab_ids)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    steps = epochs * len(train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    history: list[dict] = []
+    ckpt = out / "checkpoint.pt"
+    if ckpt.is_file() and not restart:
+        state = torch.load(ckpt, weights_only=False)
+        if state["config"] == head.config and torch.equal(state["vocab_ids"], vocab_ids):
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            history = state["history"]
+            print(f"resuming from {ckpt} after epoch {len(history)}")
+    order = random.Random(seed)
+    for epoch in range(len(history), epochs):
+        head.train()
+        start, sums = time.perf_counter(), [0.0, 0.0, 0.0, 0.0]
+        perm = list(range(len(train)))
+        order.shuffle(perm)
+        bar = tqdm(perm, desc=f"epoch {epoch + 1}/{epochs}", unit="seq")
+        for i in bar:
+            total, reg, ce, acc = _loss(head, embed, out_weight, index, *train[i], noise, ce_weight)
+            opt.zero_grad()
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            for j, v in enumerate((total, reg, ce, acc)):
+                sums[j] += float(v.detach())
+            bar.set_postfix(loss=f"{sums[0] / (bar.n + 1):.3f}", acc=f"{sums[3] / (bar.n + 1):.2f}")
+        head.eval()
+        with torch.no_grad():
+            v_acc = sum(float(_loss(head, embed, out_weight, index, *s, 0.0, ce_weight)[3]) for s in valid) / len(valid)
+        n = len(train)
+        history.append({"epoch": epoch + 1, "loss": sums[0] / n, "regression": sums[1] / n, "ce": sums[2] / n,
+                        "train_acc": sums[3] / n, "heldout_acc": v_acc, "seconds": time.perf_counter() - start})
+        print(f"epoch {epoch + 1}: loss {sums[0] / n:.4f}, first-token accuracy train {sums[3] / n:.3f}, "
+              f"held-out {v_acc:.3f}")
+        state = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                 "history": history, "config": head.config, "vocab_ids": vocab_ids}
+        _atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
+
+    from .weights import cache_dir
+
+    dest = head_out or cache_dir(cache) / "heads" / f"{target.name.replace('/', '--')}.safetensors"
+    summary = {"target": target.name, "prompts": prompts, "sequences": len(data), "positions": sum(len(t) for t, _, _ in data),
+               "max_new_tokens": max_new_tokens, "epochs": epochs, "vocab": len(vocab_ids), "history": history,
+               "head": str(dest)}
+    save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
+    _atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
+    _plot_loss(history, out / "loss.png")
+    return summary
+
+
+def _plot_loss(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    epochs = [h["epoch"] for h in history]
+    ax.plot(epochs, [h["loss"] for h in history], marker="o", label="training loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss (smooth L1 + w x CE)")
+    ax2 = ax.twinx()
+    ax2.plot(epochs, [h["heldout_acc"] for h in history], color="C1", marker="s", label="held-out first-token accuracy")
+    ax2.set_ylabel("accuracy")
+    fig.legend(loc="upper center", ncol=2, fontsize=8)
+    fig.tight_layout()
+    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)

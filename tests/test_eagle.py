@@ -1,0 +1,118 @@
+"""The feature-level draft head (specdec.head), its drafter and `specdec train`, on tiny models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from specdec import generate
+from specdec.cache import LeanKVCache
+from specdec.drafters import EagleDrafter
+from specdec.head import DraftHead, HeadError, load_head, save_head
+from specdec.sampling import Sampler, SamplingParams
+from specdec.train import train_head, training_prompts
+
+from .conftest import make_model, prompt_ids
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    torch.manual_seed(0)
+    return DraftHead.for_target(target, torch.arange(3, 50))
+
+
+def full_forward_draft(target, head, context):
+    """The first greedy draft token, computed from scratch: a fresh target forward for the
+    features and the head over the whole context in training mode (no cache)."""
+    kv = LeanKVCache(target)
+    kv.extend(context[:-1])
+    feats = kv.features[: len(context) - 1].float()
+    with torch.no_grad():
+        pred = head(feats, target.lean().embed[torch.tensor(context[1:])].float())[-1]
+        sub = pred @ target.hf.lm_head.weight[head.vocab_ids].T
+    return int(head.vocab_ids[sub.argmax()])
+
+
+def test_incremental_head_cache_matches_a_full_forward(target, head):
+    drafter = EagleDrafter(head)
+    drafter.prepare(target)
+    kv = LeanKVCache(target)
+    drafter.attach(kv)
+    greedy = Sampler(SamplingParams(), torch.Generator())
+    context = prompt_ids(12)
+    kv.extend(context[:-1])
+    first = drafter.propose(context, 3, greedy)
+    assert len(first.tokens) == 3 and first.tokens[0] == full_forward_draft(target, head, context)
+    # the round commits two tokens that differ from the draft: the head must drop its draft positions
+    context2 = context + [7, 9]
+    kv.extend(context2[len(kv):-1])
+    second = drafter.propose(context2, 2, greedy)
+    assert second.tokens[0] == full_forward_draft(target, head, context2)
+    # a context that rewrites history (a rollback past what the head had seen)
+    context3 = context[:5] + [11, 12, 13]
+    kv.rollback(0)
+    kv.extend(context3[:-1])
+    assert drafter.propose(context3, 1, greedy).tokens[0] == full_forward_draft(target, head, context3)
+
+
+def test_eagle_greedy_is_plain_greedy_and_sampling_works(target, head):
+    prompt = prompt_ids()
+    plain = generate(target, prompt, None, max_new_tokens=30).tokens
+    for k in (1, 4, "auto"):
+        assert generate(target, prompt, EagleDrafter(head), k=k, max_new_tokens=30).tokens == plain
+    out = generate(target, prompt, EagleDrafter(head), k=3, max_new_tokens=20, temperature=1.0, seed=0)
+    again = generate(target, prompt, EagleDrafter(head), k=3, max_new_tokens=20, temperature=1.0, seed=0)
+    assert out.tokens == again.tokens and all(0 <= t < target.vocab_size for t in out.tokens)
+    assert out.stats.drafted > 0
+
+
+def test_head_file_round_trip_and_errors(target, head, tmp_path):
+    path = save_head(head, tmp_path / "h.safetensors", meta={"note": "x"})
+    loaded, meta = load_head(path, hidden_size=64)
+    assert meta == {"note": "x"} and torch.equal(loaded.vocab_ids, head.vocab_ids)
+    for name, p in head.state_dict().items():
+        if p.is_floating_point():
+            torch.testing.assert_close(loaded.state_dict()[name], p.to(torch.bfloat16).float())
+    with pytest.raises(HeadError, match="specdec train"):
+        load_head(tmp_path / "missing.safetensors")
+    with pytest.raises(HeadError, match="hidden size"):
+        load_head(path, hidden_size=128)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(HeadError, match="not a readable draft head"):
+        load_head(bad)
+    with pytest.raises(ValueError, match="lean backend"):
+        EagleDrafter(head).prepare(dataclasses.replace(target, backend="hf", _lean=None))
+    with pytest.raises(HeadError, match="specdec train"):
+        EagleDrafter(cache=tmp_path).prepare(make_model("llama", seed=2, name="no-head-for-this"))
+
+
+def test_training_prompts_are_distinct_and_deterministic():
+    a = training_prompts(100)
+    assert a == training_prompts(100) and len(set(a)) == 100 and a != training_prompts(100, seed=1)
+
+
+def test_train_writes_everything_resumes_and_the_head_drafts(target, tmp_path):
+    # the tiny word-level tokenizer knows none of the prompts' words: they become <unk>s, fine here
+    out = tmp_path / "run"
+    dest = tmp_path / "head.safetensors"
+    s = train_head(target, out, prompts=8, max_new_tokens=6, epochs=2, vocab=40, head_out=dest, batch=4)
+    assert [h["epoch"] for h in s["history"]] == [1, 2] and s["sequences"] == 8
+    for name in ("data.json", "checkpoint.pt", "loss.png", "summary.json"):
+        assert (out / name).is_file()
+    assert json.loads((out / "summary.json").read_text())["history"] == s["history"]
+    resumed = train_head(target, out, prompts=8, max_new_tokens=6, epochs=3, vocab=40, head_out=dest, batch=4)
+    assert resumed["history"][:2] == s["history"] and len(resumed["history"]) == 3
+    head, meta = load_head(dest, hidden_size=64)
+    assert len(head.vocab_ids) == 40 and meta["epochs"] == 3
+    prompt = prompt_ids()
+    assert generate(target, prompt, EagleDrafter(dest), k=4, max_new_tokens=20).tokens == \
+        generate(target, prompt, None, max_new_tokens=20).tokens
