@@ -138,7 +138,9 @@ def _parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a feature-level draft head (EAGLE-style) for a target on its own outputs")
     tr.add_argument("--target", default="smollm2-135m", help="registry name, folder or hub id of a Llama/Qwen2 model (default: smollm2-135m)")
-    tr.add_argument("--prompts", type=int, default=320, help="generated training prompts (default 320)")
+    tr.add_argument("--prompts", type=int, default=320, help="training prompts from templates (default 320, at most 640)")
+    tr.add_argument("--sampled-prompts", type=int, default=0,
+                    help="more training prompts, written by the target itself (sampled user turns; default 0)")
     tr.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
     tr.add_argument("--epochs", type=int, default=12, help="default 12")
     tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -354,7 +356,8 @@ def _train(args) -> int:
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
-    summary = train_head(target, args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, epochs=args.epochs,
+    summary = train_head(target, args.out, prompts=args.prompts, sampled=args.sampled_prompts,
+                         max_new_tokens=args.max_new_tokens, epochs=args.epochs,
                          lr=args.lr, vocab=args.vocab, head_out=args.head_out, restart=args.restart, cache=args.cache_dir)
     last = summary["history"][-1]
     print(f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "

@@ -147,6 +147,7 @@ def save_head(head: DraftHead, path: str | os.PathLike, meta: dict | None = None
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"config": json.dumps(head.config), "meta": json.dumps(meta or {})})
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -1,7 +1,8 @@
 """`specdec train`: fit a feature-level draft head (specdec.head, after EAGLE) to a target on
 self-distilled data.
 
-1. prompts: generated here from templates and topics (`training_prompts`), never from the
+1. prompts: generated here from templates and topics (`training_prompts`), and optionally
+   written by the target itself (`sampled_prompts`: it samples a user's turn), never from the
    workloads, so the benchmarks stay unseen;
 2. data: the target's own greedy answers to them (transformers' batched `generate`, chat
    template), stored as token ids in `<out>/data.jsonl` (written atomically, reused on a rerun);
@@ -76,42 +77,79 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _batched_generate(target: Model, ids: list[list[int]], pad: int, **kwargs) -> list[list[int]]:
+    """transformers' generate over a left-padded batch; each continuation cut after its first EOS."""
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    with torch.inference_mode():
+        out = target.hf.generate(input_ids=input_ids, attention_mask=mask, pad_token_id=pad, **kwargs)
+    result = []
+    for seq in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(seq) if t in target.eos_token_ids), len(seq))
+        result.append(seq[:cut])
+    return result
+
+
+def _pad_id(target: Model) -> int:
+    tok = target.tokenizer
+    return tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids or {0})
+
+
+def sampled_prompts(target: Model, n: int, seed: int = 0, batch: int = 32, max_tokens: int = 48) -> list[str]:
+    """Up to n distinct user requests written by the target itself: the chat template's user turn
+    is opened and the target samples what a user says (temperature 1, top-p 0.95), which gives
+    prompts far more varied than templates. Needs a chat template; [] without one."""
+    tok = target.tokenizer
+    if n <= 0 or not getattr(tok, "chat_template", None):
+        return []
+    marker = "\u2063"
+    opening = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False).split(marker)[0]
+    start = list(tok(opening, add_special_tokens=False)["input_ids"])
+    torch.manual_seed(seed)
+    found: dict[str, None] = {}
+    with tqdm(total=n, desc="sampled prompts", unit="prompt") as bar:
+        for _ in range(4 * (n // batch + 1)):
+            for seq in _batched_generate(target, [start] * batch, _pad_id(target), do_sample=True, temperature=1.0,
+                                         top_p=0.95, max_new_tokens=max_tokens):
+                text = tok.decode(seq, skip_special_tokens=True).strip()
+                if len(text) >= 12 and text not in found and len(found) < n:
+                    found[text] = None
+                    bar.update()
+            if len(found) >= n:
+                break
+    return list(found)
+
+
 def self_distilled_data(target: Model, prompts: list[str], max_new_tokens: int, path: Path,
                         batch: int = 16) -> list[dict]:
-    """[{"prompt": ids, "answer": ids}] of the target's greedy answers (EOS included when reached),
-    read from `path` when it holds the same prompts and length, else generated and written there."""
-    key = {"prompts": prompts, "max_new_tokens": max_new_tokens, "target": target.name}
+    """[{"text", "prompt": ids, "answer": ids}] of the target's greedy answers (EOS included when
+    reached). Answers already in `path` for the same target and length are reused; the rest are
+    generated, and the file is rewritten (atomically) with all of them."""
+    key = {"max_new_tokens": max_new_tokens, "target": target.name}
+    known: dict[str, dict] = {}
     if path.is_file():
         stored = json.loads(path.read_text())
         if stored.get("key") == key:
-            return stored["rows"]
-    tok = target.tokenizer
-    chat = bool(getattr(tok, "chat_template", None))  # the chat template when the model has one
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids or {0})
-    rows = []
-    for i in tqdm(range(0, len(prompts), batch), desc="self-distilled answers", unit="batch"):
-        ids = [target.encode(p, chat=chat) for p in prompts[i : i + batch]]
-        width = max(map(len, ids))
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-        with torch.inference_mode():
-            out = target.hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                     do_sample=False, pad_token_id=pad)
-        for x, seq in zip(ids, out[:, width:].tolist()):
-            answer = []
-            for t in seq:
-                answer.append(t)
-                if t in target.eos_token_ids:
-                    break
-            rows.append({"prompt": x, "answer": answer})
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"key": key, "rows": rows})))
-    return rows
+            known = {row["text"]: row for row in stored["rows"]}
+    chat = bool(getattr(target.tokenizer, "chat_template", None))  # the chat template when the model has one
+    todo = [p for p in dict.fromkeys(prompts) if p not in known]
+    for i in tqdm(range(0, len(todo), batch), desc="self-distilled answers", unit="batch"):
+        texts = todo[i : i + batch]
+        ids = [target.encode(p, chat=chat) for p in texts]
+        answers = _batched_generate(target, ids, _pad_id(target), do_sample=False, max_new_tokens=max_new_tokens)
+        for text, x, answer in zip(texts, ids, answers):
+            known[text] = {"text": text, "prompt": x, "answer": answer}
+    if todo or not path.is_file():
+        _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"key": key, "rows": list(known.values())})))
+    return [known[p] for p in dict.fromkeys(prompts)]
 
 
 def features_and_labels(target: Model, rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -154,6 +192,7 @@ def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, nois
 
 
 def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int = 128, epochs: int = 12,
+               sampled: int = 0,
                lr: float = 1e-3, vocab: int = 8192, noise: float = 0.1, ce_weight: float = 0.5,
                head_out: Path | None = None, batch: int = 16, seed: int = 0, restart: bool = False,
                cache=None) -> dict:
@@ -166,7 +205,15 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
         raise ValueError(f"need prompts >= 2, epochs >= 1 and 0 < vocab <= {target.vocab_size}")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    rows = self_distilled_data(target, training_prompts(prompts, seed), max_new_tokens, out / "data.json", batch)
+    texts = training_prompts(prompts, seed)
+    if sampled:
+        path = out / "sampled_prompts.json"
+        stored = json.loads(path.read_text()) if path.is_file() else []
+        if len(stored) < sampled:
+            stored = sampled_prompts(target, sampled, seed)
+            _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(stored)))
+        texts += stored[:sampled]
+    rows = self_distilled_data(target, texts, max_new_tokens, out / "data.json", batch)
     data = features_and_labels(target, rows)
     held = max(1, len(data) // 20)
     train, valid = data[held:], data[:held]
@@ -222,7 +269,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
     from .weights import cache_dir
 
     dest = head_out or cache_dir(cache) / "heads" / f"{target.name.replace('/', '--')}.safetensors"
-    summary = {"target": target.name, "prompts": prompts, "sequences": len(data), "positions": sum(len(t) for t, _, _ in data),
+    summary = {"target": target.name, "prompts": prompts, "sampled_prompts": sampled, "sequences": len(data), "positions": sum(len(t) for t, _, _ in data),
                "max_new_tokens": max_new_tokens, "epochs": epochs, "vocab": len(vocab_ids), "history": history,
                "head": str(dest)}
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})

@@ -35,3 +35,18 @@ def test_prompt_lookup_greedy_equals_plain_greedy(smollm2):
     assert len(plain.tokens) > 10
     assert spec.tokens == plain.tokens, first_divergence(smollm2, ids, plain.tokens, spec.tokens)
     assert spec.stats.drafted > 0 and spec.stats.rounds < plain.stats.rounds
+
+
+def test_shipped_draft_head_is_exact_and_drafts_well(smollm2):
+    """The head that ships in specdec/data/heads (trained by `specdec train`) drafts for the real
+    target: greedy output identical to plain greedy, and most drafted tokens accepted."""
+    from specdec.drafters.eagle import PACKAGED
+
+    if not (PACKAGED / "smollm2-135m.safetensors").is_file():
+        pytest.skip("no shipped head for smollm2-135m")
+    ids = smollm2.encode("Write a short blog post about a trip to the mountains.", chat=True)
+    plain = generate(smollm2, ids, max_new_tokens=48)
+    spec = generate(smollm2, ids, make_drafter("eagle", head=PACKAGED / "smollm2-135m.safetensors"), k=4,
+                    max_new_tokens=48)
+    assert spec.tokens == plain.tokens, first_divergence(smollm2, ids, plain.tokens, spec.tokens)
+    assert spec.stats.tau > 1.5  # a head that drafted junk would give about 1
