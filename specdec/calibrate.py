@@ -29,7 +29,6 @@ import json
 import os
 import re
 import statistics
-import tempfile
 import time
 from datetime import datetime, timezone
 from importlib import resources
@@ -42,7 +41,7 @@ from .cache import new_cache
 from .drafters.layerskip import _build_view, decoder_layers, parse_layers
 from .engine import generate
 from .models import Model
-from .weights import cache_dir
+from .weights import atomic_write, cache_dir
 
 SCHEMA = "specdec.layer-skip/1"
 
@@ -65,17 +64,12 @@ def save_skip_layers(result: dict, cache=None) -> Path:
     """Write a calibration result (as calibrate_skip returns it) atomically: to a temporary file in
     the same folder, then renamed, so a reader never sees a partial file. Returns the path."""
     path = skip_file(result["model"], cache)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
             json.dump(result, f, indent=1)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+
+    return atomic_write(path, write)
 
 
 def load_skip_layers(target: Model, cache=None) -> list[int]:

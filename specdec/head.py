@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import SpecdecError
+from .weights import atomic_write
 
 
 class HeadError(SpecdecError, ValueError):
@@ -139,20 +139,10 @@ def save_head(head: DraftHead, path: str | os.PathLike, meta: dict | None = None
     renamed when complete. meta: extra JSON-able facts (training data, losses) kept in the file."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
                for k, v in head.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"config": json.dumps(head.config), "meta": json.dumps(meta or {})})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    metadata = {"config": json.dumps(head.config), "meta": json.dumps(meta or {})}
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def load_head(path: str | os.PathLike, hidden_size: int | None = None) -> tuple[DraftHead, dict]:

@@ -21,9 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import random
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from tqdm import tqdm
 from .cache import LeanKVCache
 from .head import DraftHead, save_head
 from .models import Model
+from .weights import atomic_write
 
 TOPICS = [
     "the ocean", "a small village", "climate change", "machine learning", "the Roman Empire", "coffee",
@@ -70,18 +69,6 @@ def training_prompts(n: int, seed: int = 0) -> list[str]:
     pool = [tpl.format(t=t, T=t[0].upper() + t[1:]) for tpl, t in itertools.product(TEMPLATES, TOPICS)]
     random.Random(seed).shuffle(pool)
     return pool[:n]
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _batched_generate(target: Model, ids: list[list[int]], pad: int, **kwargs) -> list[list[int]]:
@@ -148,7 +135,7 @@ def self_distilled_data(target: Model, prompts: list[str], max_new_tokens: int, 
         for text, x, answer in zip(texts, ids, answers):
             known[text] = {"text": text, "prompt": x, "answer": answer}
     if todo or not path.is_file():
-        _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"key": key, "rows": list(known.values())})))
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"key": key, "rows": list(known.values())})))
     return [known[p] for p in dict.fromkeys(prompts)]
 
 
@@ -211,7 +198,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
         stored = json.loads(path.read_text()) if path.is_file() else []
         if len(stored) < sampled:
             stored = sampled_prompts(target, sampled, seed)
-            _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(stored)))
+            atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(stored)))
         texts += stored[:sampled]
     rows = self_distilled_data(target, texts, max_new_tokens, out / "data.json", batch)
     data = features_and_labels(target, rows)
@@ -264,7 +251,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
               f"held-out {v_acc:.3f}")
         state = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                  "history": history, "config": head.config, "vocab_ids": vocab_ids}
-        _atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
+        atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
 
     from .weights import cache_dir
 
@@ -273,7 +260,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
                "max_new_tokens": max_new_tokens, "epochs": epochs, "vocab": len(vocab_ids), "history": history,
                "head": str(dest)}
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
-    _atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
+    atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
     _plot_loss(history, out / "loss.png")
     return summary
 
@@ -294,5 +281,5 @@ def _plot_loss(history: list[dict], path: Path) -> None:
     ax2.set_ylabel("accuracy")
     fig.legend(loc="upper center", ncol=2, fontsize=8)
     fig.tight_layout()
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)

@@ -30,6 +30,24 @@ from .registry import REGISTRY, Entry
 CHUNK = 1 << 20  # bytes per read while copying and hashing
 
 
+def atomic_write(path: str | os.PathLike, write) -> Path:
+    """Write a file so that no reader ever sees it half-written: write(tmp) fills a temporary file
+    in the same folder (created if missing), which is then made world-readable and renamed to path.
+    On any error the temporary file is removed and the error raised. Returns path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
 def cache_dir(override: str | os.PathLike | None = None) -> Path:
     """The specdec cache folder (not created)."""
     if override:

@@ -37,16 +37,17 @@ def test_prompt_lookup_greedy_equals_plain_greedy(smollm2):
     assert spec.stats.drafted > 0 and spec.stats.rounds < plain.stats.rounds
 
 
-def test_shipped_draft_head_is_exact_and_drafts_well(smollm2):
-    """The head that ships in specdec/data/heads (trained by `specdec train`) drafts for the real
-    target: greedy output identical to plain greedy, and most drafted tokens accepted."""
-    from specdec.drafters.eagle import PACKAGED
+def test_eagle_head_drafting_on_the_real_model_is_exact(smollm2):
+    """The feature-level drafter on the real target's features (an untrained head: exactness
+    must not depend on the head being any good): greedy output identical to plain greedy."""
+    import torch
 
-    if not (PACKAGED / "smollm2-135m.safetensors").is_file():
-        pytest.skip("no shipped head for smollm2-135m")
+    from specdec.head import DraftHead
+
+    torch.manual_seed(0)
+    head = DraftHead.for_target(smollm2, torch.arange(8192))
     ids = smollm2.encode("Write a short blog post about a trip to the mountains.", chat=True)
-    plain = generate(smollm2, ids, max_new_tokens=48)
-    spec = generate(smollm2, ids, make_drafter("eagle", head=PACKAGED / "smollm2-135m.safetensors"), k=4,
-                    max_new_tokens=48)
+    plain = generate(smollm2, ids, max_new_tokens=32)
+    spec = generate(smollm2, ids, make_drafter("eagle", head=head), k=4, max_new_tokens=32)
     assert spec.tokens == plain.tokens, first_divergence(smollm2, ids, plain.tokens, spec.tokens)
-    assert spec.stats.tau > 1.5  # a head that drafted junk would give about 1
+    assert spec.stats.drafted > 0
