@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from ..head import DraftHead, HeadCache, load_head
+from ..head import DraftHead, HeadCache, HeadError, load_head
 from ..lean import Linear
 from ..models import Model
 from ..sampling import Sampler
@@ -56,7 +56,11 @@ class EagleDrafter:
             if isinstance(self.spec, DraftHead):
                 head = self.spec
             else:
-                head, _ = load_head(self.spec or head_path(target.name, self.cache), target.lean().hidden_size)
+                path = self.spec or head_path(target.name, self.cache)
+                if not self.spec and not Path(path).is_file():
+                    raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target "
+                                    f"{target.name}` (it writes {cache_dir(self.cache) / 'heads'}), or pass a head file")
+                head, _ = load_head(path, target.lean().hidden_size)
             self.head = head.eval()
             weight = target.hf.get_output_embeddings().weight.detach()[head.vocab_ids].float()
             self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
