@@ -16,6 +16,23 @@ from .errors import ContextLengthError
 from .models import Model
 
 
+def grown(old: torch.Tensor, capacity: int, keep: int, dim: int) -> torch.Tensor:
+    """A copy of `old` with room for `capacity` rows along `dim`, its first `keep` rows copied."""
+    shape = list(old.shape)
+    shape[dim] = capacity
+    new = old.new_empty(shape)
+    new.narrow(dim, 0, keep).copy_(old.narrow(dim, 0, keep))
+    return new
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def new_cache(model: Model) -> "KVCache":
     """An empty KV cache for `model` on its backend (Model.backend: "lean" or "hf")."""
     return LeanKVCache(model) if model.backend == "lean" else KVCache(model)
@@ -51,22 +68,22 @@ class KVCache:
         return out.logits[0]  # (n, V) or (1, V)
 
     def rollback(self, n_keep: int) -> None:
-        """Drop every cached token after the first n_keep."""
-        drop = len(self.tokens) - n_keep
-        if drop < 0 or n_keep < 0:
+        """Drop every cached token after the first n_keep. Raises ValueError past the cache."""
+        if not 0 <= n_keep <= len(self.tokens):
             raise ValueError(f"cannot roll back to {n_keep} tokens, the cache holds {len(self.tokens)}")
-        if drop or (self.sliding and self.tokens):  # crop(0) trims recorded sliding-window layers back to their window
-            self.cache.crop(-drop)
+        self._drop(len(self.tokens) - n_keep)
         del self.tokens[n_keep:]
+
+    def _drop(self, n: int) -> None:
+        """Forget the last n cached positions' states (the tokens list is the caller's)."""
+        if n or (self.sliding and self.tokens):  # crop(0) trims recorded sliding-window layers back to their window
+            self.cache.crop(-n)
 
     def sync(self, context: list[int]) -> list[int]:
         """Roll back to the longest common prefix of the cache and context[:-1]; return the tokens
         of `context` still to feed (at least the last one), so that the next forward scores the
         position after `context`."""
-        keep = 0
-        limit = min(len(self.tokens), len(context) - 1)
-        while keep < limit and self.tokens[keep] == context[keep]:
-            keep += 1
+        keep = min(common_prefix(self.tokens, context), len(context) - 1)
         self.rollback(keep)
         return context[keep:]
 
@@ -83,41 +100,26 @@ class LeanKVCache(KVCache):
     def __init__(self, model: Model, capacity: int = 256):
         self.model, self.lean = model, model.lean()
         self.tokens = []
-        self.k: list[torch.Tensor] = []  # per layer (n_kv_heads, capacity, head_dim)
-        self.v: list[torch.Tensor] = []
-        self.features: torch.Tensor | None = None  # (capacity, hidden): final-normed hidden states
-        self._grow(min(capacity, model.n_ctx))
-
-    def _grow(self, capacity: int) -> None:
-        lm, n = self.lean, len(self.tokens)
-
-        def grown(old: torch.Tensor | None) -> torch.Tensor:
-            new = torch.empty((lm.n_kv, capacity, lm.head_dim), dtype=lm.dtype, device=lm.device)
-            if old is not None:
-                new[:, :n] = old[:, :n]
-            return new
-
-        self.k = [grown(self.k[i] if self.k else None) for i in range(len(lm.layers))]
-        self.v = [grown(self.v[i] if self.v else None) for i in range(len(lm.layers))]
-        features = torch.empty((capacity, lm.hidden_size), dtype=lm.dtype, device=lm.device)
-        if self.features is not None:
-            features[:n] = self.features[:n]
-        self.features = features
+        lm, capacity = self.lean, min(capacity, model.n_ctx)
+        empty = lambda *shape: torch.empty(shape, dtype=lm.dtype, device=lm.device)  # noqa: E731
+        self.k = [empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers]  # per layer (n_kv_heads, capacity, head_dim)
+        self.v = [empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers]
+        self.features = empty(capacity, lm.hidden_size)  # final-normed hidden states
 
     def extend(self, tokens: list[int], all_logits: bool = True) -> torch.Tensor:
         """As KVCache.extend. Raises ContextLengthError past the model's context length."""
         start, end = len(self.tokens), len(self.tokens) + len(tokens)
         if end > self.model.n_ctx:
             raise ContextLengthError(f"{end} tokens exceed {self.model.name}'s context of {self.model.n_ctx}")
-        if end > self.k[0].shape[1]:
-            self._grow(min(max(end, 2 * self.k[0].shape[1]), self.model.n_ctx))
+        if end > self.features.shape[0]:  # double, never past the context
+            capacity = min(max(end, 2 * self.features.shape[0]), self.model.n_ctx)
+            self.k = [grown(t, capacity, start, dim=1) for t in self.k]
+            self.v = [grown(t, capacity, start, dim=1) for t in self.v]
+            self.features = grown(self.features, capacity, start, dim=0)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
-        logits = self.lean.forward(ids, self.k, self.v, start, len(tokens) if all_logits else 1, self.features)
+        logits = self.lean.forward(ids, self.k, self.v, self.features, start, len(tokens) if all_logits else 1)
         self.tokens.extend(tokens)
         return logits
 
-    def rollback(self, n_keep: int) -> None:
-        """Drop every cached token after the first n_keep (moves the length; nothing is copied)."""
-        if not 0 <= n_keep <= len(self.tokens):
-            raise ValueError(f"cannot roll back to {n_keep} tokens, the cache holds {len(self.tokens)}")
-        del self.tokens[n_keep:]
+    def _drop(self, n: int) -> None:
+        """Nothing to free: the rows past the length are overwritten by the next forward."""

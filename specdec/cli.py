@@ -45,8 +45,8 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     if draft:
         p.add_argument("--draft-dtype", choices=sorted(DTYPES),
-                       help="the draft model's dtype (default: --dtype); a bfloat16 draft costs about half, and "
-                            "the output stays the target's own")
+                       help="the draft model's dtype (default: --dtype); bfloat16 halved the Qwen 0.5B draft's "
+                            "step on a 2-core EPYC, and the output stays the target's own")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="lean: specdec's forward over prepacked weights and a preallocated cache (Llama, Qwen2); "
                         "hf: the transformers model; auto (default): lean where it runs")

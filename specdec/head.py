@@ -26,8 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import grown
 from .errors import SpecdecError
-from .weights import atomic_write
+from .lean import attention_shape, cached_attention, causal_mask, rope, rope_inv_freq, rotate
+from .weights import atomic_write, cache_dir
+
+PACKAGED = Path(__file__).resolve().parent / "data" / "heads"  # heads that ship with specdec
 
 
 class HeadError(SpecdecError, ValueError):
@@ -54,8 +58,7 @@ class DraftHead(nn.Module):
         self.gate_up = nn.Linear(d, 2 * inter, bias=False)
         self.down = nn.Linear(inter, d, bias=False)
         self.register_buffer("vocab_ids", vocab_ids.long().clone())
-        self.register_buffer("inv_freq", 1.0 / (config["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)),
-                             persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config["rope_theta"], hd), persistent=False)
 
     @classmethod
     def for_target(cls, model, vocab_ids: torch.Tensor) -> "DraftHead":
@@ -63,10 +66,9 @@ class DraftHead(nn.Module):
         starts as a copy of the target's last one and fc passes the feature through, a better
         start than random."""
         c, last = model.hf.config, model.hf.model.layers[-1]
-        hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        hd, theta = attention_shape(c)
         config = {"hidden": c.hidden_size, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
-                  "head_dim": hd, "intermediate": c.intermediate_size, "rope_theta": float(theta),
+                  "head_dim": hd, "intermediate": c.intermediate_size, "rope_theta": theta,
                   "eps": float(c.rms_norm_eps), "target": model.name}
         head = cls(config, vocab_ids)
         a, m = last.self_attn, last.mlp
@@ -88,29 +90,21 @@ class DraftHead(nn.Module):
         (T, d). Without a cache the T positions attend causally among themselves (training);
         with one they also attend to its first `start` positions, and theirs are written to it."""
         T, hd = features.shape[0], self.head_dim
-        end = start + T
         x = self.fc(torch.cat([embeds, features], dim=-1))
-        pos = torch.arange(start, end, dtype=torch.float32, device=x.device)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([pos, pos], dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        h = F.rms_norm(x, (x.shape[-1],), self.norm_in, self.eps)
-        qk, v = self.qkv(h).split(((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1)
-        qk = qk.reshape(T, self.n_heads + self.n_kv, hd)
-        half = hd // 2
-        qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
-        q, k = qk[:, : self.n_heads].transpose(0, 1), qk[:, self.n_heads:].transpose(0, 1)
-        v = v.reshape(T, self.n_kv, hd).transpose(0, 1)
-        if cache is None:
-            attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                                  enable_gqa=self.n_kv != self.n_heads)
+        cos, sin = rope(self.inv_freq, start, start + T, x.dtype)
+        qk, v = self.qkv(F.rms_norm(x, (x.shape[-1],), self.norm_in, self.eps)).split(
+            ((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1)
+        qk = rotate(qk.reshape(T, self.n_heads + self.n_kv, hd), cos, sin)
+        q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads:], v.reshape(T, self.n_kv, hd)
+        if cache is None:  # training: differentiable, no cache
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], is_causal=True,
+                                                  enable_gqa=self.n_kv != self.n_heads)[0]
+            attn = attn.transpose(0, 1).reshape(T, self.n_heads * hd)
         else:
-            cache.reserve(end)
-            cache.k[:, start:end], cache.v[:, start:end] = k, v
-            mask = None if T == 1 else (torch.arange(end, device=x.device)[None, :]
-                                        <= torch.arange(start, end, device=x.device)[:, None])
-            attn = F.scaled_dot_product_attention(q[None], cache.k[None, :, :end], cache.v[None, :, :end],
-                                                  attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        x = x + self.o(attn[0].transpose(0, 1).reshape(T, self.n_heads * hd))
+            cache.reserve(start, start + T)
+            attn = cached_attention(q, k, v, cache.k, cache.v, start, causal_mask(start, T, x.device))
+        x = x + self.o(attn)
         gate, up = self.gate_up(F.rms_norm(x, (x.shape[-1],), self.norm_post, self.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -124,14 +118,23 @@ class HeadCache:
         self.k = torch.empty(head.n_kv, capacity, head.head_dim)
         self.v = torch.empty_like(self.k)
 
-    def reserve(self, end: int) -> None:
+    def reserve(self, start: int, end: int) -> None:
+        """Room for positions up to end; the first `start` are kept when it grows (doubling)."""
         if end > self.k.shape[1]:
-            cap = max(end, 2 * self.k.shape[1])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_empty(old.shape[0], cap, old.shape[2])
-                new[:, : old.shape[1]] = old
-                setattr(self, name, new)
+            capacity = max(end, 2 * self.k.shape[1])
+            self.k, self.v = grown(self.k, capacity, start, dim=1), grown(self.v, capacity, start, dim=1)
+
+
+def head_file(target_name: str, cache: str | os.PathLike | None = None) -> Path:
+    """Where `specdec train` writes the head of a target: <cache>/heads/<name>.safetensors."""
+    return cache_dir(cache) / "heads" / f"{target_name.replace('/', '--')}.safetensors"
+
+
+def find_head(target_name: str, cache: str | os.PathLike | None = None) -> Path | None:
+    """The head a target drafts with: the trained one (head_file) if it exists, else one shipped
+    in the package (specdec/data/heads), else None."""
+    shipped = PACKAGED / head_file(target_name).name
+    return next((p for p in (head_file(target_name, cache), shipped) if p.is_file()), None)
 
 
 def save_head(head: DraftHead, path: str | os.PathLike, meta: dict | None = None) -> Path:

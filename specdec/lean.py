@@ -42,6 +42,57 @@ def unsupported_reason(hf) -> str | None:
     return None
 
 
+def attention_shape(config) -> tuple[int, float]:
+    """(head_dim, rope theta) of a transformers Llama-family config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return head_dim, float(theta)
+
+
+def rope_inv_freq(theta: float, head_dim: int, device=None) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim / 2,), fp32, as transformers' default rope computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
+def rope(inv_freq: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for positions start..end-1, each (n, 1, head_dim), in dtype."""
+    freqs = torch.arange(start, end, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in the rotate-half layout of transformers.
+    x: (n, heads, head_dim); cos, sin: (n, 1, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_mask(start: int, n: int, device=None) -> torch.Tensor | None:
+    """(n, start+n) bool: new position i (at start+i) sees keys 0..start+i; None for n = 1 (it sees all)."""
+    if n == 1:
+        return None
+    return torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of n new positions start..start+n-1 over a cache holding 0..start-1.
+
+    q: (n, heads, head_dim); k, v: (n, kv_heads, head_dim), written into k_cache, v_cache
+    (kv_heads, capacity >= start+n, head_dim) at rows start..start+n-1; mask: causal_mask(start, n)
+    (computed once per forward by the caller). Grouped-query heads are shared. Returns
+    (n, heads * head_dim)."""
+    n, heads, head_dim = q.shape
+    end = start + n
+    k_cache[:, start:end] = k.transpose(0, 1)
+    v_cache[:, start:end] = v.transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                                         attn_mask=mask, enable_gqa=k.shape[1] != heads)  # (1, heads, n, head_dim)
+    return out[0].transpose(0, 1).reshape(n, heads * head_dim)
+
+
 def _packs(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
 
@@ -97,13 +148,11 @@ class LeanModel:
             raise ValueError(f"the lean backend cannot run this model: {reason}; use backend='hf'")
         c = hf.config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.head_dim, theta = attention_shape(c)
         self.eps = c.rms_norm_eps
         self.hidden_size = c.hidden_size
         self.dtype, self.device = hf.dtype, hf.device
-        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=self.device).float()
-                                         / self.head_dim))
+        self.inv_freq = rope_inv_freq(theta, self.head_dim, self.device)
         with torch.no_grad():
             self.embed = hf.get_input_embeddings().weight.detach()
             self.layers = [_Layer(layer) for layer in hf.model.layers]
@@ -117,55 +166,32 @@ class LeanModel:
         view.layers = [self.layers[i] for i in kept]
         return view
 
-    def rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions start..end-1, each (n, 1, head_dim), in the model's dtype."""
-        freqs = torch.arange(start, end, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm (Zhang & Sennrich 2019), one fused op; statistics in fp32 for low precisions."""
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                start: int, keep: int, features: torch.Tensor | None = None) -> torch.Tensor:
+                features: torch.Tensor, start: int, keep: int) -> torch.Tensor:
         """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
 
-        keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); rows start..start+n-1
-        are written. features: (capacity, hidden) or None; when given, rows start..start+n-1 get
-        the final-normed hidden states (what the output layer reads; a feature-level draft head,
-        specdec.head, learns from them). Returns logits (keep, V) for the last `keep` positions."""
+        keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); features: (capacity,
+        hidden). Rows start..start+n-1 are written: keys, values, and the final-normed hidden
+        states (what the output layer reads; a feature-level draft head, specdec.head, reads them
+        too). Returns logits (keep, V) for the last `keep` positions (n for all of them)."""
         n, hd = ids.shape[0], self.head_dim
-        end = start + n
-        cos, sin = self.rope(start, end)
-        mask = None
-        if n > 1:  # query i sees keys 0..start+i
-            mask = torch.arange(end, device=self.device)[None, :] <= torch.arange(start, end, device=self.device)[:, None]
+        cos, sin = rope(self.inv_freq, start, start + n, self.dtype)
+        mask = causal_mask(start, n, self.device)
         h = F.embedding(ids, self.embed)  # (n, d)
         q_size, kv_size = self.n_heads * hd, self.n_kv * hd
         for layer, k_cache, v_cache in zip(self.layers, keys, values):
-            x = self.rms_norm(h, layer.norm_in)
-            qk, v = layer.qkv(x).split((q_size + kv_size, kv_size), dim=-1)
-            qk = _rotate(qk.reshape(n, self.n_heads + self.n_kv, hd), cos, sin)  # q and k heads in one go
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
-            k_cache[:, start:end] = k.transpose(0, 1)
-            v_cache[:, start:end] = v.view(n, self.n_kv, hd).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)  # (1, H, n, hd)
-            h = h + layer.o(o[0].transpose(0, 1).reshape(n, q_size))
+            qk, v = layer.qkv(self.rms_norm(h, layer.norm_in)).split((q_size + kv_size, kv_size), dim=-1)
+            qk = rotate(qk.reshape(n, self.n_heads + self.n_kv, hd), cos, sin)  # q and k heads in one go
+            attn = cached_attention(qk[:, : self.n_heads], qk[:, self.n_heads:], v.view(n, self.n_kv, hd),
+                                    k_cache, v_cache, start, mask)
+            h = h + layer.o(attn)
             gate, up = layer.gate_up(self.rms_norm(h, layer.norm_post)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        if features is None:
-            return self.lm_head(self.rms_norm(h[n - keep:], self.norm))
         h = self.rms_norm(h, self.norm)
-        features[start:end] = h
+        features[start : start + n] = h
         return self.lm_head(h[n - keep:])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (Su et al. 2021) in the rotate-half layout of transformers."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

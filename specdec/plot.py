@@ -11,12 +11,11 @@ backend, without running any model. Five figures per (target, drafter) pair:
 from __future__ import annotations
 
 import math
-import os
 import re
-import secrets
 from pathlib import Path
 
 from .results import k_order
+from .weights import atomic_write
 
 FIGURES = ("acceptance_vs_k", "speedup_vs_k", "acceptance_by_position", "verify_cost", "speedup_by_category")
 
@@ -41,16 +40,8 @@ def _title(pair: dict, what: str) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    """Write the figure as PNG under a temporary name in the same folder, then rename it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:  # an ordinary new file: the umask's permissions, unlike mkstemp's 0600
-            fig.savefig(f, format="png", dpi=110)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    """Write the figure as PNG, atomically (specdec.weights.atomic_write)."""
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
 
 
 def _new_figure(size=(7.0, 5.2)):

@@ -59,8 +59,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from .weights import atomic_write
 
 SCHEMA = "specdec.bench/1"
 
@@ -107,18 +108,12 @@ def validate(results: dict) -> None:
 def save(results: dict, path: str | os.PathLike) -> Path:
     """Validate, then write atomically (temporary file, then rename)."""
     validate(results)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
             json.dump(results, f, indent=1)
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+
+    return atomic_write(path, write)
 
 
 def load(path: str | os.PathLike) -> dict:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .cache import LeanKVCache
-from .head import DraftHead, save_head
+from .head import DraftHead, head_file, save_head
 from .models import Model
 from .weights import atomic_write
 
@@ -253,9 +253,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
                  "history": history, "config": head.config, "vocab_ids": vocab_ids}
         atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
 
-    from .weights import cache_dir
-
-    dest = head_out or cache_dir(cache) / "heads" / f"{target.name.replace('/', '--')}.safetensors"
+    dest = head_out or head_file(target.name, cache)
     summary = {"target": target.name, "prompts": prompts, "sampled_prompts": sampled, "sequences": len(data), "positions": sum(len(t) for t, _, _ in data),
                "max_new_tokens": max_new_tokens, "epochs": epochs, "vocab": len(vocab_ids), "history": history,
                "head": str(dest)}

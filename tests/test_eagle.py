@@ -116,3 +116,22 @@ def test_train_writes_everything_resumes_and_the_head_drafts(target, tmp_path):
     prompt = prompt_ids()
     assert generate(target, prompt, EagleDrafter(dest), k=4, max_new_tokens=20).tokens == \
         generate(target, prompt, None, max_new_tokens=20).tokens
+
+
+def test_sampled_drafts_carry_the_full_vocabulary_distribution(target, head):
+    """The head samples among its own vocabulary; the probabilities it hands the rejection rule
+    must be a distribution over the target's whole vocabulary, zero outside the head's."""
+    drafter = EagleDrafter(head)
+    drafter.prepare(target)
+    kv = LeanKVCache(target)
+    drafter.attach(kv)
+    context = prompt_ids(12)
+    kv.extend(context[:-1])
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=5), torch.Generator().manual_seed(0))
+    draft = drafter.propose(context, 3, sampler)
+    assert draft.probs.shape == (3, target.vocab_size)
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(3))
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[head.vocab_ids] = False
+    assert draft.probs[:, outside].abs().max() == 0 and (draft.probs > 0).sum(-1).le(5).all()
+    assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))

@@ -4,33 +4,21 @@ the head is specdec.head.DraftHead, trained by `specdec train`."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..head import DraftHead, HeadCache, HeadError, load_head
+from ..cache import common_prefix
+from ..head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
 from ..lean import Linear
 from ..models import Model
 from ..sampling import Sampler
-from ..weights import cache_dir
 from .base import Draft
-
-PACKAGED = Path(__file__).resolve().parent.parent / "data" / "heads"  # heads that ship with specdec
-
-
-def head_path(target_name: str, cache: str | os.PathLike | None = None) -> Path:
-    """Where the head of a target is found: `<cache>/heads/<name>.safetensors` (written by
-    `specdec train`) if it exists, else the one shipped in the package (specdec/data/heads)."""
-    safe = target_name.replace("/", "--")
-    trained = cache_dir(cache) / "heads" / f"{safe}.safetensors"
-    return trained if trained.is_file() else PACKAGED / f"{safe}.safetensors"
-
 
 class EagleDrafter:
     """Drafts token by token with a DraftHead that reads the target's features.
 
-    head: a DraftHead, a path to a head file, or None for the target's stored head (head_path).
+    head: a DraftHead, a path to a head file, or None for the target's stored head (head.find_head).
     The target must run on the lean backend, whose KV cache keeps every position's feature; the
     engine hands that cache over with attach(kv) after creating it. Each proposal first feeds the
     head the committed positions it has not seen (their true features), then drafts: greedy
@@ -56,10 +44,10 @@ class EagleDrafter:
             if isinstance(self.spec, DraftHead):
                 head = self.spec
             else:
-                path = self.spec or head_path(target.name, self.cache)
-                if not self.spec and not Path(path).is_file():
+                path = self.spec or find_head(target.name, self.cache)
+                if path is None:
                     raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target "
-                                    f"{target.name}` (it writes {cache_dir(self.cache) / 'heads'}), or pass a head file")
+                                    f"{target.name}` (it writes {head_file(target.name, self.cache)}), or pass a head file")
                 head, _ = load_head(path, target.lean().hidden_size)
             self.head = head.eval()
             weight = target.hf.get_output_embeddings().weight.detach()[head.vocab_ids].float()
@@ -84,28 +72,24 @@ class EagleDrafter:
         if k <= 0 or n < 2 or len(self.kv) < n - 1:
             return Draft([])
         # head position t reads (f_t, e(x_{t+1})); it is valid while x_0..x_{t+1} are unchanged
-        same = 0
-        limit = min(len(self.seen), n)
-        while same < limit and self.seen[same] == context[same]:
-            same += 1
-        start = max(0, min(same - 1, n - 2))  # re-run at least the last position, for its output
+        start = max(0, min(common_prefix(self.seen, context) - 1, n - 2))  # re-run at least the last position
         feats = self.kv.features[start : n - 1].float()
         embeds = self.embed[torch.tensor(context[start + 1 : n])].float()
         pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
         self.seen = list(context)
+        ids = self.head.vocab_ids
         tokens, probs, confidence = [], [], []
         for i in range(k):
-            sub = self.out(pred)[0]  # (N,)
-            logits = torch.full((self.vocab,), float("-inf"))
-            logits[self.head.vocab_ids] = sub
-            token, p = sampler.choose(logits)
+            sub = self.out(pred)[0]  # (N,) logits over the head's vocabulary: the rest have probability 0
+            j, p = sampler.choose(sub)
+            token = int(ids[j])
             tokens.append(token)
-            probs.append(p)
+            if p is not None:
+                probs.append(p.new_zeros(self.vocab).index_copy_(0, ids, p))
             if keep_going is not None:
-                confidence.append(float(p[token]) if p is not None else float(logits.softmax(-1)[token]))
+                confidence.append(float(p[j]) if p is not None else float(sub.softmax(-1)[j]))
                 if not keep_going(i + 1, confidence[-1]):
                     break
             if i < k - 1:
                 pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
-        return Draft(tokens, None if sampler.params.greedy else torch.stack(probs),
-                     confidence if keep_going is not None else None)
+        return Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None)
