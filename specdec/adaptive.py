@@ -296,9 +296,11 @@ class AdaptiveK:
         return best_m
 
     def observe(self, n_verified: int, n_accepted: int, verify_ms: float, draft_ms: float, other_ms: float,
-                requested: int, incremental: bool) -> None:
+                requested: int, incremental: bool, depth: int | None = None) -> None:
         """Learn from the finished round: n_verified drafted tokens were scored in a forward of
-        verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens."""
+        verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens.
+        depth: of a token tree, its depth (default n_verified, a chain)."""
+        depth = n_verified if depth is None else depth
         self.verify.observe(n_verified + 1, verify_ms)
         self.overhead_ms = self._ema(self.overhead_ms, other_ms)
         self.tokens_ema = self._ema(self.tokens_ema, n_accepted + 1.0, 0.1)
@@ -306,10 +308,10 @@ class AdaptiveK:
         if requested and not incremental:
             self.draft_token_ms = self._ema(self.draft_token_ms, draft_ms / requested)
         if n_verified and not self.shadowing:  # a shadowed draft is learned from in resolve()
-            self._learn(0, min(n_verified, n_accepted + 1), n_accepted)
+            self._learn(0, min(depth, n_accepted + 1), n_accepted)
             self.bin_reached = [x * self.decay for x in self.bin_reached]
             self.bin_accepted = [x * self.decay for x in self.bin_accepted]
-            for j in range(min(n_verified, n_accepted + 1)):
+            for j in range(min(depth, n_accepted + 1)):
                 if j < len(self.confidence):
                     b = _bin(self.confidence[j])
                     self.bin_reached[b] += 1

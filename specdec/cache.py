@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from .errors import ContextLengthError
+from .lean import tree_layout
 from .models import Model
 
 
@@ -106,8 +107,12 @@ class LeanKVCache(KVCache):
         self.v = [empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers]
         self.features = empty(capacity, lm.hidden_size)  # final-normed hidden states
 
-    def extend(self, tokens: list[int], all_logits: bool = True) -> torch.Tensor:
-        """As KVCache.extend. Raises ContextLengthError past the model's context length."""
+    def extend(self, tokens: list[int], all_logits: bool = True, parents: list[int] | None = None) -> torch.Tensor:
+        """As KVCache.extend. With parents, `tokens` is a token tree, not a sequence (see
+        specdec.lean.tree_layout: parents[i] is node i's parent, -1 for node 0): every node is
+        scored in one forward, seeing the cached tokens and its ancestors, and row i of the logits
+        scores the token after node i; call keep_path() next. Raises ContextLengthError past the
+        model's context length, ValueError for parents that are not a tree."""
         start, end = len(self.tokens), len(self.tokens) + len(tokens)
         if end > self.model.n_ctx:
             raise ContextLengthError(f"{end} tokens exceed {self.model.name}'s context of {self.model.n_ctx}")
@@ -117,9 +122,23 @@ class LeanKVCache(KVCache):
             self.v = [grown(t, capacity, start, dim=1) for t in self.v]
             self.features = grown(self.features, capacity, start, dim=0)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
-        logits = self.lean.forward(ids, self.k, self.v, self.features, start, len(tokens) if all_logits else 1)
+        tree = None if parents is None else tree_layout(parents, start, self.lean.device)
+        logits = self.lean.forward(ids, self.k, self.v, self.features, start, len(tokens) if all_logits else 1, tree)
         self.tokens.extend(tokens)
         return logits
+
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """After a tree forward that began at `start` cached tokens: keep the nodes `path` (indices
+        into that tree, root first, each the parent of the next) as the sequence's next tokens and
+        drop the rest. Their rows move to start, start+1, ... (keys, values, features)."""
+        if not path or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])) or start + path[-1] >= len(self.tokens):
+            raise ValueError(f"path {path} is not a root-first path of the tree at {start}")
+        src = torch.tensor(path, device=self.lean.device) + start
+        dst = torch.arange(start, start + len(path), device=self.lean.device)
+        for t in (*self.k, *self.v):
+            t.index_copy_(1, dst, t.index_select(1, src))
+        self.features.index_copy_(0, dst, self.features.index_select(0, src))
+        self.tokens[start:] = [self.tokens[start + i] for i in path]
 
     def _drop(self, n: int) -> None:
         """Nothing to free: the rows past the length are overwritten by the next forward."""

@@ -216,8 +216,8 @@ def _generate(args) -> int:
         drafter = make_drafter("model", draft=load_model(args.draft, **_load_kwargs(args, draft=True)))
     elif args.drafter == "prompt-lookup":
         drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
-    elif args.drafter == "suffix":
-        drafter = make_drafter("suffix", min_match=args.min_match)
+    elif args.drafter in ("suffix", "suffix-tree"):
+        drafter = make_drafter(args.drafter, min_match=args.min_match)
     elif args.drafter == "layer-skip":
         drafter = make_drafter("layer-skip", layers=args.layers, cache=args.cache_dir)
     elif args.drafter == "eagle":

@@ -4,7 +4,10 @@ the baseline every comparison in specdec uses.
 One round, as in gpt-fast and Leviathan et al. 2023:
   1. propose: the drafter proposes up to k tokens after the committed ones;
   2. verify: the target scores the last committed token plus the k drafted ones, k+1 positions,
-     in ONE forward over its KV cache; the verifier keeps a prefix and adds one target token;
+     in ONE forward over its KV cache; the verifier keeps a prefix and adds one target token
+     (a drafter may offer a token tree instead of a chain: greedy runs on the lean backend score
+     every node in the same one forward under a tree attention mask and keep the longest path
+     the target agrees with; elsewhere only the tree's main chain is verified);
   3. roll back: the target cache is cropped to the committed tokens minus the last (a model
      drafter rolls its own cache back at its next proposal);
   4. commit: tokens are committed one at a time, stopping exactly at EOS, a stop string or the
@@ -27,7 +30,7 @@ from .errors import ContextLengthError
 from .models import Model
 from .sampling import Sampler, SamplingParams, processed_probs
 from .stats import RunStats
-from .verify import verify_greedy, verify_sampling
+from .verify import verify_greedy, verify_sampling, verify_tree_greedy
 
 AUTO_K_MAX = 8  # the longest draft k = "auto" chooses by default
 
@@ -136,28 +139,46 @@ def generate(
         else:
             draft = drafter.propose(tokens, kk, sampler)
         t1 = time.perf_counter()
-        drafted = _usable(draft.tokens[:kk], vocab)
-        if adaptive:
+        tree = draft.parents is not None
+        if tree and not (params.greedy and hasattr(kv, "keep_path")):
+            draft, tree = draft.chain(), False  # tree verification: greedy, lean backend
+        chain = _usable((draft.chain() if tree else draft).tokens[:kk], vocab)
+        depth = len(chain)
+        if adaptive:  # a tree is cut by depth, as its main chain would be
             deterministic = params.greedy or draft.probs is None
-            drafted = drafted[: adaptive.cut(drafted, deterministic, len(tokens), draft.match_length)]
-        logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
+            depth = adaptive.cut(chain, deterministic, len(tokens), draft.match_length)
+        if tree:
+            draft = draft.pruned(depth, vocab, kk)
+            nodes = [tokens[-1]] + draft.tokens  # node 0, the root: the last committed token
+            parents = [-1] + [p + 1 for p in draft.parents]
+            logits = kv.extend(nodes, parents=parents)  # (len(nodes), V)
+        else:
+            drafted = chain[:depth]
+            logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
 
-        if params.greedy:
-            verdict = verify_greedy(drafted, logits)
+        if tree:
+            verdict, path = verify_tree_greedy(nodes, parents, logits)
+            kv.keep_path(len(tokens) - 1, path)
+            accepted, n_verified = [nodes[i] for i in path[1:]], len(draft.tokens)
+            depth = max(draft.depths(), default=0)
         else:
-            q = None if draft.probs is None else _match_vocab(draft.probs[: len(drafted)], vocab)
-            verdict = verify_sampling(drafted, q, processed_probs(logits, params), generator)
+            if params.greedy:
+                verdict = verify_greedy(drafted, logits)
+            else:
+                q = None if draft.probs is None else _match_vocab(draft.probs[: len(drafted)], vocab)
+                verdict = verify_sampling(drafted, q, processed_probs(logits, params), generator)
+            accepted, n_verified, depth = drafted[: verdict.n_accepted], len(drafted), len(drafted)
         kv.rollback(len(tokens) + verdict.n_accepted)
-        stats.record_round(len(drafted), verdict.n_accepted)
+        stats.record_round(n_verified, verdict.n_accepted, depth)
         if adaptive:
-            adaptive.observe(len(drafted), verdict.n_accepted, (t2 - t1) * 1e3, (t1 - t0) * 1e3,
-                             (time.perf_counter() - t_round - (t2 - t0)) * 1e3, kk, incremental)
+            adaptive.observe(n_verified, verdict.n_accepted, (t2 - t1) * 1e3, (t1 - t0) * 1e3,
+                             (time.perf_counter() - t_round - (t2 - t0)) * 1e3, kk, incremental, depth)
 
         committed = []
-        for t in drafted[: verdict.n_accepted] + [verdict.token]:
+        for t in accepted + [verdict.token]:
             committed.append(t)
             if t in eos:
                 stats.stop_reason = "eos"

@@ -54,9 +54,13 @@ def rope_inv_freq(theta: float, head_dim: int, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
 
 
-def rope(inv_freq: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin for positions start..end-1, each (n, 1, head_dim), in dtype."""
-    freqs = torch.arange(start, end, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq[None, :]
+def rope(inv_freq: torch.Tensor, start: int, end: int, dtype: torch.dtype,
+         positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for positions start..end-1 (or the given positions, (n,) ints), each
+    (n, 1, head_dim), in dtype."""
+    if positions is None:
+        positions = torch.arange(start, end, device=inv_freq.device)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -74,6 +78,28 @@ def causal_mask(start: int, n: int, device=None) -> torch.Tensor | None:
     if n == 1:
         return None
     return torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
+
+
+def tree_layout(parents: list[int], start: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and attention mask of a token tree appended after `start` cached tokens
+    (tree attention as in SpecInfer, Miao et al. 2024, and Medusa).
+
+    parents: (n,) the index of each node's parent among the nodes, -1 for the root (node 0, whose
+    parent is the last cached token); a parent comes before its children. Returns positions (n,)
+    = start + depth, and mask (n, start+n) bool: a node sees the cached tokens, its ancestors and
+    itself. Raises ValueError when parents is not such a tree."""
+    n = len(parents)
+    if n == 0 or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents) if i):
+        raise ValueError(f"parents must describe a tree in topological order rooted at node 0, got {parents}")
+    depth = [0] * n
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            seen[i] = seen[p]
+        seen[i, i] = True
+    mask = torch.cat((torch.ones(n, start, dtype=torch.bool), seen), dim=1).to(device)
+    return torch.tensor(depth, device=device) + start, mask
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -172,16 +198,18 @@ class LeanModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                features: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+                features: torch.Tensor, start: int, keep: int,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
 
         keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); features: (capacity,
         hidden). Rows start..start+n-1 are written: keys, values, and the final-normed hidden
         states (what the output layer reads; a feature-level draft head, specdec.head, reads them
-        too). Returns logits (keep, V) for the last `keep` positions (n for all of them)."""
+        too). tree: (positions, mask) of tree_layout() when ids are a token tree rather than a
+        sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them)."""
         n, hd = ids.shape[0], self.head_dim
-        cos, sin = rope(self.inv_freq, start, start + n, self.dtype)
-        mask = causal_mask(start, n, self.device)
+        positions, mask = tree if tree is not None else (None, causal_mask(start, n, self.device))
+        cos, sin = rope(self.inv_freq, start, start + n, self.dtype, positions)
         h = F.embedding(ids, self.embed)  # (n, d)
         q_size, kv_size = self.n_heads * hd, self.n_kv * hd
         for layer, k_cache, v_cache in zip(self.layers, keys, values):

@@ -1,10 +1,11 @@
 """Per-run statistics of speculative decoding, in the field's terms.
 
-- drafted tokens: tokens the drafter proposed (summed over rounds);
+- drafted tokens: tokens the drafter proposed and the target verified (summed over rounds; for
+  a token tree, every node);
 - accepted tokens: drafted tokens the verifier kept;
 - acceptance rate alpha = accepted / drafted;
 - acceptance per draft position i = rounds whose i-th drafted token was accepted / rounds that
-  drafted an i-th token;
+  drafted an i-th token (for a tree: a token at depth i);
 - mean accepted length tau = new tokens / rounds, which COUNTS the recovered or bonus token
   (vLLM's "mean acceptance length"); plain decoding has tau = 1.
 """
@@ -31,15 +32,18 @@ class RunStats:
     total_s: float = 0.0
     stop_reason: str = ""  # eos | stop | length | context
 
-    def record_round(self, n_drafted: int, n_accepted: int) -> None:
+    def record_round(self, n_drafted: int, n_accepted: int, depth: int | None = None) -> None:
+        """One round: n_drafted tokens verified, n_accepted kept. depth: for a token tree, its
+        depth (the positions it drafted; default n_drafted, a chain)."""
+        depth = n_drafted if depth is None else depth
         self.rounds += 1
         self.k_per_round.append(n_drafted)
         self.drafted += n_drafted
         self.accepted += n_accepted
-        while len(self.drafted_at) < n_drafted:
+        while len(self.drafted_at) < depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
-        for i in range(n_drafted):
+        for i in range(depth):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < n_accepted
 

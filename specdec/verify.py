@@ -87,3 +87,28 @@ def verify_sampling(
                 return Verdict(i, int(token), False)
     token = torch.multinomial(target_probs[k], 1, generator=generator)
     return Verdict(k, int(token), True)
+
+
+def verify_tree_greedy(tree_tokens: list[int], parents: list[int], target_logits: torch.Tensor) -> tuple[Verdict, list[int]]:
+    """Greedy verification of a token tree (SpecInfer, Miao et al. 2024; Medusa's typical tree):
+    follow the target's argmax from the root while some child of the current node holds it.
+
+    tree_tokens: n node ids, node 0 the last committed token (the root), the others drafted;
+    parents: (n,) each node's parent index, -1 for the root (specdec.lean.tree_layout);
+    target_logits: (n, V), row i scoring the token after node i. Returns the verdict (n_accepted =
+    drafted nodes kept, one per depth; bonus=True when the path ends at a leaf) and the kept
+    path, root first. Plain greedy decoding would produce exactly the path's tokens and then the
+    verdict's token, whenever these logits equal the one-token-at-a-time ones.
+    """
+    if target_logits.shape[0] != len(tree_tokens) or len(parents) != len(tree_tokens):
+        raise ValueError(f"need one parent and one target row per node ({len(tree_tokens)}), "
+                         f"got {len(parents)} parents and {target_logits.shape[0]} rows")
+    choice = target_logits.argmax(dim=-1).tolist()  # (n,)
+    children: dict[int, dict[int, int]] = {}
+    for i, p in enumerate(parents):
+        if i:
+            children.setdefault(p, {}).setdefault(tree_tokens[i], i)  # a duplicate sibling never wins
+    path = [0]
+    while (nxt := children.get(path[-1], {}).get(choice[path[-1]])) is not None:
+        path.append(nxt)
+    return Verdict(len(path) - 1, choice[path[-1]], path[-1] not in children), path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 from .base import Draft, Drafter
@@ -17,6 +18,7 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "model": ModelDrafter,
     "random": RandomDrafter,
     "suffix": SuffixDrafter,
+    "suffix-tree": partial(SuffixDrafter, tree=True),
     "layer-skip": LayerSkipDrafter,
     "eagle": EagleDrafter,
 }

@@ -21,12 +21,53 @@ class Draft:
     match_length: for a drafter that copies what followed an earlier occurrence of the context's
     end, how many tokens that occurrence matches (longer matches are accepted more often).
     Both feed the adaptive draft length (specdec.adaptive).
+    parents: for a deterministic drafter that offers several candidates per position, the draft
+    is a token tree: parents[i] is the index of token i's parent among the tokens, -1 for a child
+    of the last committed token, always before i. None: a chain (each token follows the one
+    before). The first child of each node, in order, forms the tree's main chain (chain()).
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     confidence: list[float] | None = None
     match_length: int | None = None
+    parents: list[int] | None = None
+
+    def depths(self) -> list[int]:
+        """Each token's depth, from 1 (a child of the last committed token)."""
+        if self.parents is None:
+            return list(range(1, len(self.tokens) + 1))
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def chain(self) -> "Draft":
+        """The main chain as a chain draft: from the first top-level token, each node's first
+        child (the drafter's best guess at each depth)."""
+        if self.parents is None:
+            return self
+        keep, want = [], -1
+        for i, p in enumerate(self.parents):
+            if p == want:
+                keep.append(i)
+                want = i
+        return Draft([self.tokens[i] for i in keep], match_length=self.match_length)
+
+    def pruned(self, max_depth: int, vocab: int, max_tokens: int | None = None) -> "Draft":
+        """The tree without tokens deeper than max_depth, ids the target cannot score (outside
+        0..vocab-1), and their descendants, then cut to its first max_tokens tokens (a parent
+        always comes first, so that is a tree too); indices renumbered."""
+        if self.parents is None:
+            raise ValueError("pruned() is for tree drafts; cut a chain by slicing its tokens")
+        new: dict[int, int] = {-1: -1}
+        tokens, parents = [], []
+        for i, (t, p, d) in enumerate(zip(self.tokens, self.parents, self.depths())):
+            if p in new and d <= max_depth and 0 <= t < vocab and (max_tokens is None or len(tokens) < max_tokens):
+                new[i] = len(tokens)
+                tokens.append(t)
+                parents.append(new[p])
+        return Draft(tokens, match_length=self.match_length, parents=parents)
 
 
 class Drafter(Protocol):

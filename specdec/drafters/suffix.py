@@ -16,6 +16,7 @@ extends it by the tokens committed since its last call instead of rebuilding it.
 
 from __future__ import annotations
 
+import heapq
 from typing import Iterable, Sequence
 
 from ..models import Model
@@ -165,6 +166,45 @@ class SuffixAutomaton:
             state = best
         return out
 
+    SHORTER = 0.25  # frequent_tree: weight of a one-step shorter match's continuations
+    SHORTER_LEVELS = 2  # ... and how many shorter matches are asked
+
+    def frequent_tree(self, state: int, n: int) -> tuple[list[int], list[int]]:
+        """Up to n tokens as a tree of continuations of the match at `state` (after SuffixDecoding's
+        speculation trees): best first, where a node's score is the product, along its path, of
+        how often each token followed the match so far among everything that did; tokens that
+        followed only a shorter suffix of the match (SHORTER_LEVELS suffix links down) are
+        alternatives too, their scores discounted by SHORTER per level and kept below the best
+        continuation of the longest match. So the main chain (each node's first child) is
+        frequent_continuation(state, ...). Returns (tokens, parents), parents[i] the index of
+        token i's parent, -1 at the top level."""
+        count, recent, link, nxt = self.count, self.recent, self.link, self.next
+        tokens: list[int] = []
+        parents: list[int] = []
+        heap: list[tuple] = []
+
+        def offer(state: int, parent: int, score: float) -> None:
+            seen: set[int] = set()
+            weight = 1.0
+            while state > 0 and weight >= self.SHORTER ** self.SHORTER_LEVELS:
+                kids = [(t, v) for t, v in nxt[state].items() if t >= 0 and t not in seen]
+                total = sum(count[v] for _, v in kids)
+                for t, v in kids:  # ties as in frequent_continuation: more often, then more recently
+                    heapq.heappush(heap, (-score * weight * count[v] / total, -count[v], -recent[v], parent, t, v))
+                if kids:  # shorter matches (suffix links) offer further alternatives, discounted
+                    # below the best continuation of the longest match, which stays the first child
+                    weight *= self.SHORTER * (max(count[v] for _, v in kids) / total if not seen else 1.0)
+                    seen.update(t for t, _ in kids)
+                state = link[state]  # (with no continuation, end of text: the shorter suffix's at full weight)
+
+        offer(state, -1, 1.0)
+        while heap and len(tokens) < n:
+            score, _, _, parent, token, child = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent)
+            offer(child, len(tokens) - 1, -score)
+        return tokens, parents
+
 
 class SuffixDrafter:
     """Proposes what followed the longest earlier occurrence of the context's suffix.
@@ -178,7 +218,10 @@ class SuffixDrafter:
     verify forward). max_depth: cap of the statistics walk per token (see SuffixAutomaton).
     frequent: choose each next token by how often it followed the match so far (SuffixDecoding's
     frequency score; ties: the most recent); False: take what followed the match's most recent
-    earlier occurrence.
+    earlier occurrence. tree: propose a token tree of up to k tokens (frequent_tree: several
+    candidates where the match was followed by several tokens) instead of one chain; the engine
+    verifies it in one forward on the lean backend under greedy decoding (elsewhere it verifies
+    the tree's main chain, which is the chain draft).
 
     A context that does not extend the one seen last (a new generation) resets the context's
     automaton; prepare() does too. Deterministic: Draft.probs is None. Raises ValueError on
@@ -186,10 +229,11 @@ class SuffixDrafter:
     """
 
     def __init__(self, corpus: Sequence[Sequence[int]] = (), remember: bool = False, min_match: int = 1,
-                 max_depth: int = 64, frequent: bool = True):
+                 max_depth: int = 64, frequent: bool = True, tree: bool = False):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1 (tokens of context that must match), got {min_match}")
         self.min_match, self.max_depth, self.frequent, self.remember = min_match, max_depth, frequent, remember
+        self.tree = tree
         self.corpus = SuffixAutomaton(max_depth)
         for i, doc in enumerate(corpus):
             self.add_document(doc, what=f"corpus[{i}]")
@@ -249,5 +293,8 @@ class SuffixDrafter:
             end = self.corpus.recent[state]
         if length < self.min_match or end < 0:
             return Draft([])
+        if self.tree:
+            tokens, parents = source.frequent_tree(state, k)
+            return Draft(tokens, match_length=length, parents=parents)
         tokens = source.frequent_continuation(state, k) if self.frequent else source.continuation(end, k)
         return Draft(tokens, match_length=length)
