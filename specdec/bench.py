@@ -153,7 +153,8 @@ def _encode(model: Model, prompt: Prompt) -> list[int]:
 
 def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens: int, temperature: float,
                peers: list[str], workload: str, peer_k: int = 4, progress: bool = True,
-               bandwidth_gbs: float | None = None, draft_dtype: torch.dtype | None = None, **load_kwargs) -> dict:
+               bandwidth_gbs: float | None = None, draft_dtype: torch.dtype | None = None, repeats: int = 1,
+               **load_kwargs) -> dict:
     """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
     bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward."""
@@ -186,14 +187,21 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     bar = tqdm(total=len(prompts) * (len(ks) + 1 + len(peers)), desc=f"bench {pair.target} / {pair.drafter}",
                disable=not progress)
     for prompt, ids in zip(prompts, encoded):
-        plain = generate(target, ids, None, **run)
+        timed: dict[str, list] = {}  # per config, its `repeats` generations, interleaved in time
+        for _ in range(repeats):
+            timed.setdefault("plain", []).append(generate(target, ids, None, **run))
+            for k in ks:
+                timed.setdefault(str(k), []).append(generate(target, ids, drafter, k=k, k_max=AUTO_K_MAX, **run))
+        plain = _median_run(timed["plain"])
         bar.update()
         runs = {}
         for k in ks:
-            spec = generate(target, ids, drafter, k=k, k_max=AUTO_K_MAX, **run)
+            spec = _median_run(timed[str(k)])
             d = spec.stats.to_dict()
-            if temperature == 0:
-                div = first_divergence(target, ids, plain.tokens, spec.tokens)
+            d["decode_tokens_per_s_repeats"] = [g.stats.decode_tokens_per_s for g in timed[str(k)]]
+            if temperature == 0:  # every repeat must be plain greedy's output
+                odd = next((g for g in timed[str(k)] if g.tokens != plain.tokens), spec)
+                div = first_divergence(target, ids, plain.tokens, odd.tokens)
                 d["identical"] = div is None
                 d["divergence"] = None if div is None else vars(div)
             else:
@@ -215,7 +223,9 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
                                   "identical": None, "error": f"{type(e).__name__}: {e}"})
             bar.update()
         records.append({"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
-                        "plain": plain.stats.to_dict(), "runs": runs})
+                        "plain": {**plain.stats.to_dict(),
+                                  "decode_tokens_per_s_repeats": [g.stats.decode_tokens_per_s for g in timed["plain"]]},
+                        "runs": runs})
     bar.close()
 
     # The fixed per-round overhead: time outside draft and verify, per round, over every run.
@@ -228,6 +238,13 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
               "costs": costs, "prompts": records, "peers": peer_rows}
     result.update(fit(result, ks))
     return result
+
+
+def _median_run(generations: list) -> "object":
+    """Of repeated generations of one config on one prompt, the one with the median decode speed
+    (the lower middle one for an even count), so that its timings are one real run's."""
+    ranked = sorted(generations, key=lambda g: g.stats.decode_tokens_per_s)
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def _quartiles(values: list[float]) -> dict:
@@ -319,8 +336,15 @@ def _auto_summary(configs: list[dict], best_k: int | None) -> dict | None:
 def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[int], max_new_tokens: int,
               temperature: float = 0.0, peers: list[str] = (), quick: bool = False, peer_k: int = 4,
               categories: list[str] | None = None, limit: int | None = None, progress: bool = True,
-              **load_kwargs) -> dict:
-    """The whole results dict (schema specdec.bench/1) for the given pairs and prompts."""
+              repeats: int = 1, **load_kwargs) -> dict:
+    """The whole results dict (schema specdec.bench/1) for the given pairs and prompts.
+
+    repeats: how many times each prompt is generated per config (plain, each k), interleaved
+    (plain, k1, k2, ..., plain, k1, ...); a prompt's speed per config is its median run's. More
+    repeats narrow the noise of a shared machine (a speed-up of one 128-token run varies by
+    about 5-10% here). Raises ValueError on bad ks, repeats < 1 or an empty selection."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if not ks or any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):
         raise ValueError(f"--k needs draft lengths >= 1 or 'auto' (plain decoding is always measured), got {ks}")
     if not prompts:
@@ -332,7 +356,8 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
         "environment": {**environment(), "memory_bandwidth_gbs": bandwidth},
         "settings": {"workload": workload, "categories": sorted({p.category for p in prompts}),
                      "limit": limit, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                     "ks": ks, "quick": quick, "repeats": 1, "peers": list(peers), "peer_k": peer_k},
+                     "ks": ks, "quick": quick, "repeats": repeats, "peers": list(peers), "peer_k": peer_k},
         "pairs": [bench_pair(pair, prompts, ks, max_new_tokens, temperature, list(peers), workload,
-                             peer_k=peer_k, progress=progress, bandwidth_gbs=bandwidth, **load_kwargs) for pair in pairs],
+                             peer_k=peer_k, progress=progress, bandwidth_gbs=bandwidth, repeats=repeats, **load_kwargs)
+                  for pair in pairs],
     }

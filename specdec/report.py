@@ -82,7 +82,8 @@ def _header(results: dict) -> list[str]:
         rows.append(["repeats", st["repeats"]])
     out += _table(["", ""], rows, "ll")
     out += ["", "Speeds are decode-only tokens/s (prefill excluded); a speed-up is the median over prompts of "
-                "speculative / plain tokens/s measured in the same run. α = accepted / drafted tokens; τ = new "
+                "speculative / plain tokens/s measured in the same run (with repeats, each prompt's runs are "
+                "interleaved and its median run per config counts). α = accepted / drafted tokens; τ = new "
                 "tokens per round, the recovered or bonus token included. A prediction is made per "
                 "prompt from that run's acceptance; its error is (predicted - measured) / measured for each prompt, "
                 "and the table gives the median of those errors beside the median prediction."]

@@ -26,8 +26,9 @@ read only this file and never run a model. Schema `specdec.bench/1`:
         },
         "prompts": [{                   # raw measurements, one per prompt
           "id": str, "category": str, "prompt_tokens": int,
-          "plain": RunStats.to_dict(),
+          "plain": RunStats.to_dict() + {"decode_tokens_per_s_repeats": [float]},  # median run's stats
           "runs": {"<k>": RunStats.to_dict() + {"identical": bool | null,   # "<k>": "1", ..., "auto"
+                                                  "decode_tokens_per_s_repeats": [float],  # every repeat
                                                   "divergence": null | {"position": int,
                                                    "plain_token": int, "other_token": int,
                                                    "logit_gap": float}}}

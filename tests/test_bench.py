@@ -116,11 +116,16 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
 def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["bench", "--pair", str(model_dir), "--workload", str(workload), "--limit", "1", "--k", "1,2",
-            "--max-new-tokens", "6", "--peers", "none", "--out", str(out), "--backend", "hf"]
+            "--max-new-tokens", "6", "--peers", "none", "--out", str(out), "--backend", "hf", "--repeats", "3"]
     assert main(args) == 0
     assert "identical" in capsys.readouterr().out
     res = results.load(out / "results.json")
     assert res["settings"]["ks"] == [1, 2] and (out / "report.md").read_text().startswith("#")
+    assert res["settings"]["repeats"] == 3
+    for rec in res["pairs"][0]["prompts"]:
+        for run in [rec["plain"], *rec["runs"].values()]:  # each config's speed is its median run's
+            assert len(run["decode_tokens_per_s_repeats"]) == 3
+            assert run["decode_tokens_per_s"] == sorted(run["decode_tokens_per_s_repeats"])[1]
     assert res["pairs"][0]["backend"] == "hf" and "Roofline (hf backend" in (out / "report.md").read_text()
     assert len(list(out.glob("*.png"))) == 5
     assert main(["plot", str(out / "results.json"), "--out", str(tmp_path / "again")]) == 0
