@@ -153,6 +153,23 @@ def _parser() -> argparse.ArgumentParser:
     _loading_options(tr, draft=False)
     tr.set_defaults(run=_train)
 
+    ds = sub.add_parser("distill", help="distill a small draft model (a few of the target's layers) on the target's own outputs")
+    ds.add_argument("--target", default="smollm2-135m", help="registry name, folder or hub id (default: smollm2-135m)")
+    ds.add_argument("--layers", type=int, default=2, help="decoder layers the draft keeps, evenly spaced (default 2)")
+    ds.add_argument("--prompts", type=int, default=320, help="training prompts from templates (default 320, at most 640)")
+    ds.add_argument("--sampled-prompts", type=int, default=0,
+                    help="more training prompts, written by the target itself (sampled user turns; default 0)")
+    ds.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
+    ds.add_argument("--epochs", type=int, default=4, help="default 4")
+    ds.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
+    ds.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    ds.add_argument("--out", type=Path, default=Path("specdec-distill"),
+                    help="folder for data, checkpoint, loss.png, summary.json (the same --out as `specdec train` reuses its data)")
+    ds.add_argument("--draft-out", type=Path, help="folder for the draft (default: <cache>/drafts/<target>-distilled-<L>L)")
+    ds.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
+    _loading_options(ds, draft=False)
+    ds.set_defaults(run=_distill)
+
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
     pt.add_argument("results", type=Path)
     pt.add_argument("--out", type=Path, help="folder for the PNGs (default: next to results.json)")
@@ -365,6 +382,23 @@ def _train(args) -> int:
     last = summary["history"][-1]
     print(f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "
           f"held-out first-token accuracy {last['heldout_acc']:.3f}; wrote {summary['head']}, {args.out / 'loss.png'}")
+    return 0
+
+
+def _distill(args) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from .distill import distill
+
+    hf_logging.disable_progress_bar()
+    target = load_model(args.target, **_load_kwargs(args))
+    s = distill(target, args.out, n_layers=args.layers, prompts=args.prompts, sampled=args.sampled_prompts,
+                max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, batch=args.batch,
+                draft_out=args.draft_out, restart=args.restart, cache=args.cache_dir)
+    first, last = s["history"][0], s["history"][-1]
+    print(f"draft of {s['target']} (layers {s['layers']}): held-out agreement with the target "
+          f"{first['heldout_acc']:.3f} before training, {last['heldout_acc']:.3f} after; wrote {s['draft']}, "
+          f"{args.out / 'loss.png'}; use it with --drafter model --draft {s['draft']}")
     return 0
 
 

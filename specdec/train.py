@@ -139,6 +139,23 @@ def self_distilled_data(target: Model, prompts: list[str], max_new_tokens: int, 
     return [known[p] for p in dict.fromkeys(prompts)]
 
 
+def training_rows(target: Model, out: Path, prompts: int, sampled: int, max_new_tokens: int, batch: int = 16,
+                  seed: int = 0) -> list[dict]:
+    """Steps 1-2: `prompts` template prompts plus `sampled` target-written ones (stored in
+    out/sampled_prompts.json), and the target's greedy answers (out/data.json); both reused on a
+    rerun in the same folder. `specdec distill` trains on the same rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    texts = training_prompts(prompts, seed)
+    if sampled:
+        path = out / "sampled_prompts.json"
+        stored = json.loads(path.read_text()) if path.is_file() else []
+        if len(stored) < sampled:
+            stored = sampled_prompts(target, sampled, seed)
+            atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(stored)))
+        texts += stored[:sampled]
+    return self_distilled_data(target, texts, max_new_tokens, out / "data.json", batch)
+
+
 def features_and_labels(target: Model, rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per sequence (tokens (T,), features (T, d) fp32, labels (T,): the target's greedy token
     after each position), from one lean forward each."""
@@ -192,15 +209,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
         raise ValueError(f"need prompts >= 2, epochs >= 1 and 0 < vocab <= {target.vocab_size}")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    texts = training_prompts(prompts, seed)
-    if sampled:
-        path = out / "sampled_prompts.json"
-        stored = json.loads(path.read_text()) if path.is_file() else []
-        if len(stored) < sampled:
-            stored = sampled_prompts(target, sampled, seed)
-            atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(stored)))
-        texts += stored[:sampled]
-    rows = self_distilled_data(target, texts, max_new_tokens, out / "data.json", batch)
+    rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
     data = features_and_labels(target, rows)
     held = max(1, len(data) // 20)
     train, valid = data[held:], data[:held]
@@ -259,11 +268,12 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
                "head": str(dest)}
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
-    _plot_loss(history, out / "loss.png")
+    plot_loss(history, out / "loss.png", "loss (smooth L1 + w x CE)", "held-out first-token accuracy")
     return summary
 
 
-def _plot_loss(history: list[dict], path: Path) -> None:
+def plot_loss(history: list[dict], path: Path, loss_label: str, acc_label: str) -> None:
+    """loss.png: history's "loss" per epoch and its "heldout_acc" on a second axis (atomic write)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,9 +283,9 @@ def _plot_loss(history: list[dict], path: Path) -> None:
     epochs = [h["epoch"] for h in history]
     ax.plot(epochs, [h["loss"] for h in history], marker="o", label="training loss")
     ax.set_xlabel("epoch")
-    ax.set_ylabel("loss (smooth L1 + w x CE)")
+    ax.set_ylabel(loss_label)
     ax2 = ax.twinx()
-    ax2.plot(epochs, [h["heldout_acc"] for h in history], color="C1", marker="s", label="held-out first-token accuracy")
+    ax2.plot(epochs, [h["heldout_acc"] for h in history], color="C1", marker="s", label=acc_label)
     ax2.set_ylabel("accuracy")
     fig.legend(loc="upper center", ncol=2, fontsize=8)
     fig.tight_layout()
