@@ -11,13 +11,15 @@ estimates, never below plain decoding's 1 / (V(1) + overhead). m = 0 is plain de
 
 Estimates, all learned online while generating:
 - V(n): timed once for n = 1..k_max+1 at the target's first generation (VerifyCosts.calibrate,
-  about k_max+1 forwards), then running averages of the timed verify forwards; an n never timed
-  is interpolated between timed ones, or extrapolated with a deliberately optimistic slope;
+  about k_max+1 forwards), which fixes the curve's shape; every timed verify forward then moves
+  its level (a running average); an n never timed is interpolated between timed ones, or
+  extrapolated with a deliberately optimistic slope;
 - draft costs: for a drafter that drafts token by token (a draft model), the first step (which
   also reads the tokens committed since its last proposal) and each further step; for one that
   proposes all at once (prompt lookup), its cost per requested token;
 - acceptance: per draft position, the probability that token j is accepted given that tokens
-  1..j-1 were, as decayed counts (recent rounds weigh more) over a weak prior; when the drafter
+  1..j-1 were, as decayed counts (recent rounds weigh more) over a weak prior (for j > 1, the
+  estimate at j - 1); when the drafter
   reports its confidence in each token (its probability for it), acceptance per confidence bin.
 
 A drafter that proposes all at once and cheaply (prompt lookup, suffix matching) is asked for a
@@ -68,14 +70,26 @@ def match_class(match_length: int | None) -> int:
 
 @dataclass
 class VerifyCosts:
-    """Running averages of V(n) in ms, n = new tokens in one target forward."""
+    """Estimates of V(n) in ms, n = new tokens in one target forward.
+
+    Once calibrated, the curve's shape V(n)/V(1) is the one timed back to back at calibration, and
+    every timed round moves one level, V(1), which scales the whole curve: so a length the policy
+    rarely chooses is not left at its calibration time while the lengths it uses pick up every
+    slow round (that made rarely used lengths look cheap, and auto chose them for it). Lengths
+    outside the calibrated ones (and everything before calibration) keep running averages of
+    their own."""
 
     ema: float = 0.3  # weight of the newest observation
     optimistic_slope: float = 0.25  # extrapolation: V(n + 1) - V(n) = slope * V(1) beyond the tried n
     ms: dict[int, float] = field(default_factory=dict)
     calibrated: bool = False
+    shape: dict[int, float] = field(default_factory=dict)  # calibrated V(n) / V(1)
 
     def observe(self, n: int, ms: float) -> None:
+        if n in self.shape:
+            level = (1 - self.ema) * self.ms[1] + self.ema * ms / self.shape[n]
+            self.ms.update({m: level * ratio for m, ratio in self.shape.items()})
+            return
         old = self.ms.get(n)
         self.ms[n] = ms if old is None else (1 - self.ema) * old + self.ema * ms
 
@@ -85,8 +99,9 @@ class VerifyCosts:
     def calibrate(self, kv, context: list[int], n_max: int, repeats: int = 2) -> None:
         """Time V(1..n_max) once on kv (a target cache holding the prompt; left as it was), the
         fastest of `repeats` passes each, so that the first rounds' choice of k rests on the
-        whole measured curve rather than on an extrapolation (on a CPU the curve is not smooth).
-        Rounds keep refining these averages. Does nothing once calibrated."""
+        whole measured curve rather than on an extrapolation (on a CPU the curve is not smooth:
+        oneDNN picks kernels by the number of rows). Rounds then move its level (see the class).
+        Does nothing once calibrated."""
         if self.calibrated:
             return
         keep = len(kv)
@@ -100,6 +115,7 @@ class VerifyCosts:
                 best[n] = min(best.get(n, math.inf), (time.perf_counter() - start) * 1e3)
                 kv.rollback(keep)
         self.ms.update(best)
+        self.shape = {n: best[n] / best[1] for n in best} if 1 in best else {}
         self.calibrated = True
 
     def __call__(self, n: int) -> float:
@@ -175,9 +191,15 @@ class AdaptiveK:
     # ---- estimates ----------------------------------------------------------------------------
     def acceptance(self, j: int, cls: int = 0) -> float:
         """P(draft token j accepted | tokens 1..j-1 accepted), j from 1, for drafts of match class
-        cls (0: drafters without a match length)."""
-        i = min(j, self.k_max) - 1
-        return (self.accepted[cls][i] + self.prior * self.prior_weight) / (self.reached[cls][i] + self.prior_weight)
+        cls (0: drafters without a match length). The prior of position 1 is `prior`; that of a
+        deeper position is the estimate of the one before it, since few drafts reach deep
+        positions and, for a copied span, the next token is at least as likely right as the last
+        (a fixed 0.5 prior there, compounded over 8 positions, made long verified drafts look
+        hopeless and auto cut them)."""
+        estimate = self.prior
+        for i in range(min(j, self.k_max)):
+            estimate = (self.accepted[cls][i] + estimate * self.prior_weight) / (self.reached[cls][i] + self.prior_weight)
+        return estimate
 
     def confident_acceptance(self, confidence: float) -> float:
         """P(a token accepted | the drafter gave it this probability), prior: the confidence."""

@@ -33,10 +33,16 @@ def textbook_speedup(alpha: float, k: int, c: float) -> float:
 
 
 def draft_length_distribution(run: dict) -> list[float]:
-    """P(j tokens drafted in a round) for j = 0..max, from a RunStats dict's drafted_at / rounds."""
+    """P(j tokens drafted and verified in a round) for j = 0..max, from a RunStats dict's
+    k_per_round (exact, token trees included), else its drafted_at / rounds."""
     rounds = run["rounds"]
     if not rounds:
         return [1.0]
+    if run.get("k_per_round"):
+        counts = [0] * (max(run["k_per_round"]) + 1)
+        for n in run["k_per_round"]:
+            counts[n] += 1
+        return [c / len(run["k_per_round"]) for c in counts]
     at_least = [rounds] + list(run["drafted_at"])  # rounds drafting >= j tokens, j = 0, 1, ...
     return [(at_least[j] - (at_least[j + 1] if j + 1 < len(at_least) else 0)) / rounds for j in range(len(at_least))]
 

@@ -46,6 +46,27 @@ def test_verify_costs_interpolate_and_extrapolate_optimistically():
     assert only4(1) == pytest.approx(17.5 / (1 + 0.25 * 3))  # V(1) inferred from the one tried length
 
 
+
+def test_calibrated_curve_keeps_its_shape_and_every_round_moves_its_level():
+    v = VerifyCosts(ms={1: 10.0, 2: 12.0, 3: 9.0}, shape={1: 1.0, 2: 1.2, 3: 0.9}, calibrated=True)
+    v.observe(3, 18.0)  # a slow round at n = 3: the level moves towards 18 / 0.9 = 20
+    level = 0.7 * 10.0 + 0.3 * 20.0
+    assert v(1) == pytest.approx(level) and v(2) == pytest.approx(1.2 * level) and v(3) == pytest.approx(0.9 * level)
+    v.observe(5, 30.0)  # outside the calibrated lengths: an average of its own
+    assert v(5) == 30.0 and v(1) == pytest.approx(level)
+
+
+def test_deep_positions_borrow_the_previous_positions_estimate():
+    ctl = AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, prior=0.5, prior_weight=1.0)
+    for _ in range(20):  # drafts that reach only position 1 and are accepted there
+        ctl._learn(0, 1, 1)
+    assert ctl.acceptance(1) > 0.9
+    assert ctl.acceptance(2) == pytest.approx(ctl.acceptance(1))  # no data at 2: the estimate at 1
+    for _ in range(20):
+        ctl._learn(0, 2, 1)  # now position 2 is reached and always rejected
+    assert ctl.acceptance(2) < 0.2
+
+
 @settings(max_examples=200, deadline=None)
 @given(acceptance=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
        steps=st.lists(st.floats(0.0, 3.0), min_size=8, max_size=8),
@@ -171,10 +192,12 @@ def test_verify_curve_is_timed_once_per_target_at_first_use():
     first = generate(target, prompt, "prompt-lookup", k="auto", k_max=5, max_new_tokens=4)
     costs = adaptive._VERIFY_COSTS[target]
     assert costs.calibrated and set(range(1, 7)) <= set(costs.ms) and all(v > 0 for v in costs.ms.values())
-    costs.ms = {n: 1000.0 * n for n in costs.ms}  # a sentinel a second calibration would overwrite
+    assert set(costs.shape) == set(range(1, 7)) and costs.shape[1] == 1.0
+    costs.shape = {n: 1000.0 * n for n in costs.shape}  # a sentinel a second calibration would overwrite
     again = generate(target, prompt, "prompt-lookup", k="auto", k_max=5, max_new_tokens=4)
     assert again.tokens == first.tokens  # the calibration left the cache as it found it
-    assert max(costs.ms.values()) > 3000  # not re-timed: only the rounds' own (fast) times were blended in
+    assert costs.shape[6] == 6000.0  # not re-timed
+    assert costs.ms[6] == pytest.approx(6000.0 * costs.ms[1] / 1000.0)  # rounds moved the level, not the shape
     assert generate(target, prompt, None, k=0, max_new_tokens=4).tokens == first.tokens
 
 
