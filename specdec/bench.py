@@ -31,6 +31,7 @@ from tqdm import tqdm
 from . import costmodel
 from .cache import new_cache
 from .drafters import Drafter, make_drafter
+from .drafters.suffix import load_corpus
 from .engine import AUTO_K_MAX, generate
 from .exactness import first_divergence
 from .models import Model, load_model
@@ -57,7 +58,8 @@ class Pair:
     def parse(cls, text: str) -> "Pair":
         """`target[:drafter[:draft]]`, e.g. `qwen2.5-coder-1.5b:model:qwen2.5-coder-0.5b`; for
         `layer-skip` the third part is the layers to keep, e.g. `smollm2-135m:layer-skip:0-9,12`; for
-        `eagle` a draft head file (default: the target's stored head)."""
+        `eagle` a draft head file (default: the target's stored head); for `suffix` and
+        `suffix-tree` a corpus file (drafters.suffix.load_corpus)."""
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or (len(parts) > 1 and parts[1] == "model" and len(parts) != 3):
             raise ValueError(f"--pair {text!r}: use TARGET[:DRAFTER[:DRAFT]], DRAFT required for the model drafter")
@@ -166,6 +168,8 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         drafter = make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
     elif pair.drafter == "eagle":  # its third part is a head file (default: the target's stored head)
         drafter = make_drafter("eagle", head=pair.draft, cache=load_kwargs.get("cache"))
+    elif pair.drafter in ("suffix", "suffix-tree") and pair.draft:  # its third part is a corpus file
+        drafter = make_drafter(pair.drafter, corpus=load_corpus(pair.draft))
     else:
         drafter = make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
     encoded = [_encode(target, p) for p in prompts]

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .drafters import DRAFTERS, make_drafter
+from .drafters.suffix import load_corpus
 from .engine import AUTO_K_MAX, generate
 from .errors import SpecdecError
 from .exactness import first_divergence
@@ -76,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
     g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
     g.add_argument("--min-match", type=int, default=1, help="suffix: propose nothing below this match length (default 1)")
+    g.add_argument("--corpus", help="suffix: earlier outputs to match too, a JSON list of token-id lists or a "
+                                    "data.json from `specdec train` / `specdec distill`")
     g.add_argument("--layers", help="layer-skip: decoder layers to keep, e.g. 0-9,12 (default: the stored `specdec calibrate-skip` choice)")
     g.add_argument("--head", help="eagle: a draft head file (default: the target's, from `specdec train` or shipped)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
@@ -236,7 +239,8 @@ def _generate(args) -> int:
     elif args.drafter == "prompt-lookup":
         drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
     elif args.drafter in ("suffix", "suffix-tree"):
-        drafter = make_drafter(args.drafter, min_match=args.min_match)
+        corpus = load_corpus(args.corpus) if args.corpus else ()
+        drafter = make_drafter(args.drafter, min_match=args.min_match, corpus=corpus)
     elif args.drafter == "layer-skip":
         drafter = make_drafter("layer-skip", layers=args.layers, cache=args.cache_dir)
     elif args.drafter == "eagle":

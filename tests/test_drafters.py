@@ -16,7 +16,7 @@ from specdec.calibrate import (_run_from, calibrate_skip, load_skip_layers, save
                                simulated_tau, skip_file)
 from specdec.cli import main
 from specdec.drafters.layerskip import LayerSkipDrafter, parse_layers, skip_view
-from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter
+from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter, load_corpus
 from specdec.sampling import Sampler, SamplingParams
 
 from .conftest import VOCAB, make_model, prompt_ids
@@ -171,6 +171,21 @@ def test_corpus_and_remembered_outputs():
         SuffixDrafter(corpus=["some text"])
     with pytest.raises(ValueError, match="min_match"):
         SuffixDrafter(min_match=0)
+
+
+def test_corpus_files(tmp_path):
+    lists = tmp_path / "lists.json"
+    lists.write_text(json.dumps([[10, 11, 12], [20, 21]]))
+    assert load_corpus(lists) == [[10, 11, 12], [20, 21]]
+    data = tmp_path / "data.json"  # as `specdec train` writes it: the target's answers are the corpus
+    data.write_text(json.dumps({"key": {}, "rows": [{"text": "t", "prompt": [1, 2], "answer": [30, 31, 32]}]}))
+    assert load_corpus(data) == [[30, 31, 32]]
+    assert SuffixDrafter(corpus=load_corpus(data)).propose([5, 30, 31], 1).tokens == [32]
+    for bad, text in ((tmp_path / "missing.json", None), (tmp_path / "bad.json", "{nope"), (tmp_path / "obj.json", '{"a": 1}')):
+        if text is not None:
+            bad.write_text(text)
+        with pytest.raises(ValueError, match="corpus"):
+            load_corpus(bad)
 
 
 # ---- layer skipping -----------------------------------------------------------------------------

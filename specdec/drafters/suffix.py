@@ -17,6 +17,8 @@ extends it by the tokens committed since its last call instead of rebuilding it.
 from __future__ import annotations
 
 import heapq
+import json
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..models import Model
@@ -204,6 +206,22 @@ class SuffixAutomaton:
             parents.append(parent)
             offer(child, len(tokens) - 1, -score)
         return tokens, parents
+
+
+def load_corpus(path) -> list[list[int]]:
+    """Token sequences for a SuffixDrafter corpus from a JSON file: a list of token-id lists, or
+    the data.json that `specdec train` / `specdec distill` write (the target's own answers: each
+    row's "answer"). Raises ValueError naming the file when it is neither."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the corpus {path}: {e}; give a JSON list of token-id lists or a data.json "
+                         "written by `specdec train` / `specdec distill`") from None
+    if isinstance(data, dict) and isinstance(data.get("rows"), list):
+        data = [row.get("answer") for row in data["rows"]]
+    if not isinstance(data, list) or not all(isinstance(doc, list) for doc in data):
+        raise ValueError(f"the corpus {path} is not a list of token-id lists nor a `specdec train` data.json")
+    return data
 
 
 class SuffixDrafter:
