@@ -192,10 +192,11 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
                disable=not progress)
     for prompt, ids in zip(prompts, encoded):
         timed: dict[str, list] = {}  # per config, its `repeats` generations, interleaved in time
-        for _ in range(repeats):
-            timed.setdefault("plain", []).append(generate(target, ids, None, **run))
-            for k in ks:
-                timed.setdefault(str(k), []).append(generate(target, ids, drafter, k=k, k_max=AUTO_K_MAX, **run))
+        configs = [0, *ks]  # 0: plain decoding
+        for r in range(repeats):  # each repeat rotates the order, so no config always runs first
+            for k in configs[r % len(configs):] + configs[: r % len(configs)]:
+                spec = generate(target, ids, drafter if k else None, k=k, k_max=AUTO_K_MAX, **run)
+                timed.setdefault(str(k) if k else "plain", []).append(spec)
         plain = _median_run(timed["plain"])
         bar.update()
         runs = {}
@@ -344,7 +345,8 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
     """The whole results dict (schema specdec.bench/1) for the given pairs and prompts.
 
     repeats: how many times each prompt is generated per config (plain, each k), interleaved
-    (plain, k1, k2, ..., plain, k1, ...); a prompt's speed per config is its median run's. More
+    (plain, k1, k2, ..., then k1, k2, ..., plain: each repeat rotates the order); a prompt's
+    speed per config is its median run's. More
     repeats narrow the noise of a shared machine (a speed-up of one 128-token run varies by
     about 5-10% here). Raises ValueError on bad ks, repeats < 1 or an empty selection."""
     if repeats < 1:

@@ -130,7 +130,8 @@ class LeanKVCache(KVCache):
     def keep_path(self, start: int, path: list[int]) -> None:
         """After a tree forward that began at `start` cached tokens: keep the nodes `path` (indices
         into that tree, root first, each the parent of the next) as the sequence's next tokens and
-        drop the rest. Their rows move to start, start+1, ... (keys, values, features)."""
+        drop the rest. Their rows move to start, start+1, ... (keys, values, features). Raises
+        ValueError for a path that does not start at node 0 and increase within the tree."""
         if not path or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])) or start + path[-1] >= len(self.tokens):
             raise ValueError(f"path {path} is not a root-first path of the tree at {start}")
         src = torch.tensor(path, device=self.lean.device) + start
