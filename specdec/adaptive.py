@@ -142,18 +142,21 @@ class AdaptiveK:
     k_max: the longest draft of a round (>= 1). decay: weight kept by old acceptance counts each
     round that drafts (0.9: about the last 10 rounds). prior: acceptance assumed before any round,
     worth prior_weight rounds. probe_after: plain rounds before a one-token probe; it doubles after
-    each probe, up to probe_max, and resets when the policy chooses to draft again.
+    each probe, up to probe_max, and resets when the policy chooses to draft again. margin: the
+    part of V(1) any verify of drafted tokens is taken to cost beyond the measured curve (see
+    _extra_verify_ms).
 
     Use for_pair() to get the shared instance; raises ValueError for k_max < 1.
     """
 
     def __init__(self, costs: VerifyCosts, k_max: int = 8, decay: float = 0.9, prior: float = 0.5,
-                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64):
+                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.05):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
         self.verify, self.k_max, self.decay = costs, k_max, decay
         self.prior, self.prior_weight = prior, prior_weight
         self.probe_after, self.probe_max = probe_after, probe_max
+        self.margin = margin
         # decayed counts per match class and draft position: drafts whose j-th token was checked
         # after tokens 1..j-1 were accepted, and those whose j-th token was accepted too
         self.reached = [[0.0] * k_max for _ in range(len(MATCH_EDGES) + 1)]
@@ -215,6 +218,14 @@ class AdaptiveK:
             return first + (m - 1) * (self.draft_step_ms if self.draft_step_ms is not None else first)
         return m * (self.draft_token_ms or 0.0)
 
+    def _extra_verify_ms(self, m: int) -> float:
+        """What verifying m >= 1 drafted tokens is taken to cost over a plain step, in ms: the
+        measured V(m + 1) - V(1), never below 0, plus `margin` x V(1). The curve's shape is timed
+        at one context length and attention grows with it: on this CPU a calibration at 60 tokens
+        said V(3) = 0.97 V(1), while at 700 tokens V(3) was about 1.05 V(1), so a draft that
+        gains less than a few percent of a token is not worth a verify."""
+        return max(0.0, self.verify(m + 1) - self.verify(1)) + self.margin * self.verify(1)
+
     def _best_rate(self, cap: int, incremental: bool) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
         best, tokens, p = 0.0, 1.0, 1.0
@@ -222,7 +233,7 @@ class AdaptiveK:
             if m:
                 p *= self.acceptance(m)
                 tokens += p
-            ms = self._draft_ms(m, incremental) + self.verify(m + 1) + self.overhead_ms
+            ms = self._draft_ms(m, incremental) + self.verify(1) + (self._extra_verify_ms(m) if m else 0.0) + self.overhead_ms
             best = max(best, tokens / ms if ms > 0 else 0.0)
         return best
 
@@ -247,7 +258,7 @@ class AdaptiveK:
         for m in range(1, cap + 1):
             p *= self.acceptance(m)
             gain += p
-            value = gain - self.rho * (self._draft_ms(m, incremental) + self.verify(m + 1) - self.verify(1))
+            value = gain - self.rho * (self._draft_ms(m, incremental) + self._extra_verify_ms(m))
             if value > best:
                 best, best_m = value, m
         if best_m:
@@ -307,7 +318,7 @@ class AdaptiveK:
         for m in range(1, n + 1):
             p *= self.confident_acceptance(have[m - 1]) if m <= len(have) else self.acceptance(m, cls)
             gain += p
-            value = gain - self.rho * (self.verify(m + 1) - self.verify(1))
+            value = gain - self.rho * self._extra_verify_ms(m)
             if value > best:
                 best_m, best = m, value
         if best_m == 0 and not self.shadowing:  # not worth verifying: a plain round, maybe a probe

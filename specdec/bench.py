@@ -32,7 +32,7 @@ from . import costmodel
 from .cache import new_cache
 from .drafters import Drafter, make_drafter
 from .drafters.suffix import load_corpus
-from .engine import AUTO_K_MAX, generate
+from .engine import AUTO_K_MAX, Generation, generate
 from .exactness import first_divergence
 from .models import Model, load_model
 from .peers import hf_generate, llama_cpp_generate
@@ -245,7 +245,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     return result
 
 
-def _median_run(generations: list) -> "object":
+def _median_run(generations: list[Generation]) -> Generation:
     """Of repeated generations of one config on one prompt, the one with the median decode speed
     (the lower middle one for an even count), so that its timings are one real run's."""
     ranked = sorted(generations, key=lambda g: g.stats.decode_tokens_per_s)
@@ -346,9 +346,9 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
 
     repeats: how many times each prompt is generated per config (plain, each k), interleaved
     (plain, k1, k2, ..., then k1, k2, ..., plain: each repeat rotates the order); a prompt's
-    speed per config is its median run's. More
-    repeats narrow the noise of a shared machine (a speed-up of one 128-token run varies by
-    about 5-10% here). Raises ValueError on bad ks, repeats < 1 or an empty selection."""
+    speed per config is its median run's. More repeats narrow the noise of a shared machine (a
+    speed-up of one 128-token run varies by about 5-10% here). Raises ValueError on bad ks,
+    repeats < 1 or an empty selection."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if not ks or any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):

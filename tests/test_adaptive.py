@@ -32,7 +32,8 @@ def rate(ctl: AdaptiveK, m: int) -> float:
     for j in range(1, m + 1):
         p *= ctl.acceptance(j)
         tokens += p
-    return tokens / (ctl._draft_ms(m, incremental=False) + ctl.verify(m + 1) + ctl.overhead_ms)
+    verify = ctl.verify(1) + (max(0.0, ctl.verify(m + 1) - ctl.verify(1)) + ctl.margin * ctl.verify(1) if m else 0.0)
+    return tokens / (ctl._draft_ms(m, incremental=False) + verify + ctl.overhead_ms)
 
 
 def test_verify_costs_interpolate_and_extrapolate_optimistically():
@@ -86,6 +87,18 @@ def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, 
         assert m >= 1 and rates[m] == pytest.approx(max(rates), rel=1e-6)
     elif max(rates[1:]) < rates[0] * (1 - 1e-9):
         assert m == 0
+
+
+def test_junk_is_not_verified_where_the_curve_dips_below_a_plain_step():
+    """A curve timed at a short context may say V(3) < V(1) (kernel choice); at a long one it does
+    not hold, so a draft that is almost never right is not verified for it (the margin)."""
+    curve = {1: 10.0, 3: 9.7, 9: 10.5}
+    junk = controller(curve, [0.02] * 8)
+    assert junk.plan(8, incremental=False) == 8 and junk.shadowing  # a free drafter drafts fully
+    assert junk.cut([7] * 8, deterministic=True) == 0
+    useful = controller(curve, [0.5] * 8)
+    useful.plan(8, incremental=False)
+    assert useful.cut([7] * 8, deterministic=True) >= 2
 
 
 def test_a_useless_draft_model_is_probed_with_exponential_back_off():
