@@ -55,6 +55,15 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--cache-dir", help="specdec cache folder (default: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec)")
 
 
+def _training_data_options(p: argparse.ArgumentParser) -> None:
+    """--target and the self-distilled data options shared by `train` and `distill`."""
+    p.add_argument("--target", default="smollm2-135m", help="registry name, folder or hub id of a Llama/Qwen2 model (default: smollm2-135m)")
+    p.add_argument("--prompts", type=int, default=320, help="training prompts from templates (default 320, at most 640)")
+    p.add_argument("--sampled-prompts", type=int, default=0,
+                   help="more training prompts, written by the target itself (sampled user turns; default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
+
+
 def _load_kwargs(args, draft: bool = False) -> dict:
     """load_model's keyword arguments from the loading options; draft=True: the draft's dtype."""
     dtype = (getattr(args, "draft_dtype", None) if draft else None) or args.dtype
@@ -142,11 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     cs.set_defaults(run=_calibrate_skip)
 
     tr = sub.add_parser("train", help="train a feature-level draft head (EAGLE-style) for a target on its own outputs")
-    tr.add_argument("--target", default="smollm2-135m", help="registry name, folder or hub id of a Llama/Qwen2 model (default: smollm2-135m)")
-    tr.add_argument("--prompts", type=int, default=320, help="training prompts from templates (default 320, at most 640)")
-    tr.add_argument("--sampled-prompts", type=int, default=0,
-                    help="more training prompts, written by the target itself (sampled user turns; default 0)")
-    tr.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
+    _training_data_options(tr)
     tr.add_argument("--epochs", type=int, default=12, help="default 12")
     tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     tr.add_argument("--vocab", type=int, default=8192, help="tokens the head may draft (default 8192)")
@@ -157,12 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.set_defaults(run=_train)
 
     ds = sub.add_parser("distill", help="distill a small draft model (a few of the target's layers) on the target's own outputs")
-    ds.add_argument("--target", default="smollm2-135m", help="registry name, folder or hub id (default: smollm2-135m)")
+    _training_data_options(ds)
     ds.add_argument("--layers", type=int, default=2, help="decoder layers the draft keeps, evenly spaced (default 2)")
-    ds.add_argument("--prompts", type=int, default=320, help="training prompts from templates (default 320, at most 640)")
-    ds.add_argument("--sampled-prompts", type=int, default=0,
-                    help="more training prompts, written by the target itself (sampled user turns; default 0)")
-    ds.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
     ds.add_argument("--epochs", type=int, default=4, help="default 4")
     ds.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
     ds.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
