@@ -192,17 +192,22 @@ class AdaptiveK:
         return ctl
 
     # ---- estimates ----------------------------------------------------------------------------
-    def acceptance(self, j: int, cls: int = 0) -> float:
-        """P(draft token j accepted | tokens 1..j-1 accepted), j from 1, for drafts of match class
-        cls (0: drafters without a match length). The prior of position 1 is `prior`; that of a
-        deeper position is the estimate of the one before it, since few drafts reach deep
-        positions and, for a copied span, the next token is at least as likely right as the last
-        (a fixed 0.5 prior there, compounded over 8 positions, made long verified drafts look
-        hopeless and auto cut them)."""
-        estimate = self.prior
-        for i in range(min(j, self.k_max)):
+    def acceptances(self, n: int, cls: int = 0) -> list[float]:
+        """[P(draft token j accepted | tokens 1..j-1 accepted) for j = 1..n], for drafts of match
+        class cls (0: drafters without a match length); positions past k_max share k_max's. The
+        prior of position 1 is `prior`; that of a deeper position is the estimate of the one
+        before it, since few drafts reach deep positions and, for a copied span, the next token is
+        at least as likely right as the last (a fixed 0.5 prior there, compounded over 8
+        positions, made long verified drafts look hopeless and auto cut them)."""
+        out, estimate = [], self.prior
+        for i in range(min(n, self.k_max)):
             estimate = (self.accepted[cls][i] + estimate * self.prior_weight) / (self.reached[cls][i] + self.prior_weight)
-        return estimate
+            out.append(estimate)
+        return out + [estimate] * (n - len(out))
+
+    def acceptance(self, j: int, cls: int = 0) -> float:
+        """P(draft token j accepted | tokens 1..j-1 accepted), j from 1 (see acceptances)."""
+        return self.acceptances(j, cls)[-1]
 
     def confident_acceptance(self, confidence: float) -> float:
         """P(a token accepted | the drafter gave it this probability), prior: the confidence."""
@@ -230,9 +235,10 @@ class AdaptiveK:
     def _best_rate(self, cap: int, incremental: bool) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
         best, tokens, p = 0.0, 1.0, 1.0
+        accept = self.acceptances(cap)
         for m in range(cap + 1):
             if m:
-                p *= self.acceptance(m)
+                p *= accept[m - 1]
                 tokens += p
             ms = self._draft_ms(m, incremental) + self.verify(1) + (self._extra_verify_ms(m) if m else 0.0) + self.overhead_ms
             best = max(best, tokens / ms if ms > 0 else 0.0)
@@ -248,16 +254,16 @@ class AdaptiveK:
         if not self.verify.known():
             return 0  # the first round times V(1) before any choice
         self.cap = cap
-        self.rho = self._best_rate(cap, incremental)
         cheap = self.draft_token_ms is None or self.draft_token_ms * cap < CHEAP * self.verify(1)
         self.shadowing = not incremental and cheap
         if self.shadowing:  # free: always draft fully, then cut() decides what to verify
             plain = 1.0 / (self.verify(1) + self.overhead_ms)
             self.rho = max(plain, self.tokens_ema / self.ms_ema if self.ms_ema else 0.0)
             return cap
+        self.rho = self._best_rate(cap, incremental)
         gain, p, best, best_m = 0.0, 1.0, 0.0, 0
-        for m in range(1, cap + 1):
-            p *= self.acceptance(m)
+        for m, a in enumerate(self.acceptances(cap), start=1):
+            p *= a
             gain += p
             value = gain - self.rho * (self._draft_ms(m, incremental) + self._extra_verify_ms(m))
             if value > best:
@@ -293,8 +299,9 @@ class AdaptiveK:
             p_now *= self.confident_acceptance(c)
         step_ms = next((ms for ms in (self.draft_step_ms, self.draft_first_ms) if ms is not None), 0.0)  # unknown: free
         gain, p = 0.0, p_now
+        accept = self.acceptances(self.cap)
         for m in range(n_drafted + 1, self.cap + 1):
-            p *= self.acceptance(m)
+            p *= accept[m - 1]
             gain += p
             cost = (m - n_drafted) * step_ms + self.verify(m + 1) - self.verify(n_drafted + 1)
             if gain - self.rho * cost > 0:
@@ -315,9 +322,10 @@ class AdaptiveK:
         if not deterministic:
             return n
         have = self.confidence[:n]
+        accept = self.acceptances(n, cls)
         best_m, best, gain, p = 0, 0.0, 0.0, 1.0
         for m in range(1, n + 1):
-            p *= self.confident_acceptance(have[m - 1]) if m <= len(have) else self.acceptance(m, cls)
+            p *= self.confident_acceptance(have[m - 1]) if m <= len(have) else accept[m - 1]
             gain += p
             value = gain - self.rho * self._extra_verify_ms(m)
             if value > best:

@@ -143,17 +143,17 @@ def generate(
         if tree and not (params.greedy and hasattr(kv, "keep_path")):
             draft, tree = draft.chain(), False  # tree verification: greedy, lean backend
         chain = _usable((draft.chain() if tree else draft).tokens[:kk], vocab)
-        depth = len(chain)
+        cut_at = len(chain)
         if adaptive:  # a tree is cut by depth, as its main chain would be
             deterministic = params.greedy or draft.probs is None
-            depth = adaptive.cut(chain, deterministic, len(tokens), draft.match_length)
+            cut_at = adaptive.cut(chain, deterministic, len(tokens), draft.match_length)
         if tree:
-            draft = draft.pruned(depth, vocab, kk)
+            draft = draft.pruned(cut_at, vocab, kk)
             nodes = [tokens[-1]] + draft.tokens  # node 0, the root: the last committed token
             parents = [-1] + [p + 1 for p in draft.parents]
             logits = kv.extend(nodes, parents=parents)  # (len(nodes), V)
         else:
-            drafted = chain[:depth]
+            drafted = chain[:cut_at]
             logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0

@@ -207,7 +207,6 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
         raise ValueError("specdec train reads the target's features through the lean backend: a Llama or Qwen2 target")
     if prompts < 2 or epochs < 1 or not 0 < vocab <= target.vocab_size:
         raise ValueError(f"need prompts >= 2, epochs >= 1 and 0 < vocab <= {target.vocab_size}")
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
     data = features_and_labels(target, rows)

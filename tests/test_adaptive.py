@@ -32,7 +32,7 @@ def rate(ctl: AdaptiveK, m: int) -> float:
     for j in range(1, m + 1):
         p *= ctl.acceptance(j)
         tokens += p
-    verify = ctl.verify(1) + (max(0.0, ctl.verify(m + 1) - ctl.verify(1)) + ctl.margin * ctl.verify(1) if m else 0.0)
+    verify = ctl.verify(1) + (ctl._extra_verify_ms(m) if m else 0.0)  # pinned in test_junk_is_not_verified...
     return tokens / (ctl._draft_ms(m, incremental=False) + verify + ctl.overhead_ms)
 
 

@@ -170,9 +170,11 @@ def test_off_the_lean_path_or_when_sampling_only_the_main_chain_is_verified(mode
     run = generate(hf, prompt, OracleTree(plain.tokens, len(prompt)), k=6, max_new_tokens=30)
     assert run.tokens == generate(hf, prompt, None, max_new_tokens=30).tokens
     assert run.stats.accepted == 0  # the decoy chain only
+    assert max(run.stats.k_per_round) == 3  # 3 chain tokens verified a round, not the 6-node tree
     a = generate(model, prompt, OracleTree(plain.tokens, len(prompt)), k=6, max_new_tokens=30, temperature=1.0, seed=3)
     b = generate(model, prompt, OracleTree(plain.tokens, len(prompt)), k=6, max_new_tokens=30, temperature=1.0, seed=3)
     assert a.tokens == b.tokens and len(a.tokens) == 30
+    assert max(a.stats.k_per_round) <= 3  # sampling: the main chain only
 
 
 @pytest.mark.parametrize("k", [4, 8, "auto"])
