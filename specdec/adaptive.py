@@ -70,20 +70,26 @@ def match_class(match_length: int | None) -> int:
 
 @dataclass
 class VerifyCosts:
-    """Estimates of V(n) in ms, n = new tokens in one target forward.
+    """Estimates of V(n) in ms, n = new tokens in one target forward, at the current context length.
 
-    Once calibrated, the curve's shape V(n)/V(1) is the one timed back to back at calibration, and
-    every timed round moves one level, V(1), which scales the whole curve: so a length the policy
-    rarely chooses is not left at its calibration time while the lengths it uses pick up every
-    slow round (that made rarely used lengths look cheap, and auto chose them for it). Lengths
-    outside the calibrated ones (and everything before calibration) keep running averages of
-    their own."""
+    The curve's shape V(n)/V(1) is timed back to back (calibrate) at a few context lengths, since
+    attention over the cache makes it steeper as the context grows (SmolLM2, 2-core EPYC, fp32:
+    V(4)/V(1) = 0.94 at 64 tokens, 1.04 at 1024); between them the shape is interpolated linearly
+    in the context length (at()). Every timed round moves one level, V(1), which scales the whole
+    curve: so a length the policy rarely chooses is not left at its calibration time while the
+    lengths it uses pick up every slow round (that made rarely used lengths look cheap, and auto
+    chose them for it). Lengths outside the calibrated ones (and everything before calibration)
+    keep running averages of their own."""
 
     ema: float = 0.3  # weight of the newest observation
     optimistic_slope: float = 0.25  # extrapolation: V(n + 1) - V(n) = slope * V(1) beyond the tried n
+    spacing: float = math.sqrt(2)  # a context within this factor of a calibrated one needs no calibration
     ms: dict[int, float] = field(default_factory=dict)
     calibrated: bool = False
-    shape: dict[int, float] = field(default_factory=dict)  # calibrated V(n) / V(1)
+    shape: dict[int, float] = field(default_factory=dict)  # V(n) / V(1) at the current context
+    shapes: dict[int, dict[int, float]] = field(default_factory=dict)  # context length -> shape timed there
+    step: int = 16  # at() redoes the interpolation after the context moved this many tokens
+    _at: tuple[int, int] = (-1 << 30, 0)  # (context, number of shapes) of the last interpolation
 
     def observe(self, n: int, ms: float) -> None:
         if n in self.shape:
@@ -96,16 +102,33 @@ class VerifyCosts:
     def known(self) -> bool:
         return bool(self.ms)
 
-    def calibrate(self, kv, context: list[int], n_max: int, repeats: int = 2) -> None:
-        """Time V(1..n_max) once on kv (a target cache holding the prompt; left as it was), the
-        fastest of `repeats` passes each, so that the first rounds' choice of k rests on the
-        whole measured curve rather than on an extrapolation (on a CPU the curve is not smooth:
-        oneDNN picks kernels by the number of rows). Rounds then move its level (see the class).
-        Does nothing once calibrated."""
-        if self.calibrated:
-            return
+    def needs(self, context: int) -> bool:
+        """Whether no shape has been timed within a factor `spacing` of this context length."""
+        return not any(c / self.spacing <= context <= c * self.spacing for c in self.shapes)
+
+    def calibrate(self, kv, context: list[int], n_max: int, ahead: int = 0, repeats: int = 2) -> None:
+        """Time V(1..n_max) on kv (a target cache holding the prompt; left as it was), the fastest
+        of `repeats` passes each, so that the choice of k rests on the whole measured curve rather
+        than on an extrapolation (on a CPU the curve is not smooth: oneDNN picks kernels by the
+        number of rows). Times it at len(kv) and, with ahead > 0, at len(kv) + ahead (the cache
+        first filled with `ahead` tokens of the context, then rolled back): the context a
+        generation of `ahead` tokens reaches (not on a transformers cache with sliding-window
+        layers, which can undo only its last forward). Skips a length within `spacing` of one
+        already timed. The first calibration also sets the level; rounds then move it (see the class)."""
         keep = len(kv)
-        n_max = min(n_max, kv.model.n_ctx - keep)
+        if getattr(kv, "sliding", None):  # a sliding-window cache can undo only its last forward
+            ahead = 0
+        for at in (keep, keep + ahead) if ahead else (keep,):
+            if not self.needs(at) or at >= kv.model.n_ctx - 1:
+                continue
+            if at > keep:
+                kv.extend((context * (ahead // max(len(context), 1) + 1))[:at - keep], all_logits=False)
+            self._time(kv, context, min(n_max, kv.model.n_ctx - at), repeats)
+            kv.rollback(keep)
+        self.at(keep)
+
+    def _time(self, kv, context: list[int], n_max: int, repeats: int) -> None:
+        here = len(kv)
         block = (context * (n_max // max(len(context), 1) + 1))[:n_max]
         best: dict[int, float] = {}
         for _ in range(repeats):
@@ -113,10 +136,30 @@ class VerifyCosts:
                 start = time.perf_counter()
                 kv.extend(block[:n])
                 best[n] = min(best.get(n, math.inf), (time.perf_counter() - start) * 1e3)
-                kv.rollback(keep)
-        self.ms.update(best)
-        self.shape = {n: best[n] / best[1] for n in best} if 1 in best else {}
-        self.calibrated = True
+                kv.rollback(here)
+        if not self.calibrated:
+            self.ms.update(best)
+            self.calibrated = True
+        self.shapes[here] = {n: best[n] / best[1] for n in best}
+
+    def at(self, context: int) -> None:
+        """Use the shape at this context length: interpolated between the two nearest timed
+        lengths, the nearest one's outside them. The level (V(1)) is kept. Cheap when called every
+        round: redone only after the context moved by `step` tokens or a new calibration."""
+        if not self.shapes or (abs(context - self._at[0]) < self.step and self._at[1] == len(self.shapes)):
+            return
+        self._at = (context, len(self.shapes))
+        below = max((c for c in self.shapes if c <= context), default=None)
+        above = min((c for c in self.shapes if c >= context), default=None)
+        if below is None or above is None or below == above:
+            shape = self.shapes[below if above is None else above]
+        else:
+            w = (context - below) / (above - below)
+            lo, hi = self.shapes[below], self.shapes[above]
+            shape = {n: (1 - w) * lo[n] + w * hi[n] for n in lo.keys() & hi.keys()}
+        if shape != self.shape:
+            self.shape = shape
+            self.ms.update({m: self.ms[1] * ratio for m, ratio in shape.items()})
 
     def __call__(self, n: int) -> float:
         """Estimated V(n) in ms (0 when nothing has been timed yet)."""
@@ -150,7 +193,7 @@ class AdaptiveK:
     """
 
     def __init__(self, costs: VerifyCosts, k_max: int = 8, decay: float = 0.9, prior: float = 0.5,
-                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.05):
+                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.02):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
         self.verify, self.k_max, self.decay = costs, k_max, decay
@@ -225,12 +268,12 @@ class AdaptiveK:
 
     def _extra_verify_ms(self, m: int) -> float:
         """What verifying m >= 1 drafted tokens is taken to cost over a plain step, in ms: the
-        measured V(m + 1) - V(1), never below 0, plus `margin` x V(1). The curve's shape is timed
-        at one context length and attention grows with it: on this CPU a calibration at 60 tokens
-        said V(3) = 0.96 V(1), yet on 660-770-token prompts verifying 2 junk tokens a round made
-        decoding 2-7% slower than plain (bench, `random` drafter); so a draft that gains less than
-        a few percent of a token is not worth a verify."""
-        return max(0.0, self.verify(m + 1) - self.verify(1)) + self.margin * self.verify(1)
+        measured V(m + 1) - V(1) at the current context plus `margin` x V(1) (for the noise of a
+        curve timed once per context range). It may be negative: where oneDNN's kernel for m + 1
+        rows beats its one-row kernel (SmolLM2 fp32 at 64 tokens: V(4) = 0.94 V(1); Qwen2.5 1.5B:
+        0.73), verifying even a useless draft is faster than a plain step, and a fixed k = 2 with a
+        random drafter gained 4% from it while auto, refusing junk, did not."""
+        return self.verify(m + 1) - self.verify(1) + self.margin * self.verify(1)
 
     def _best_rate(self, cap: int, incremental: bool) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""

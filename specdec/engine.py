@@ -116,7 +116,8 @@ def generate(
     if len(prompt) > 1:
         kv.extend(prompt[:-1], all_logits=False)  # the cache holds all committed tokens but the last
     if adaptive:
-        adaptive.verify.calibrate(kv, prompt, k_max + 1)  # once per target: the verify-cost curve
+        # once per target and context length: the verify-cost curve, here and where the output ends
+        adaptive.verify.calibrate(kv, prompt, k_max + 1, ahead=max_new_tokens)
     stats.prefill_s = time.perf_counter() - start
 
     tokens = list(prompt)  # committed: prompt + output
@@ -130,6 +131,7 @@ def generate(
         t_round = time.perf_counter()
         kk = min(k_max if adaptive else k, budget - 1, room - 1)
         if adaptive:
+            adaptive.verify.at(len(tokens))
             kk = adaptive.plan(kk, incremental)
         t0 = time.perf_counter()
         if kk <= 0:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from specdec import adaptive, generate
 from specdec.adaptive import AdaptiveK, VerifyCosts, match_class
+from specdec.cache import new_cache
 from specdec.drafters import ModelDrafter, PromptLookup
 
 from .conftest import make_model, prompt_ids
@@ -32,7 +33,7 @@ def rate(ctl: AdaptiveK, m: int) -> float:
     for j in range(1, m + 1):
         p *= ctl.acceptance(j)
         tokens += p
-    verify = ctl.verify(1) + (ctl._extra_verify_ms(m) if m else 0.0)  # pinned in test_junk_is_not_verified...
+    verify = ctl.verify(1) + (ctl._extra_verify_ms(m) if m else 0.0)  # pinned in test_junk_is_verified_only...
     return tokens / (ctl._draft_ms(m, incremental=False) + verify + ctl.overhead_ms)
 
 
@@ -89,16 +90,50 @@ def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, 
         assert m == 0
 
 
-def test_junk_is_not_verified_where_the_curve_dips_below_a_plain_step():
-    """A curve timed at a short context may say V(3) < V(1) (kernel choice); at a long one it does
-    not hold, so a draft that is almost never right is not verified for it (the margin)."""
-    curve = {1: 10.0, 3: 9.7, 9: 10.5}
-    junk = controller(curve, [0.02] * 8)
-    assert junk.plan(8, incremental=False) == 8 and junk.shadowing  # a free drafter drafts fully
-    assert junk.cut([7] * 8, deterministic=True) == 0
-    useful = controller(curve, [0.5] * 8)
+def test_junk_is_verified_only_where_that_beats_a_plain_step():
+    """Where oneDNN's 3-row kernel beats its 1-row one (V(3) < V(1)), verifying even a useless
+    draft is faster than a plain step, so auto takes it (as a fixed k = 2 would); where the curve
+    does not dip, the margin keeps a draft that is almost never right from being verified."""
+    dip = controller({1: 10.0, 3: 9.0, 9: 10.5}, [0.0] * 8)
+    assert dip.plan(8, incremental=False) == 8 and dip.shadowing  # a free drafter drafts fully
+    assert dip.cut([7] * 8, deterministic=True) == 2  # the cheapest forward: 3 rows
+    flat = controller({1: 10.0, 3: 10.0, 9: 10.5}, [0.005] * 8)
+    flat.plan(8, incremental=False)
+    assert flat.cut([7] * 8, deterministic=True) == 0
+    useful = controller({1: 10.0, 3: 10.0, 9: 10.5}, [0.5] * 8)
     useful.plan(8, incremental=False)
     assert useful.cut([7] * 8, deterministic=True) >= 2
+
+
+def test_verify_shape_follows_the_context_length():
+    v = VerifyCosts(ms={1: 10.0, 4: 9.0}, calibrated=True,
+                    shapes={100: {1: 1.0, 4: 0.9}, 900: {1: 1.0, 4: 1.3}})
+    v.at(500)  # halfway: the shapes' mean, at the current level
+    assert v(4) == pytest.approx(10.0 * 1.1)
+    v.at(2000)  # past the longest timed context: its shape
+    assert v(4) == pytest.approx(13.0)
+    v.observe(4, 26.0)  # a round moves the level through the current shape
+    assert v(1) == pytest.approx(0.7 * 10.0 + 0.3 * 20.0)
+    v.at(50)
+    assert v(4) == pytest.approx(0.9 * v(1))
+    assert not v.needs(130) and not v.needs(640) and v.needs(300) and v.needs(2000)
+
+
+def test_calibration_times_the_curve_where_the_output_will_end():
+    target = make_model("llama", seed=7)
+    prompt = prompt_ids()
+    kv = new_cache(target)
+    kv.extend(prompt[:-1], all_logits=False)
+    before = kv.extend(prompt[-1:]).clone()
+    kv.rollback(len(prompt) - 1)
+    costs = VerifyCosts()
+    costs.calibrate(kv, prompt, 4, ahead=40)
+    assert sorted(costs.shapes) == [len(prompt) - 1, len(prompt) - 1 + 40]
+    assert all(set(s) == {1, 2, 3, 4} and s[1] == 1.0 for s in costs.shapes.values())
+    assert len(kv) == len(prompt) - 1 and torch.equal(kv.extend(prompt[-1:]), before)  # left as it was
+    kv.rollback(len(prompt) - 1)
+    costs.calibrate(kv, prompt, 4, ahead=3)  # both ends within the spacing of a timed length: nothing new
+    assert len(costs.shapes) == 2
 
 
 def test_a_useless_draft_model_is_probed_with_exponential_back_off():
@@ -243,6 +278,9 @@ class SteepCosts(VerifyCosts):
         super().__init__(ms={1: 10.0, 2: 18.0}, calibrated=True)
 
     def observe(self, n: int, ms: float) -> None:
+        pass
+
+    def calibrate(self, *args, **kwargs) -> None:
         pass
 
 
