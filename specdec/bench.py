@@ -240,9 +240,17 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     result = {"target": pair.target, "drafter": pair.drafter, "draft": pair.draft,
               "dtype": str(target.hf.dtype).removeprefix("torch."), "backend": target.backend,
               "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None, "workload": workload,
-              "costs": costs, "prompts": records, "peers": peer_rows}
+              "costs": costs, "prompts": records, "peers": peer_rows,
+              "padded_rows": _padded_rows(target), "draft_padded_rows": _padded_rows(draft_model)}
     result.update(fit(result, ks))
     return result
+
+
+def _padded_rows(model) -> dict[str, int] | None:
+    """The lean backend's row table of a model (specdec.rows): {n: rows a forward of n runs as}."""
+    if model is None or model.backend != "lean":
+        return None
+    return {str(n): m for n, m in model.lean().rows.items()}
 
 
 def _median_run(generations: list[Generation]) -> Generation:

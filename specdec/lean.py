@@ -22,6 +22,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from . import rows
+
 SUPPORTED = ("llama", "qwen2")
 
 
@@ -129,6 +131,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features = weight.shape[0]
+        self.bytes = weight.numel() * weight.element_size()
         self.packed = _packs(weight.dtype, weight.device)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
@@ -184,6 +187,9 @@ class LeanModel:
             self.layers = [_Layer(layer) for layer in hf.model.layers]
             self.norm = hf.model.norm.weight.detach()
             self.lm_head = Linear(hf.get_output_embeddings().weight.detach())
+        self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.rows); absent: n
+        if self.device.type == "cpu" and rows.projection_bytes(self) >= rows.TUNE_MIN_BYTES:
+            self.rows = rows.tune_rows(self)
 
     def subset(self, kept: list[int]) -> "LeanModel":
         """The same model running only the decoder layers `kept` (layer-skip self-speculation,
@@ -206,8 +212,13 @@ class LeanModel:
         hidden). Rows start..start+n-1 are written: keys, values, and the final-normed hidden
         states (what the output layer reads; a feature-level draft head, specdec.head, reads them
         too). tree: (positions, mask) of tree_layout() when ids are a token tree rather than a
-        sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them)."""
+        sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them). A
+        sequence of n is run as rows[n] rows where that table (specdec.rows) says it is faster."""
         n, hd = ids.shape[0], self.head_dim
+        real = n
+        if tree is None and self.rows.get(n, n) > n and start + self.rows[n] <= features.shape[0]:
+            n = self.rows[n]  # a faster kernel: filler rows after the real ones, outputs discarded
+            ids = torch.cat((ids, ids[-1:].expand(n - real)))
         positions, mask = tree if tree is not None else (None, causal_mask(start, n, self.device))
         cos, sin = rope(self.inv_freq, start, start + n, self.dtype, positions)
         h = F.embedding(ids, self.embed)  # (n, d)
@@ -222,4 +233,4 @@ class LeanModel:
             h = h + layer.down(F.silu(gate) * up)
         h = self.rms_norm(h, self.norm)
         features[start : start + n] = h
-        return self.lm_head(h[n - keep:])
+        return self.lm_head(h[real - keep:real])

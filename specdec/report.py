@@ -114,6 +114,11 @@ def _costs(pair: dict) -> list[str]:
                 f"{roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured here that takes "
                 f"at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
                 f"V({widest}) {frac[widest]:.0%}."]
+    for key, who in (("padded_rows", "target"), ("draft_padded_rows", "draft")):
+        table = pair.get(key)
+        if table:
+            out += ["", f"Row padding ({who}, specdec.rows): a forward of n new tokens runs as more rows where "
+                    "oneDNN's kernel for them was timed faster: " + ", ".join(f"{n} -> {m}" for n, m in table.items()) + "."]
     return out
 
 

@@ -11,6 +11,7 @@ from specdec import ContextLengthError, generate
 from specdec.cache import KVCache, LeanKVCache, new_cache
 from specdec.drafters.layerskip import skip_view
 from specdec.models import Model
+from specdec.rows import choose_rows
 
 from .conftest import N_CTX, make_model, prompt_ids
 
@@ -107,3 +108,39 @@ def test_weight_bytes_counts_what_a_forward_reads():
     roof = roofline(model, {"1": 2.0, "4": 4.0}, bandwidth_gbs=1.0)
     assert roof["floor_ms"] == pytest.approx((everything - embed) / 1e6)
     assert roof["fraction"]["1"] == pytest.approx(2 * roof["fraction"]["4"])
+
+
+def test_padded_rows_give_the_unpadded_results(pair):
+    """With a row table (specdec.rows) a short forward runs more rows, filler after the real
+    tokens: the real rows' logits, the cache, and greedy output stay those of transformers."""
+    lean, hf = pair
+    padded = dataclasses.replace(lean, _lean=None)
+    padded.lean().rows = {1: 4, 2: 4, 3: 7}
+    a, b = LeanKVCache(padded, capacity=8), KVCache(hf)
+    prompt = prompt_ids(20)
+    torch.testing.assert_close(a.extend(prompt), b.extend(prompt), **TOL)
+    for keep, block in [(18, [4, 8]), (20, [23]), (21, [5, 6, 7]), (24, [9])]:
+        a.rollback(keep)
+        b.rollback(keep)
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.extend(block), b.extend(block), **TOL)
+        torch.testing.assert_close(a.extend([7], all_logits=False), b.extend([7], all_logits=False), **TOL)
+    a.rollback(20)
+    b.rollback(20)
+    a.features[20:] = float("nan")
+    torch.testing.assert_close(a.extend([3]), b.extend([3]), **TOL)
+    assert not a.features[20:24].isnan().any() and a.features[24:].isnan().all()  # ran as 4 rows
+    cap = a.features.shape[0]  # now: 2 rows from the end, where 4 rows would not fit
+    fill = list(range(40, 40 + cap - 2 - len(a)))
+    torch.testing.assert_close(a.extend(fill), b.extend(fill), **TOL)
+    a.features[cap - 2:] = float("nan")
+    torch.testing.assert_close(a.extend([3]), b.extend([3]), **TOL)
+    assert a.features.shape[0] == cap and not a.features[cap - 2].isnan().any() and a.features[cap - 1].isnan().all()
+    assert generate(padded, prompt, k=0, max_new_tokens=30).tokens == generate(hf, prompt, k=0, max_new_tokens=30).tokens
+
+
+def test_row_table_pads_only_where_a_longer_forward_clearly_pays():
+    ms = {1: 10.0, 2: 13.0, 3: 9.5, 4: 7.0, 5: 7.2, 6: 12.0}
+    assert choose_rows(ms, gain=0.15) == {1: 4, 2: 4, 3: 4}  # 4 rows: the fastest from 1 to 4
+    assert choose_rows(ms, gain=0.3) == {1: 4, 2: 4}  # 3 -> 4 saves 26%, 1 -> 4 30%
+    assert choose_rows({1: 10.0, 2: 9.0, 3: 11.0}, gain=0.15) == {}  # 10% is not a clear gain
