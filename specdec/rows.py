@@ -25,11 +25,11 @@ import torch
 TUNE_MIN_BYTES = 100e6  # models with fewer bytes of projection weights are not timed (tests' tiny models)
 
 
-def tune_rows(lean, n_max: int = 9, context: int = 32, gain: float = 0.15, repeats: int = 2) -> dict[int, int]:
+def tune_rows(lean, n_max: int = 9, context: int = 32, gain: float = 0.15, repeats: int = 3) -> dict[int, int]:
     """Time one forward of n = 1..n_max rows of `lean` (a specdec.lean.LeanModel, its own rows
     table unset) after `context` cached tokens, the fastest of `repeats` passes each, and return
     {n: m} for each n that runs faster as m > n rows: m minimises V(m) over n..n_max and
-    V(m) <= (1 - gain) V(n). Costs about 2 x n_max one-token forwards; the scratch cache is freed."""
+    V(m) <= (1 - gain) V(n). Costs about 3 x n_max one-token forwards; the scratch cache is freed."""
     capacity = context + n_max
     empty = lambda: torch.empty(lean.n_kv, capacity, lean.head_dim, dtype=lean.dtype, device=lean.device)  # noqa: E731
     keys, values = [empty() for _ in lean.layers], [empty() for _ in lean.layers]

@@ -134,6 +134,38 @@ def test_frequent_tree_is_a_tree_whose_main_chain_is_the_frequent_continuation(s
         assert tokens  # a match always offers something
 
 
+def test_grafted_adds_another_guess_as_a_branch_within_the_size():
+    d = Draft([5, 6, 7, 8], parents=[-1, 0, 1, 0])  # 5 -> 6 -> 7, 5 -> 8
+    g = d.grafted([5, 8, 9], max_tokens=5)  # follows 5 -> 8, then 9 is new: the free room
+    assert (g.tokens, g.parents) == ([5, 6, 7, 8, 9], [-1, 0, 1, 0, 3])
+    assert d.grafted([5, 6, 7], max_tokens=4) is d  # nothing new
+    g = d.grafted([1, 2, 3], max_tokens=4)  # no room: half of it, from the tree's last nodes
+    assert (g.tokens, g.parents) == ([5, 6, 1, 2], [-1, 0, -1, 2])
+    g = d.grafted([5, 8, 1, 2, 3], max_tokens=4)  # the graft point (8, node 3) would go: graft at 5
+    assert (g.tokens, g.parents) == ([5, 6, 8, 1], [-1, 0, 0, 2])
+    assert g.chain().tokens == [5, 6] and g.depths() == [1, 2, 2, 3]  # the main chain lost its tail
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.lists(st.integers(0, 3), max_size=10), st.integers(1, 10))
+def test_grafted_is_a_tree_holding_the_guess_and_the_trees_best_nodes(seq, chain, n):
+    sa = SuffixAutomaton()
+    sa.extend(seq)
+    tokens, parents = sa.frequent_tree(sa.longest_repeat()[1], n)
+    tree = Draft(tokens, parents=parents)
+    g = tree.grafted(chain, n)
+    assert len(g.tokens) <= n and all(-1 <= p < i for i, p in enumerate(g.parents))
+    kept = next((i for i in range(len(g.tokens)) if i >= len(tokens) or g.tokens[i] != tokens[i] or g.parents[i] != parents[i]), len(g.tokens))
+    assert kept >= min(len(tokens), (n + 1) // 2)  # the tree's first nodes stay, in order
+    node, covered = -1, 0  # the guess's first tokens form a path from the top
+    for t in chain:
+        nxt = next((i for i, (u, p) in enumerate(zip(g.tokens, g.parents)) if u == t and p == node), None)
+        if nxt is None:
+            break
+        node, covered = nxt, covered + 1
+    assert covered >= min(len(chain), n // 2)
+
+
 class OracleTree:
     """A tree drafter that knows the target's greedy output: each round its first branch is a
     decoy and its second the truth, so every accepted token comes off the main chain."""

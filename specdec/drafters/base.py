@@ -69,6 +69,35 @@ class Draft:
                 parents.append(new[p])
         return Draft(tokens, match_length=self.match_length, parents=parents)
 
+    def grafted(self, chain: list[int], max_tokens: int) -> "Draft":
+        """The tree with `chain` (another drafter's guess after the same context) added as a path
+        from the top: it follows the tree's nodes while they agree, then its remaining tokens hang
+        from there as new nodes, after the tree's own. So that the tree keeps to max_tokens, the
+        new nodes take the free room, else at most half of it from the tree's last nodes (a tree
+        ordered best first loses its least likely leaves). The tree's own nodes keep their order, so
+        its main chain stays first (shortened if its tail was given up)."""
+        if self.parents is None:
+            raise ValueError("grafted() is for tree drafts")
+        kids: dict[tuple[int, int], int] = {}
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            kids.setdefault((p, t), i)
+        path: list[int] = []
+        for t in chain:
+            i = kids.get((path[-1] if path else -1, t))
+            if i is None:
+                break
+            path.append(i)
+        kept = min(len(self.tokens), max(max_tokens - len(chain) + len(path), (max_tokens + 1) // 2))
+        while path and path[-1] >= kept:  # the graft point itself would be cut: graft higher up
+            path.pop()
+        new = chain[len(path):][: max_tokens - kept]
+        if not new:
+            return self
+        tokens, parents = self.tokens[:kept] + new, self.parents[:kept]
+        for j in range(len(new)):
+            parents.append(kept + j - 1 if j else (path[-1] if path else -1))
+        return Draft(tokens, match_length=self.match_length, parents=parents)
+
 
 class Drafter(Protocol):
     """Proposes continuations that the target then verifies.

@@ -24,6 +24,7 @@ from typing import Iterable, Sequence
 from ..models import Model
 from ..sampling import Sampler
 from .base import Draft
+from .lookup import PromptLookup
 
 
 class SuffixAutomaton:
@@ -239,7 +240,9 @@ class SuffixDrafter:
     earlier occurrence. tree: propose a token tree of up to k tokens (frequent_tree: several
     candidates where the match was followed by several tokens) instead of one chain; the engine
     verifies it in one forward on the lean backend under greedy decoding (elsewhere it verifies
-    the tree's main chain, which is the chain draft).
+    the tree's main chain, which is the chain draft). lookup (trees only): graft prompt lookup's
+    draft onto the tree as a branch (Draft.grafted), so that where the most recent short match
+    and the longest, most frequent one disagree both are verified.
 
     A context that does not extend the one seen last (a new generation) resets the context's
     automaton; prepare() does too. Deterministic: Draft.probs is None. Raises ValueError on
@@ -247,11 +250,12 @@ class SuffixDrafter:
     """
 
     def __init__(self, corpus: Sequence[Sequence[int]] = (), remember: bool = False, min_match: int = 1,
-                 max_depth: int = 64, frequent: bool = True, tree: bool = False):
+                 max_depth: int = 64, frequent: bool = True, tree: bool = False, lookup: bool = True):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1 (tokens of context that must match), got {min_match}")
         self.min_match, self.max_depth, self.frequent, self.remember = min_match, max_depth, frequent, remember
         self.tree = tree
+        self.lookup = PromptLookup() if tree and lookup else None
         self.corpus = SuffixAutomaton(max_depth)
         for i, doc in enumerate(corpus):
             self.add_document(doc, what=f"corpus[{i}]")
@@ -313,6 +317,7 @@ class SuffixDrafter:
             return Draft([])
         if self.tree:
             tokens, parents = source.frequent_tree(state, k)
-            return Draft(tokens, match_length=length, parents=parents)
+            draft = Draft(tokens, match_length=length, parents=parents)
+            return draft.grafted(self.lookup.propose(context, k, sampler).tokens, k) if self.lookup else draft
         tokens = source.frequent_continuation(state, k) if self.frequent else source.continuation(end, k)
         return Draft(tokens, match_length=length)
