@@ -87,9 +87,14 @@ class Draft:
             if i is None:
                 break
             path.append(i)
-        kept = min(len(self.tokens), max(max_tokens - len(chain) + len(path), (max_tokens + 1) // 2))
-        while path and path[-1] >= kept:  # the graft point itself would be cut: graft higher up
-            path.pop()
+        kept, floor = len(self.tokens), (max_tokens + 1) // 2
+        while True:
+            while path and path[-1] >= kept:  # the graft point itself would be cut: graft higher up
+                path.pop()
+            needed = len(chain) - len(path)
+            if needed <= max_tokens - kept or kept <= floor:
+                break
+            kept = max(max_tokens - needed, floor)
         new = chain[len(path):][: max_tokens - kept]
         if not new:
             return self
