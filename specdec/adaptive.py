@@ -84,8 +84,8 @@ class VerifyCosts:
     ema: float = 0.3  # weight of the newest observation
     optimistic_slope: float = 0.25  # extrapolation: V(n + 1) - V(n) = slope * V(1) beyond the tried n
     spacing: float = math.sqrt(2)  # a context within this factor of a calibrated one needs no calibration
+    ahead_max: int = 256  # calibrate() fills at most this many tokens to time the context ahead
     ms: dict[int, float] = field(default_factory=dict)
-    calibrated: bool = False
     shape: dict[int, float] = field(default_factory=dict)  # V(n) / V(1) at the current context
     shapes: dict[int, dict[int, float]] = field(default_factory=dict)  # context length -> shape timed there
     step: int = 16  # at() redoes the interpolation after the context moved this many tokens
@@ -110,26 +110,27 @@ class VerifyCosts:
         """Time V(1..n_max) on kv (a target cache holding the prompt; left as it was), the fastest
         of `repeats` passes each, so that the choice of k rests on the whole measured curve rather
         than on an extrapolation (on a CPU the curve is not smooth: oneDNN picks kernels by the
-        number of rows). Times it at len(kv) and, with ahead > 0, at len(kv) + ahead (the cache
-        first filled with `ahead` tokens of the context, then rolled back): the context a
-        generation of `ahead` tokens reaches (not on a transformers cache with sliding-window
-        layers, which can undo only its last forward). Skips a length within `spacing` of one
+        number of rows). Times it at len(kv) and, with ahead > 0, at len(kv) + min(ahead,
+        ahead_max) (the cache first filled with that many tokens of the context, then rolled back):
+        the context a generation of `ahead` tokens reaches, or toward it, as the fill is a prefill
+        paid once (not on a transformers cache with sliding-window layers, which can undo only its
+        last forward). Skips a length within `spacing` of one
         already timed. The first calibration also sets the level; rounds then move it (see the class)."""
         keep = len(kv)
         if getattr(kv, "sliding", None):  # a sliding-window cache can undo only its last forward
             ahead = 0
-        for at in (keep, keep + ahead) if ahead else (keep,):
+        for at in (keep, keep + min(ahead, self.ahead_max)) if ahead else (keep,):
             if not self.needs(at) or at >= kv.model.n_ctx - 1:
                 continue
             if at > keep:
-                kv.extend((context * (ahead // max(len(context), 1) + 1))[:at - keep], all_logits=False)
+                kv.extend(_repeated(context, at - keep), all_logits=False)
             self._time(kv, context, min(n_max, kv.model.n_ctx - at), repeats)
             kv.rollback(keep)
         self.at(keep)
 
     def _time(self, kv, context: list[int], n_max: int, repeats: int) -> None:
         here = len(kv)
-        block = (context * (n_max // max(len(context), 1) + 1))[:n_max]
+        block = _repeated(context, n_max)
         best: dict[int, float] = {}
         for _ in range(repeats):
             for n in range(1, n_max + 1):
@@ -137,9 +138,8 @@ class VerifyCosts:
                 kv.extend(block[:n])
                 best[n] = min(best.get(n, math.inf), (time.perf_counter() - start) * 1e3)
                 kv.rollback(here)
-        if not self.calibrated:
+        if not self.shapes:  # the first calibration also sets the level
             self.ms.update(best)
-            self.calibrated = True
         self.shapes[here] = {n: best[n] / best[1] for n in best}
 
     def at(self, context: int) -> None:
@@ -173,6 +173,11 @@ class VerifyCosts:
         if n < first:
             return max(0.0, self.ms[first] - self.optimistic_slope * v1 * (first - n))
         return self.ms[last] + self.optimistic_slope * v1 * (n - last)
+
+
+def _repeated(tokens: list[int], n: int) -> list[int]:
+    """n tokens: `tokens` repeated (filler of a realistic kind for timing forwards)."""
+    return (tokens * (n // max(len(tokens), 1) + 1))[:n]
 
 
 _VERIFY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target Model -> VerifyCosts
@@ -270,8 +275,8 @@ class AdaptiveK:
         """What verifying m >= 1 drafted tokens is taken to cost over a plain step, in ms: the
         measured V(m + 1) - V(1) at the current context plus `margin` x V(1) (for the noise of a
         curve timed once per context range). It may be negative: where oneDNN's kernel for m + 1
-        rows beats its one-row kernel (SmolLM2 fp32 at 64 tokens: V(4) = 0.94 V(1); Qwen2.5 1.5B:
-        0.73), verifying even a useless draft is faster than a plain step, and a fixed k = 2 with a
+        rows beats its one-row kernel (2-core EPYC, lean, fp32, 64 tokens of context: SmolLM2
+        V(4) = 0.94 V(1), Qwen2.5-Coder-1.5B 0.73), verifying even a useless draft is faster than a plain step, and a fixed k = 2 with a
         random drafter gained 4% from it while auto, refusing junk, did not."""
         return self.verify(m + 1) - self.verify(1) + self.margin * self.verify(1)
 

@@ -131,7 +131,6 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features = weight.shape[0]
-        self.bytes = weight.numel() * weight.element_size()
         self.packed = _packs(weight.dtype, weight.device)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
@@ -188,7 +187,7 @@ class LeanModel:
             self.norm = hf.model.norm.weight.detach()
             self.lm_head = Linear(hf.get_output_embeddings().weight.detach())
         self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.rows); absent: n
-        if self.device.type == "cpu" and rows.projection_bytes(self) >= rows.TUNE_MIN_BYTES:
+        if self.device.type == "cpu" and sum(p.numel() * p.element_size() for p in hf.parameters()) >= rows.TUNE_MIN_BYTES:
             self.rows = rows.tune_rows(self)
 
     def subset(self, kept: list[int]) -> "LeanModel":

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-TUNE_MIN_BYTES = 100e6  # models with fewer bytes of projection weights are not timed (tests' tiny models)
+TUNE_MIN_BYTES = 100e6  # models with fewer bytes of weights are not timed (tests' tiny models)
 
 
 def tune_rows(lean, n_max: int = 9, context: int = 32, gain: float = 0.15, repeats: int = 3) -> dict[int, int]:
@@ -55,9 +55,3 @@ def choose_rows(ms: dict[int, float], gain: float = 0.15) -> dict[int, int]:
         if ms[m] <= (1 - gain) * ms[n]:
             table[n] = m
     return table
-
-
-def projection_bytes(lean) -> int:
-    """Bytes of the decoder layers' projection weights and the output layer of a LeanModel."""
-    linears = [lean.lm_head] + [lin for layer in lean.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return sum(lin.bytes for lin in linears)

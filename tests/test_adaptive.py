@@ -50,7 +50,7 @@ def test_verify_costs_interpolate_and_extrapolate_optimistically():
 
 
 def test_calibrated_curve_keeps_its_shape_and_every_round_moves_its_level():
-    v = VerifyCosts(ms={1: 10.0, 2: 12.0, 3: 9.0}, shape={1: 1.0, 2: 1.2, 3: 0.9}, calibrated=True)
+    v = VerifyCosts(ms={1: 10.0, 2: 12.0, 3: 9.0}, shape={1: 1.0, 2: 1.2, 3: 0.9})
     v.observe(3, 18.0)  # a slow round at n = 3: the level moves towards 18 / 0.9 = 20
     level = 0.7 * 10.0 + 0.3 * 20.0
     assert v(1) == pytest.approx(level) and v(2) == pytest.approx(1.2 * level) and v(3) == pytest.approx(0.9 * level)
@@ -106,7 +106,7 @@ def test_junk_is_verified_only_where_that_beats_a_plain_step():
 
 
 def test_verify_shape_follows_the_context_length():
-    v = VerifyCosts(ms={1: 10.0, 4: 9.0}, calibrated=True,
+    v = VerifyCosts(ms={1: 10.0, 4: 9.0},
                     shapes={100: {1: 1.0, 4: 0.9}, 900: {1: 1.0, 4: 1.3}})
     v.at(500)  # halfway: the shapes' mean, at the current level
     assert v(4) == pytest.approx(10.0 * 1.1)
@@ -134,6 +134,9 @@ def test_calibration_times_the_curve_where_the_output_will_end():
     kv.rollback(len(prompt) - 1)
     costs.calibrate(kv, prompt, 4, ahead=3)  # both ends within the spacing of a timed length: nothing new
     assert len(costs.shapes) == 2
+    capped = VerifyCosts(ahead_max=16)
+    capped.calibrate(kv, prompt, 4, ahead=1000)  # a long generation: the fill is capped
+    assert sorted(capped.shapes) == [len(prompt) - 1, len(prompt) - 1 + 16] and len(kv) == len(prompt) - 1
 
 
 def test_a_useless_draft_model_is_probed_with_exponential_back_off():
@@ -239,7 +242,7 @@ def test_verify_curve_is_timed_once_per_target_at_first_use():
     prompt = prompt_ids()
     first = generate(target, prompt, "prompt-lookup", k="auto", k_max=5, max_new_tokens=4)
     costs = adaptive._VERIFY_COSTS[target]
-    assert costs.calibrated and set(range(1, 7)) <= set(costs.ms) and all(v > 0 for v in costs.ms.values())
+    assert costs.shapes and set(range(1, 7)) <= set(costs.ms) and all(v > 0 for v in costs.ms.values())
     assert set(costs.shape) == set(range(1, 7)) and costs.shape[1] == 1.0
     costs.shape = {n: 1000.0 * n for n in costs.shape}  # a sentinel a second calibration would overwrite
     again = generate(target, prompt, "prompt-lookup", k="auto", k_max=5, max_new_tokens=4)
@@ -275,7 +278,7 @@ class SteepCosts(VerifyCosts):
     """A fixed verify curve on which verifying a doubtful token does not pay (V(2) = 1.8 V(1))."""
 
     def __init__(self):
-        super().__init__(ms={1: 10.0, 2: 18.0}, calibrated=True)
+        super().__init__(ms={1: 10.0, 2: 18.0})
 
     def observe(self, n: int, ms: float) -> None:
         pass
