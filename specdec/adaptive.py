@@ -19,7 +19,7 @@ Estimates, all learned online while generating:
   proposes all at once (prompt lookup), its cost per requested token;
 - acceptance: per draft position, the probability that token j is accepted given that tokens
   1..j-1 were, as decayed counts (recent rounds weigh more) over a weak prior (for j > 1, the
-  estimate at j - 1); when the drafter
+  estimate at j - 1 lifted halfway toward 1: acceptance runs in streaks); when the drafter
   reports its confidence in each token (its probability for it), acceptance per confidence bin.
 
 A drafter that proposes all at once and cheaply (prompt lookup, suffix matching) is asked for a
@@ -192,19 +192,21 @@ class AdaptiveK:
     worth prior_weight rounds. probe_after: plain rounds before a one-token probe; it doubles after
     each probe, up to probe_max, and resets when the policy chooses to draft again. margin: the
     part of V(1) any verify of drafted tokens is taken to cost beyond the measured curve (see
-    _extra_verify_ms).
+    _extra_verify_ms). lift: how far the prior of a deeper position moves from the estimate at the
+    position before toward 1 (see acceptances).
 
     Use for_pair() to get the shared instance; raises ValueError for k_max < 1.
     """
 
     def __init__(self, costs: VerifyCosts, k_max: int = 8, decay: float = 0.9, prior: float = 0.5,
-                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.02):
+                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.02,
+                 lift: float = 0.5):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
         self.verify, self.k_max, self.decay = costs, k_max, decay
         self.prior, self.prior_weight = prior, prior_weight
         self.probe_after, self.probe_max = probe_after, probe_max
-        self.margin = margin
+        self.margin, self.lift = margin, lift
         # decayed counts per match class and draft position: drafts whose j-th token was checked
         # after tokens 1..j-1 were accepted, and those whose j-th token was accepted too
         self.reached = [[0.0] * k_max for _ in range(len(MATCH_EDGES) + 1)]
@@ -243,13 +245,19 @@ class AdaptiveK:
     def acceptances(self, n: int, cls: int = 0) -> list[float]:
         """[P(draft token j accepted | tokens 1..j-1 accepted) for j = 1..n], for drafts of match
         class cls (0: drafters without a match length); positions past k_max share k_max's. The
-        prior of position 1 is `prior`; that of a deeper position is the estimate of the one
-        before it, since few drafts reach deep positions and, for a copied span, the next token is
-        at least as likely right as the last (a fixed 0.5 prior there, compounded over 8
-        positions, made long verified drafts look hopeless and auto cut them)."""
+        prior of position 1 is `prior`; that of a deeper position is the estimate at the one before
+        it lifted by `lift` toward 1, since few drafts reach deep positions and acceptance runs in
+        streaks: a token that follows accepted ones is more likely right than a first one (fixed
+        k = 4, greedy, Spec-Bench dev: Qwen2.5-Coder 0.5B drafting for 1.5B 0.71 at position 1,
+        then 0.94, 0.88, 0.81 given the ones before; SmolLM2 prompt lookup 0.31, then 0.58, 0.72,
+        0.77). A prior without the lift (the estimate before) kept a policy that rarely drafts past
+        one token from ever learning that the second pays (Qwen, writing: auto's mean k 1.18, tau
+        1.64, against k = 4's tau 2.67); a fixed 0.5 compounded over 8 positions made long
+        verified drafts look hopeless."""
         out, estimate = [], self.prior
         for i in range(min(n, self.k_max)):
-            estimate = (self.accepted[cls][i] + estimate * self.prior_weight) / (self.reached[cls][i] + self.prior_weight)
+            prior = estimate if i == 0 else estimate + self.lift * (1.0 - estimate)
+            estimate = (self.accepted[cls][i] + prior * self.prior_weight) / (self.reached[cls][i] + self.prior_weight)
             out.append(estimate)
         return out + [estimate] * (n - len(out))
 

@@ -58,12 +58,16 @@ def test_calibrated_curve_keeps_its_shape_and_every_round_moves_its_level():
     assert v(5) == 30.0 and v(1) == pytest.approx(level)
 
 
-def test_deep_positions_borrow_the_previous_positions_estimate():
-    ctl = AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, prior=0.5, prior_weight=1.0)
-    for _ in range(20):  # drafts that reach only position 1 and are accepted there
+def test_deep_positions_borrow_the_previous_positions_estimate_lifted():
+    ctl = AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, prior=0.5, prior_weight=1.0, lift=0.5)
+    for _ in range(20):  # drafts that reach only position 1, accepted there half the time
+        ctl._learn(0, 1, 0)
         ctl._learn(0, 1, 1)
-    assert ctl.acceptance(1) > 0.9
-    assert ctl.acceptance(2) == pytest.approx(ctl.acceptance(1))  # no data at 2: the estimate at 1
+    a1 = ctl.acceptance(1)
+    assert a1 == pytest.approx(0.5, abs=0.05)
+    assert ctl.acceptance(2) == pytest.approx(a1 + 0.5 * (1 - a1))  # no data at 2: the estimate at 1, lifted
+    assert ctl.acceptance(3) == pytest.approx(ctl.acceptance(2) + 0.5 * (1 - ctl.acceptance(2)))
+    assert AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, lift=0.0).acceptance(2) == 0.5  # no lift: the estimate before
     for _ in range(20):
         ctl._learn(0, 2, 1)  # now position 2 is reached and always rejected
     assert ctl.acceptance(2) < 0.2
