@@ -68,6 +68,9 @@ def test_deep_positions_borrow_the_previous_positions_estimate_lifted():
     assert ctl.acceptance(2) == pytest.approx(a1 + 0.5 * (1 - a1))  # no data at 2: the estimate at 1, lifted
     assert ctl.acceptance(3) == pytest.approx(ctl.acceptance(2) + 0.5 * (1 - ctl.acceptance(2)))
     assert AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, lift=0.0).acceptance(2) == 0.5  # no lift: the estimate before
+    ctl.shadowing = True  # a shadow-verified draft is seen at every position: no optimism needed
+    assert ctl.acceptance(2) == pytest.approx(a1)
+    ctl.shadowing = False
     for _ in range(20):
         ctl._learn(0, 2, 1)  # now position 2 is reached and always rejected
     assert ctl.acceptance(2) < 0.2
