@@ -76,6 +76,16 @@ def test_deep_positions_borrow_the_previous_positions_estimate_lifted():
     assert ctl.acceptance(2) < 0.2
 
 
+def test_a_deep_position_keeps_its_estimate_through_drafts_that_stop_short_of_it():
+    ctl = AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, prior=0.5, prior_weight=1.0, lift=0.0)
+    for _ in range(20):
+        ctl._learn(0, 3, 3)  # long copies: positions 1..3 accepted
+    for _ in range(50):
+        ctl._learn(0, 1, 0)  # then many drafts rejected at position 1
+    assert ctl.acceptance(1) < 0.1
+    assert ctl.acceptance(2) > 0.9 and ctl.acceptance(3) > 0.9  # what follows an accepted token is still known
+
+
 @settings(max_examples=200, deadline=None)
 @given(acceptance=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
        steps=st.lists(st.floats(0.0, 3.0), min_size=8, max_size=8),
