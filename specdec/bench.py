@@ -78,11 +78,7 @@ def environment() -> dict:
                 break
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except OSError:
-        commit = None
+    commit = git_commit(Path(__file__).resolve().parent)
     return {
         "cpu": f"{cpu}, {os.cpu_count()} cores",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -93,6 +89,20 @@ def environment() -> dict:
         "platform": platform.platform(),
         "git_commit": commit,
     }
+
+
+def git_commit(folder: Path) -> str | None:
+    """The commit checked out where `folder` lies, with "-dirty" appended when tracked files under
+    `folder` differ from it (a bench run on uncommitted code says so); None outside a git checkout."""
+    try:
+        run = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, cwd=folder)  # noqa: E731
+        head = run("rev-parse", "HEAD").stdout.strip()
+        if not head:
+            return None
+        changed = run("status", "--porcelain", "--untracked-files=no", "--", ".").stdout.strip()
+        return head + ("-dirty" if changed else "")
+    except OSError:
+        return None
 
 
 def _interleaved_medians(fns: dict[str, tuple], repeats: int, warmup: int = 2) -> dict[str, float]:

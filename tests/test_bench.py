@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from specdec import costmodel, results
-from specdec.bench import Pair, fit, run_bench
+from specdec.bench import Pair, fit, git_commit, run_bench
 from specdec.cli import main
 from specdec.stats import RunStats
 from specdec.workloads import load_workload
@@ -150,3 +151,19 @@ def test_draft_cost_between_and_beyond_the_measured_lengths():
     assert costmodel.draft_ms_at(costs, 3) == 20.0  # linear between 2 and 4
     assert costmodel.draft_ms_at(costs, 8) == 60.0 and costmodel.draft_ms_at(costs, 1) == 5.0  # per token outside
     assert costmodel.interpolate({2: 10.0, 4: 30.0}, 5) is None
+
+
+def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path):
+    git = lambda *args: subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    assert git_commit(tmp_path) is None  # not a checkout
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "root")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    git("add", "pkg/a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    head = git("rev-parse", "HEAD").stdout.decode().strip()
+    (tmp_path / "results.json").write_text("{}")  # untracked output elsewhere: still clean
+    assert git_commit(tmp_path / "pkg") == head
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path / "pkg") == head + "-dirty"
