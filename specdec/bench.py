@@ -92,14 +92,15 @@ def environment() -> dict:
 
 
 def git_commit(folder: Path) -> str | None:
-    """The commit checked out where `folder` lies, with "-dirty" appended when tracked files under
-    `folder` differ from it (a bench run on uncommitted code says so); None outside a git checkout."""
+    """The commit checked out where `folder` lies, with "-dirty" appended when files under `folder`
+    differ from it, changed or new and not ignored (a bench run on uncommitted code says so); None
+    outside a git checkout."""
     try:
         run = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, cwd=folder)  # noqa: E731
         head = run("rev-parse", "HEAD").stdout.strip()
         if not head:
             return None
-        changed = run("status", "--porcelain", "--untracked-files=no", "--", ".").stdout.strip()
+        changed = run("status", "--porcelain", "--", ".").stdout.strip()
         return head + ("-dirty" if changed else "")
     except OSError:
         return None

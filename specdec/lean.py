@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rows
+from .roofline import weight_bytes
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -187,7 +188,7 @@ class LeanModel:
             self.norm = hf.model.norm.weight.detach()
             self.lm_head = Linear(hf.get_output_embeddings().weight.detach())
         self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.rows); absent: n
-        if self.device.type == "cpu" and sum(p.numel() * p.element_size() for p in hf.parameters()) >= rows.TUNE_MIN_BYTES:
+        if self.device.type == "cpu" and weight_bytes(hf) >= rows.TUNE_MIN_BYTES:
             self.rows = rows.tune_rows(self)
 
     def subset(self, kept: list[int]) -> "LeanModel":

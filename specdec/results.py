@@ -9,7 +9,7 @@ read only this file and never run a model. Schema `specdec.bench/1`:
       "environment": {"cpu": str, "gpu": str | null, "threads": int, "python": str, "torch": str,
                       "transformers": str, "platform": str, "git_commit": str | null,
                       "memory_bandwidth_gbs": float},   # measured at the start of the run;
-                      # git_commit ends in "-dirty" when specdec's tracked files differ from it
+                      # git_commit ends in "-dirty" when specdec's files differ from it
       "settings": {"workload": str, "categories": [str], "limit": int, "max_new_tokens": int,
                    "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int},
       "pairs": [{

@@ -13,11 +13,10 @@ import torch
 from .models import Model
 
 
-def weight_bytes(model: Model) -> int:
-    """Bytes of weights one forward reads: every parameter except the input embedding table (a
-    forward gathers only its n rows), which counts when the output layer reads it (tied weights).
-    Parameters shared between modules count once."""
-    hf = model.hf
+def weight_bytes(hf: torch.nn.Module) -> int:
+    """Bytes of weights one forward of the transformers model `hf` reads: every parameter except
+    the input embedding table (a forward gathers only its n rows), which counts when the output
+    layer reads it (tied weights). Parameters shared between modules count once."""
     embed = hf.get_input_embeddings().weight
     head = hf.get_output_embeddings()
     tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
@@ -49,7 +48,7 @@ def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float) -
     forward_ms: measured ms of one forward over n new tokens, by str(n) (the bench's verify_ms).
     Returns {"weight_mb", "bandwidth_gbs", "floor_ms", "fraction": {n: floor_ms / forward_ms[n]}}
     (1.0 would be reading the weights at full bandwidth and nothing else)."""
-    nbytes = weight_bytes(model)
+    nbytes = weight_bytes(model.hf)
     floor_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
     return {"weight_mb": nbytes / 1e6, "bandwidth_gbs": bandwidth_gbs, "floor_ms": floor_ms,
             "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0}}

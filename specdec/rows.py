@@ -23,7 +23,7 @@ import time
 
 import torch
 
-TUNE_MIN_BYTES = 100e6  # models with fewer bytes of weights are not timed (tests' tiny models)
+TUNE_MIN_BYTES = 100e6  # models whose forward reads fewer bytes of weights are not timed (tests' tiny models)
 
 
 def tune_rows(lean, n_max: int = 9, context: int = 32, gain: float = 0.15, repeats: int = 3) -> dict[int, int]:

@@ -165,5 +165,8 @@ def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path):
     head = git("rev-parse", "HEAD").stdout.decode().strip()
     (tmp_path / "results.json").write_text("{}")  # untracked output elsewhere: still clean
     assert git_commit(tmp_path / "pkg") == head
+    (tmp_path / "pkg" / "b.py").write_text("y = 1\n")  # a new module the run may import
+    assert git_commit(tmp_path / "pkg") == head + "-dirty"
+    (tmp_path / "pkg" / "b.py").unlink()
     (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
     assert git_commit(tmp_path / "pkg") == head + "-dirty"

@@ -101,10 +101,10 @@ def test_weight_bytes_counts_what_a_forward_reads():
     hf = model.hf
     everything = sum(p.numel() * 4 for p in hf.parameters())
     embed = hf.get_input_embeddings().weight.numel() * 4
-    assert weight_bytes(model) == everything - embed  # untied: the embedding table is only gathered
+    assert weight_bytes(model.hf) == everything - embed  # untied: the embedding table is only gathered
     tied = make_model("llama")
     tied.hf.lm_head.weight = tied.hf.get_input_embeddings().weight
-    assert weight_bytes(tied) == everything - embed  # tied: read once, by the output layer
+    assert weight_bytes(tied.hf) == everything - embed  # tied: read once, by the output layer
     roof = roofline(model, {"1": 2.0, "4": 4.0}, bandwidth_gbs=1.0)
     assert roof["floor_ms"] == pytest.approx((everything - embed) / 1e6)
     assert roof["fraction"]["1"] == pytest.approx(2 * roof["fraction"]["4"])
