@@ -58,7 +58,7 @@ class Pair:
     def parse(cls, text: str) -> "Pair":
         """`target[:drafter[:draft]]`, e.g. `qwen2.5-coder-1.5b:model:qwen2.5-coder-0.5b`; for
         `layer-skip` the third part is the layers to keep, e.g. `smollm2-135m:layer-skip:0-9,12`; for
-        `eagle` a draft head file (default: the target's stored head); for `suffix` and
+        `eagle` and `eagle-tree` a draft head file (default: the target's stored head); for `suffix` and
         `suffix-tree` a corpus file (drafters.suffix.load_corpus)."""
         parts = text.split(":")
         if not 1 <= len(parts) <= 3 or (len(parts) > 1 and parts[1] == "model" and len(parts) != 3):
@@ -177,8 +177,8 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         draft_model = load_model(pair.draft, **{**load_kwargs, "dtype": draft_dtype or load_kwargs.get("dtype", torch.float32)})
     if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
         drafter = make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
-    elif pair.drafter == "eagle":  # its third part is a head file (default: the target's stored head)
-        drafter = make_drafter("eagle", head=pair.draft, cache=load_kwargs.get("cache"))
+    elif pair.drafter in ("eagle", "eagle-tree"):  # its third part is a head file (default: the target's stored head)
+        drafter = make_drafter(pair.drafter, head=pair.draft, cache=load_kwargs.get("cache"))
     elif pair.drafter in ("suffix", "suffix-tree") and pair.draft:  # its third part is a corpus file
         drafter = make_drafter(pair.drafter, corpus=load_corpus(pair.draft))
     else:

@@ -155,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--epochs", type=int, default=12, help="default 12")
     tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     tr.add_argument("--vocab", type=int, default=8192, help="tokens the head may draft (default 8192)")
+    tr.add_argument("--steps", type=int, default=3,
+                    help="draft steps trained on the head's own predicted features (training-time test; default 3, 1 = teacher forcing only)")
     tr.add_argument("--out", type=Path, default=Path("specdec-train"), help="folder for data, checkpoint, loss.png, summary.json")
     tr.add_argument("--head-out", type=Path, help="where to write the head (default: <cache>/heads/<target>.safetensors)")
     tr.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
@@ -244,8 +246,8 @@ def _generate(args) -> int:
         drafter = make_drafter(args.drafter, min_match=args.min_match, corpus=corpus)
     elif args.drafter == "layer-skip":
         drafter = make_drafter("layer-skip", layers=args.layers, cache=args.cache_dir)
-    elif args.drafter == "eagle":
-        drafter = make_drafter("eagle", head=args.head, cache=args.cache_dir)
+    elif args.drafter in ("eagle", "eagle-tree"):
+        drafter = make_drafter(args.drafter, head=args.head, cache=args.cache_dir)
     else:
         drafter = make_drafter(args.drafter)
     ids = target.encode(prompt, chat=args.chat)
@@ -383,10 +385,10 @@ def _train(args) -> int:
     target = load_model(args.target, **_load_kwargs(args))
     summary = train_head(target, args.out, prompts=args.prompts, sampled=args.sampled_prompts,
                          max_new_tokens=args.max_new_tokens, epochs=args.epochs,
-                         lr=args.lr, vocab=args.vocab, head_out=args.head_out, restart=args.restart, cache=args.cache_dir)
+                         lr=args.lr, vocab=args.vocab, steps=args.steps, head_out=args.head_out, restart=args.restart, cache=args.cache_dir)
     last = summary["history"][-1]
     print(f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "
-          f"held-out first-token accuracy {last['heldout_acc']:.3f}; wrote {summary['head']}, {args.out / 'loss.png'}")
+          f"held-out accuracy by draft step {' '.join(f'{a:.3f}' for a in last['heldout_acc_by_step'])}; wrote {summary['head']}, {args.out / 'loss.png'}")
     return 0
 
 

@@ -84,29 +84,76 @@ class DraftHead(nn.Module):
             head.fc.weight[:, d:] += torch.eye(d)
         return head
 
-    def forward(self, features: torch.Tensor, embeds: torch.Tensor, start: int = 0,
-                cache: "HeadCache | None" = None) -> torch.Tensor:
-        """features, embeds: (T, d) for positions start..start+T-1 -> predicted next features
-        (T, d). Without a cache the T positions attend causally among themselves (training);
-        with one they also attend to its first `start` positions, and theirs are written to it."""
+    def _project(self, features: torch.Tensor, embeds: torch.Tensor, start: int):
+        """x (T, d) after fc; q (T, heads, head_dim), k and v (T, kv_heads, head_dim) after RoPE
+        at positions start..start+T-1."""
         T, hd = features.shape[0], self.head_dim
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = rope(self.inv_freq, start, start + T, x.dtype)
         qk, v = self.qkv(F.rms_norm(x, (x.shape[-1],), self.norm_in, self.eps)).split(
             ((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1)
         qk = rotate(qk.reshape(T, self.n_heads + self.n_kv, hd), cos, sin)
-        q, k, v = qk[:, : self.n_heads], qk[:, self.n_heads:], v.reshape(T, self.n_kv, hd)
+        return x, qk[:, : self.n_heads], qk[:, self.n_heads:], v.reshape(T, self.n_kv, hd)
+
+    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream x (T, d) after attention's output attn (T, heads * head_dim)
+        and the MLP."""
+        x = x + self.o(attn)
+        gate, up = self.gate_up(F.rms_norm(x, (x.shape[-1],), self.norm_post, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, start: int = 0,
+                cache: "HeadCache | None" = None) -> torch.Tensor:
+        """features, embeds: (T, d) for positions start..start+T-1 -> predicted next features
+        (T, d). Without a cache the T positions attend causally among themselves (training);
+        with one they also attend to its first `start` positions, and theirs are written to it."""
+        T = features.shape[0]
+        x, q, k, v = self._project(features, embeds, start)
         if cache is None:  # training: differentiable, no cache
             attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                   v.transpose(0, 1)[None], is_causal=True,
                                                   enable_gqa=self.n_kv != self.n_heads)[0]
-            attn = attn.transpose(0, 1).reshape(T, self.n_heads * hd)
+            attn = attn.transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
         else:
             cache.reserve(start, start + T)
             attn = cached_attention(q, k, v, cache.k, cache.v, start, causal_mask(start, T, x.device))
-        x = x + self.o(attn)
-        gate, up = self.gate_up(F.rms_norm(x, (x.shape[-1],), self.norm_post, self.eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return self._finish(x, attn)
+
+    def unrolled(self, features: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """What drafting predicts `steps` tokens deep from every position at once, differentiably:
+        the "training-time test" of EAGLE-3 (Li et al. 2025) and HASS (Zhang et al. 2024), which
+        trains the head on its own predicted features instead of only on the target's.
+
+        features, embeds: (T, d), the target's true features and the next tokens' embeddings at
+        positions 0..T-1. Returns `steps` tensors (T, d). out[0] is forward(features, embeds).
+        out[j][t] is draft step j+1 when the last true feature is at position t-j: its input is
+        (out[j-1][t-1], embeds[t]), and it attends to step one's keys at positions <= t-j and to
+        the keys of steps 2..j+1 on its own path (positions t-j+1..t), exactly what drafting
+        with a HeadCache sees. Rows t < j have no such path; callers ignore them.
+        """
+        T, hd, rep = features.shape[0], self.head_dim, self.n_heads // self.n_kv
+        scale = hd ** -0.5
+
+        def down(x: torch.Tensor, m: int) -> torch.Tensor:  # row t <- row t - m, zeros on top
+            return torch.cat([x.new_zeros((m,) + x.shape[1:]), x[: T - m]]) if m else x
+
+        outs, keys, values, feats = [], [], [], features
+        for j in range(steps):
+            x, q, k, v = self._project(feats, embeds, 0)
+            keys.append(k.repeat_interleave(rep, dim=1))
+            values.append(v.repeat_interleave(rep, dim=1))
+            scores = torch.einsum("thd,shd->hts", q, keys[0]) * scale  # (heads, T, T) vs step one
+            visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(-j)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            path = [down(keys[i], j - i) for i in range(1, j + 1)]  # step i+1's key at t - (j - i)
+            own = [(q * key).sum(-1).T[..., None] * scale for key in path]  # (heads, T, 1) each
+            p = torch.cat([scores, *own], dim=-1).softmax(-1)
+            attn = torch.einsum("hts,shd->thd", p[..., :T], values[0])
+            for i in range(1, j + 1):
+                attn = attn + p[..., T + i - 1].T[..., None] * down(values[i], j - i)
+            outs.append(self._finish(x, attn.reshape(T, self.n_heads * hd)))
+            feats = down(outs[-1], 1)
+        return outs
 
 
 class HeadCache:

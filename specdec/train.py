@@ -10,10 +10,13 @@ self-distilled data.
    the target's greedy next token (the label);
 4. training: at position t the head reads (f_t plus a little noise, e(x_{t+1})) and is trained to
    predict f_{t+1} (smooth L1) and the target's next token from it (cross-entropy over the head's
-   vocabulary, weight 0.5: EAGLE (Li et al. 2024) uses 0.1; greedy acceptance depends on the token); AdamW, cosine schedule, one sequence per step;
+   vocabulary, weight 0.5: EAGLE (Li et al. 2024) uses 0.1; greedy acceptance depends on the token),
+   and, with steps > 1, the same again from its own predicted features for draft steps 2..steps
+   (the training-time test of EAGLE-3 / HASS: drafting feeds its predictions back, so training
+   does too); AdamW, cosine schedule, one sequence per update;
    a checkpoint after every epoch (`<out>/checkpoint.pt`, atomic) from which a rerun resumes;
 5. output: the head (`<cache>/heads/<target>.safetensors` unless --head-out), `<out>/loss.png`
-   and `<out>/summary.json` (losses and held-out first-token accuracy per epoch).
+   and `<out>/summary.json` (losses and held-out accuracy per draft step and epoch).
 """
 
 from __future__ import annotations
@@ -180,24 +183,35 @@ def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
     return torch.tensor(sorted(seen + rest))
 
 
-def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, noise: float, ce_weight: float):
-    """(total, regression, cross-entropy, first-token accuracy) on one sequence."""
+def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, noise: float, ce_weight: float,
+          steps: int = 1, decay: float = 0.8):
+    """(total, regression, cross-entropy, accuracy per draft step) on one sequence.
+
+    Step j (1..steps) is the head drafting its j-th token from its own earlier predictions
+    (DraftHead.unrolled, the training-time test of EAGLE-3 / HASS); every step is trained toward
+    the same targets, the next feature and the target's token after it, and weighs decay^(j-1).
+    Regression and cross-entropy are step one's; accuracy j is how often step j's top token is the
+    target's greedy one."""
     x_in = feats[:-1]
     if noise:
         x_in = x_in + (torch.rand_like(x_in) - 0.5) * 2 * noise * feats.std()
-    pred = head(x_in, embed[tokens[1:]].float())  # (T-1, d): predicted f_1..f_{T-1}
-    reg = F.smooth_l1_loss(pred, feats[1:])
+    preds = head.unrolled(x_in, embed[tokens[1:]].float(), steps)  # (T-1, d) each: predicted f_1..f_{T-1}
     target_ids = index[labels[1:]]  # the target's token after position t+1, as a head-vocabulary index
-    logits = pred @ out_weight.T
-    ce = F.cross_entropy(logits, target_ids, ignore_index=-1)
-    valid = target_ids >= 0
-    acc = (logits.argmax(-1)[valid] == target_ids[valid]).float().mean() if valid.any() else torch.tensor(0.0)
-    return reg + ce_weight * ce, reg, ce, acc
+    total, parts, accs = 0.0, [], []
+    for j, pred in enumerate(preds):  # rows before j have no j-step path
+        logits = pred[j:] @ out_weight.T
+        reg = F.smooth_l1_loss(pred[j:], feats[1 + j:])
+        ce = F.cross_entropy(logits, target_ids[j:], ignore_index=-1)
+        valid = target_ids[j:] >= 0
+        accs.append(float((logits.argmax(-1)[valid] == target_ids[j:][valid]).float().mean()) if valid.any() else 0.0)
+        total = total + decay ** j * (reg + ce_weight * ce)
+        parts.append((reg, ce))
+    return total, parts[0][0], parts[0][1], accs
 
 
 def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int = 128, epochs: int = 12,
                sampled: int = 0,
-               lr: float = 1e-3, vocab: int = 8192, noise: float = 0.1, ce_weight: float = 0.5,
+               lr: float = 1e-3, vocab: int = 8192, noise: float = 0.1, ce_weight: float = 0.5, steps: int = 3,
                head_out: Path | None = None, batch: int = 16, seed: int = 0, restart: bool = False,
                cache=None) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
@@ -205,8 +219,8 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
     Raises ValueError for a target the lean backend cannot run, or bad arguments."""
     if target.backend != "lean":
         raise ValueError("specdec train reads the target's features through the lean backend: a Llama or Qwen2 target")
-    if prompts < 2 or epochs < 1 or not 0 < vocab <= target.vocab_size:
-        raise ValueError(f"need prompts >= 2, epochs >= 1 and 0 < vocab <= {target.vocab_size}")
+    if prompts < 2 or epochs < 1 or steps < 1 or not 0 < vocab <= target.vocab_size:
+        raise ValueError(f"need prompts >= 2, epochs >= 1, steps >= 1 and 0 < vocab <= {target.vocab_size}")
     torch.manual_seed(seed)
     rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
     data = features_and_labels(target, rows)
@@ -220,13 +234,13 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
 
     head = DraftHead.for_target(target, vocab_ids)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    steps = epochs * len(train)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    updates = epochs * len(train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, updates) / updates)))
     history: list[dict] = []
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file() and not restart:
         state = torch.load(ckpt, weights_only=False)
-        if state["config"] == head.config and torch.equal(state["vocab_ids"], vocab_ids):
+        if state["config"] == head.config and torch.equal(state["vocab_ids"], vocab_ids) and state.get("steps") == steps:
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
@@ -235,35 +249,38 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
     order = random.Random(seed)
     for epoch in range(len(history), epochs):
         head.train()
-        start, sums = time.perf_counter(), [0.0, 0.0, 0.0, 0.0]
+        start, sums, acc_sums = time.perf_counter(), [0.0, 0.0, 0.0], [0.0] * steps
         perm = list(range(len(train)))
         order.shuffle(perm)
         bar = tqdm(perm, desc=f"epoch {epoch + 1}/{epochs}", unit="seq")
         for i in bar:
-            total, reg, ce, acc = _loss(head, embed, out_weight, index, *train[i], noise, ce_weight)
+            total, reg, ce, accs = _loss(head, embed, out_weight, index, *train[i], noise, ce_weight, steps)
             opt.zero_grad()
             total.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             sched.step()
-            for j, v in enumerate((total, reg, ce, acc)):
+            for j, v in enumerate((total, reg, ce)):
                 sums[j] += float(v.detach())
-            bar.set_postfix(loss=f"{sums[0] / (bar.n + 1):.3f}", acc=f"{sums[3] / (bar.n + 1):.2f}")
+            acc_sums = [a + b for a, b in zip(acc_sums, accs)]
+            bar.set_postfix(loss=f"{sums[0] / (bar.n + 1):.3f}", acc=" ".join(f"{a / (bar.n + 1):.2f}" for a in acc_sums))
         head.eval()
         with torch.no_grad():
-            v_acc = sum(float(_loss(head, embed, out_weight, index, *s, 0.0, ce_weight)[3]) for s in valid) / len(valid)
+            held = [_loss(head, embed, out_weight, index, *s, 0.0, ce_weight, steps)[3] for s in valid]
+        v_accs = [sum(a[j] for a in held) / len(held) for j in range(steps)]
         n = len(train)
         history.append({"epoch": epoch + 1, "loss": sums[0] / n, "regression": sums[1] / n, "ce": sums[2] / n,
-                        "train_acc": sums[3] / n, "heldout_acc": v_acc, "seconds": time.perf_counter() - start})
-        print(f"epoch {epoch + 1}: loss {sums[0] / n:.4f}, first-token accuracy train {sums[3] / n:.3f}, "
-              f"held-out {v_acc:.3f}")
+                        "train_acc": acc_sums[0] / n, "heldout_acc": v_accs[0], "heldout_acc_by_step": v_accs,
+                        "seconds": time.perf_counter() - start})
+        print(f"epoch {epoch + 1}: loss {sums[0] / n:.4f}, step-one accuracy train {acc_sums[0] / n:.3f}, "
+              f"held-out by draft step {' '.join(f'{a:.3f}' for a in v_accs)}")
         state = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                 "history": history, "config": head.config, "vocab_ids": vocab_ids}
+                 "history": history, "config": head.config, "vocab_ids": vocab_ids, "steps": steps}
         atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
 
     dest = head_out or head_file(target.name, cache)
     summary = {"target": target.name, "prompts": prompts, "sampled_prompts": sampled, "sequences": len(data), "positions": sum(len(t) for t, _, _ in data),
-               "max_new_tokens": max_new_tokens, "epochs": epochs, "vocab": len(vocab_ids), "history": history,
+               "max_new_tokens": max_new_tokens, "epochs": epochs, "steps": steps, "vocab": len(vocab_ids), "history": history,
                "head": str(dest)}
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))

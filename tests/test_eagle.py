@@ -11,7 +11,7 @@ import torch
 from specdec import generate
 from specdec.cache import LeanKVCache
 from specdec.drafters import EagleDrafter
-from specdec.head import DraftHead, HeadError, load_head, save_head
+from specdec.head import DraftHead, HeadCache, HeadError, load_head, save_head
 from specdec.sampling import Sampler, SamplingParams
 from specdec.train import train_head, training_prompts
 
@@ -63,6 +63,29 @@ def test_incremental_head_cache_matches_a_full_forward(target, head):
     assert drafter.propose(context3, 1, greedy).tokens[0] == full_forward_draft(target, head, context3)
 
 
+def test_unrolled_steps_are_what_drafting_with_a_cache_computes(target, head):
+    """Training-time test: step j of the unrolled forward at position t equals the head drafting
+    its j-th token (its own predicted features fed back, over a HeadCache) after true features
+    up to t - j."""
+    torch.manual_seed(3)
+    T, d = 11, head.config["hidden"]
+    feats, embeds = torch.randn(T, d), torch.randn(T, d)
+    with torch.no_grad():
+        outs = head.unrolled(feats, embeds, 4)
+        assert torch.allclose(outs[0], head(feats, embeds), atol=1e-5)
+        checked = 0
+        for p in (0, 3, 7):  # the last position with a true feature
+            cache = HeadCache(head)
+            pred = head(feats[: p + 1], embeds[: p + 1], 0, cache)[-1:]
+            for j in range(1, 4):
+                pred = head(pred, embeds[p + j][None], p + j, cache)
+                assert torch.allclose(pred[0], outs[j][p + j], atol=1e-5), (p, j)
+                checked += 1
+        assert checked == 9
+        # and the steps differ from teacher forcing: they read predicted features
+        assert not torch.allclose(outs[1][5], outs[0][5], atol=1e-3)
+
+
 def test_eagle_greedy_is_plain_greedy_and_sampling_works(target, head):
     prompt = prompt_ids()
     plain = generate(target, prompt, None, max_new_tokens=30).tokens
@@ -72,6 +95,34 @@ def test_eagle_greedy_is_plain_greedy_and_sampling_works(target, head):
     again = generate(target, prompt, EagleDrafter(head), k=3, max_new_tokens=20, temperature=1.0, seed=0)
     assert out.tokens == again.tokens and all(0 <= t < target.vocab_size for t in out.tokens)
     assert out.stats.drafted > 0
+
+
+def test_eagle_tree_offers_the_next_best_tokens_as_siblings_and_stays_exact(target, head):
+    kv = LeanKVCache(target)
+    context = prompt_ids(12)
+    kv.extend(context[:-1])
+    greedy = Sampler(SamplingParams(), torch.Generator())
+    drafts = []
+    for alternatives, k in ((2, 7), (0, 3)):
+        drafter = EagleDrafter(head, alternatives=alternatives)
+        drafter.prepare(target)
+        drafter.attach(kv)
+        drafts.append(drafter.propose(context, k, greedy))
+    tree, chain = drafts
+    assert tree.parents == [-1, -1, -1, 0, 0, 0, 3] and chain.parents is None
+    assert tree.chain().tokens == chain.tokens  # the main chain is what the chain drafter drafts
+    assert tree.tokens[0] == full_forward_draft(target, head, context)
+    assert len(set(tree.tokens[:3])) == 3 and len(set(tree.tokens[3:6])) == 3  # siblings differ
+    prompt = prompt_ids()
+    plain = generate(target, prompt, None, max_new_tokens=30).tokens
+    for k in (2, 5, "auto"):
+        out = generate(target, prompt, EagleDrafter(head, alternatives=1), k=k, max_new_tokens=30)
+        assert out.tokens == plain and out.stats.drafted > 0
+    sampled = generate(target, prompt, EagleDrafter(head, alternatives=1), k=4, max_new_tokens=12, temperature=1.0, seed=0)
+    assert sampled.tokens == generate(target, prompt, EagleDrafter(head), k=4, max_new_tokens=12, temperature=1.0,
+                                      seed=0).tokens  # sampling drafts a chain, with its probabilities
+    with pytest.raises(ValueError, match="alternatives"):
+        EagleDrafter(head, alternatives=-1)
 
 
 def test_head_file_round_trip_and_errors(target, head, tmp_path):
@@ -105,12 +156,15 @@ def test_train_writes_everything_resumes_and_the_head_drafts(target, tmp_path):
     out = tmp_path / "run"
     dest = tmp_path / "head.safetensors"
     s = train_head(target, out, prompts=8, max_new_tokens=6, epochs=2, vocab=40, head_out=dest, batch=4)
-    assert [h["epoch"] for h in s["history"]] == [1, 2] and s["sequences"] == 8
+    assert [h["epoch"] for h in s["history"]] == [1, 2] and s["sequences"] == 8 and s["steps"] == 3
+    assert all(len(h["heldout_acc_by_step"]) == 3 for h in s["history"])
     for name in ("data.json", "checkpoint.pt", "loss.png", "summary.json"):
         assert (out / name).is_file()
     assert json.loads((out / "summary.json").read_text())["history"] == s["history"]
     resumed = train_head(target, out, prompts=8, max_new_tokens=6, epochs=3, vocab=40, head_out=dest, batch=4)
     assert resumed["history"][:2] == s["history"] and len(resumed["history"]) == 3
+    fresh = train_head(target, out, prompts=8, max_new_tokens=6, epochs=3, vocab=40, steps=1, head_out=dest, batch=4)
+    assert len(fresh["history"][0]["heldout_acc_by_step"]) == 1  # another unroll depth: no resuming
     head, meta = load_head(dest, hidden_size=64)
     assert len(head.vocab_ids) == 40 and meta["epochs"] == 3
     prompt = prompt_ids()

@@ -21,6 +21,7 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "suffix-tree": partial(SuffixDrafter, tree=True),
     "layer-skip": LayerSkipDrafter,
     "eagle": EagleDrafter,
+    "eagle-tree": partial(EagleDrafter, alternatives=1),
 }
 
 

@@ -24,12 +24,19 @@ class EagleDrafter:
     head the committed positions it has not seen (their true features), then drafts: greedy
     tokens, or sampled ones with their probabilities (zero outside the head's vocabulary).
 
+    alternatives (greedy only): also offer, at each depth, the head's next `alternatives` best
+    tokens as leaves beside the main chain's token, a token tree (Draft.parents) that the engine
+    verifies in one forward (the static trees of EAGLE and Medusa, cut to one branch per depth);
+    a draft of k tokens is then about k / (1 + alternatives) deep. 0: a chain.
+
     prepare() raises ValueError for a target on the transformers backend, HeadError for a missing
     head or one trained for another target.
     """
 
-    def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None):
-        self.spec, self.cache = head, cache
+    def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0):
+        if alternatives < 0:
+            raise ValueError(f"alternatives must be >= 0, got {alternatives}")
+        self.spec, self.cache, self.alternatives = head, cache, alternatives
         self.head: DraftHead | None = None
         self._target: Model | None = None
         self.kv = None  # the target's LeanKVCache
@@ -78,18 +85,30 @@ class EagleDrafter:
         pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
         self.seen = list(context)
         ids = self.head.vocab_ids
-        tokens, probs, confidence = [], [], []
-        for i in range(k):
+        tree = self.alternatives > 0 and sampler.params.greedy
+        depth = -(-k // (1 + self.alternatives)) if tree else k
+        tokens, probs, confidence, parents, main = [], [], [], [], -1
+        for i in range(depth):
             sub = self.out(pred)[0]  # (N,) logits over the head's vocabulary: the rest have probability 0
             j, p = sampler.choose(sub)
             token = int(ids[j])
-            tokens.append(token)
+            if tree:  # the main chain's token first (Draft.chain), then its siblings, best first
+                others = [int(ids[a]) for a in sub.topk(self.alternatives + 1).indices.tolist() if a != j]
+                others = others[: min(self.alternatives, k - len(tokens) - 1)]
+                parent, main = main, len(tokens)
+                tokens += [token] + others
+                parents += [parent] * (1 + len(others))
+            else:
+                tokens.append(token)
             if p is not None:
                 probs.append(p.new_zeros(self.vocab).index_copy_(0, ids, p))
             if keep_going is not None:
                 confidence.append(float(p[j]) if p is not None else float(sub.softmax(-1)[j]))
                 if not keep_going(i + 1, confidence[-1]):
                     break
-            if i < k - 1:
+            if len(tokens) >= k:
+                break
+            if i < depth - 1:
                 pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
-        return Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None)
+        return Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None,
+                     parents=parents if tree else None)
