@@ -224,8 +224,9 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
     torch.manual_seed(seed)
     rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
     data = features_and_labels(target, rows)
+    shuffled = random.Random(seed).sample(data, len(data))  # held out: 5% of template and sampled prompts alike
     held = max(1, len(data) // 20)
-    train, valid = data[held:], data[:held]
+    train, valid = shuffled[held:], shuffled[:held]
     vocab_ids = choose_vocab(train, target.vocab_size, vocab)
     index = torch.full((target.vocab_size,), -1, dtype=torch.long)
     index[vocab_ids] = torch.arange(len(vocab_ids))
@@ -266,8 +267,8 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
             bar.set_postfix(loss=f"{sums[0] / (bar.n + 1):.3f}", acc=" ".join(f"{a / (bar.n + 1):.2f}" for a in acc_sums))
         head.eval()
         with torch.no_grad():
-            held = [_loss(head, embed, out_weight, index, *s, 0.0, ce_weight, steps)[3] for s in valid]
-        v_accs = [sum(a[j] for a in held) / len(held) for j in range(steps)]
+            scores = [_loss(head, embed, out_weight, index, *s, 0.0, ce_weight, steps)[3] for s in valid]
+        v_accs = [sum(a[j] for a in scores) / len(scores) for j in range(steps)]
         n = len(train)
         history.append({"epoch": epoch + 1, "loss": sums[0] / n, "regression": sums[1] / n, "ce": sums[2] / n,
                         "train_acc": acc_sums[0] / n, "heldout_acc": v_accs[0], "heldout_acc_by_step": v_accs,

@@ -86,6 +86,17 @@ def test_unrolled_steps_are_what_drafting_with_a_cache_computes(target, head):
         assert not torch.allclose(outs[1][5], outs[0][5], atol=1e-3)
 
 
+def test_packed_head_drafts_what_the_module_computes(head):
+    torch.manual_seed(4)
+    feats, embeds = torch.randn(6, 64), torch.randn(6, 64)
+    packed = head.packed()
+    with torch.no_grad():
+        a = head(feats, embeds, 0, HeadCache(head))
+        b = packed(feats, embeds, 0, HeadCache(packed))
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert isinstance(head.fc, torch.nn.Linear)  # the trainable module is left as it was
+
+
 def test_eagle_greedy_is_plain_greedy_and_sampling_works(target, head):
     prompt = prompt_ids()
     plain = generate(target, prompt, None, max_new_tokens=30).tokens

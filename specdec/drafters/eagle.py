@@ -56,7 +56,7 @@ class EagleDrafter:
                     raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target "
                                     f"{target.name}` (it writes {head_file(target.name, self.cache)}), or pass a head file")
                 head, _ = load_head(path, target.lean().hidden_size)
-            self.head = head.eval()
+            self.head = head.packed()  # projections reordered for oneDNN (DraftHead.packed)
             weight = target.hf.get_output_embeddings().weight.detach()[head.vocab_ids].float()
             self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
             self.embed = target.lean().embed
