@@ -285,12 +285,14 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
                "head": str(dest)}
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
-    plot_loss(history, out / "loss.png", "loss (smooth L1 + w x CE)", "held-out first-token accuracy")
+    plot_loss(history, out / "loss.png", "loss (sum over draft steps of 0.8^(j-1) (smooth L1 + w x CE))",
+              "held-out accuracy, draft step 1")
     return summary
 
 
 def plot_loss(history: list[dict], path: Path, loss_label: str, acc_label: str) -> None:
-    """loss.png: history's "loss" per epoch and its "heldout_acc" on a second axis (atomic write)."""
+    """loss.png: history's "loss" per epoch and its "heldout_acc" on a second axis, one line per
+    draft step where entries have "heldout_acc_by_step" (atomic write)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,7 +304,10 @@ def plot_loss(history: list[dict], path: Path, loss_label: str, acc_label: str) 
     ax.set_xlabel("epoch")
     ax.set_ylabel(loss_label)
     ax2 = ax.twinx()
-    ax2.plot(epochs, [h["heldout_acc"] for h in history], color="C1", marker="s", label=acc_label)
+    by_step = [h.get("heldout_acc_by_step") or [h["heldout_acc"]] for h in history]
+    for j in range(min(map(len, by_step))):  # one line per draft step where the history has them
+        ax2.plot(epochs, [a[j] for a in by_step], color=f"C{j + 1}", marker="s",
+                 label=acc_label if j == 0 else f"draft step {j + 1}")
     ax2.set_ylabel("accuracy")
     fig.legend(loc="upper center", ncol=2, fontsize=8)
     fig.tight_layout()

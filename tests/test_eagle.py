@@ -136,6 +136,30 @@ def test_eagle_tree_offers_the_next_best_tokens_as_siblings_and_stays_exact(targ
         EagleDrafter(head, alternatives=-1)
 
 
+def test_eagle_tree_grafts_prompt_lookup_as_a_branch(target, head):
+    from specdec.drafters import PromptLookup, make_drafter
+
+    context = prompt_ids(6) * 3  # repeats itself: prompt lookup proposes what followed before
+    kv = LeanKVCache(target)
+    kv.extend(context[:-1])
+    greedy = Sampler(SamplingParams(), torch.Generator())
+    drafter = make_drafter("eagle-tree", head=head)
+    drafter.prepare(target)
+    drafter.attach(kv)
+    draft = drafter.propose(context, 6, greedy)
+    looked = PromptLookup().propose(context, 6, greedy).tokens
+    assert looked and len(draft.tokens) <= 6
+    # some root-to-node path spells the start of lookup's draft (the tree keeps at least half its room)
+    paths = {}
+    for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)):
+        paths[i] = (paths[p] if p >= 0 else ()) + (t,)
+    assert any(path == tuple(looked[: len(path)]) and len(path) >= min(3, len(looked)) for path in paths.values())
+    prompt = prompt_ids() * 2
+    plain = generate(target, prompt, None, max_new_tokens=30).tokens
+    for k in (3, 6, "auto"):
+        assert generate(target, prompt, make_drafter("eagle-tree", head=head), k=k, max_new_tokens=30).tokens == plain
+
+
 def test_head_file_round_trip_and_errors(target, head, tmp_path):
     path = save_head(head, tmp_path / "h.safetensors", meta={"note": "x"})
     loaded, meta = load_head(path, hidden_size=64)

@@ -21,7 +21,7 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "suffix-tree": partial(SuffixDrafter, tree=True),
     "layer-skip": LayerSkipDrafter,
     "eagle": EagleDrafter,
-    "eagle-tree": partial(EagleDrafter, alternatives=1),
+    "eagle-tree": partial(EagleDrafter, alternatives=1, lookup=True),
 }
 
 

@@ -14,6 +14,7 @@ from ..lean import Linear
 from ..models import Model
 from ..sampling import Sampler
 from .base import Draft
+from .lookup import PromptLookup
 
 class EagleDrafter:
     """Drafts token by token with a DraftHead that reads the target's features.
@@ -27,16 +28,21 @@ class EagleDrafter:
     alternatives (greedy only): also offer, at each depth, the head's next `alternatives` best
     tokens as leaves beside the main chain's token, a token tree (Draft.parents) that the engine
     verifies in one forward (the static trees of EAGLE and Medusa, cut to one branch per depth);
-    a draft of k tokens is then about k / (1 + alternatives) deep. 0: a chain.
+    a draft of k tokens is then about k / (1 + alternatives) deep. 0: a chain. lookup (greedy
+    only): graft prompt lookup's draft onto that tree as a branch (Draft.grafted, as the suffix
+    tree drafter does): the head and lookup are right on different tokens (the head on fluent
+    text, lookup on text the context repeats), and the target keeps whichever path it agrees with.
 
     prepare() raises ValueError for a target on the transformers backend, HeadError for a missing
     head or one trained for another target.
     """
 
-    def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0):
+    def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0,
+                 lookup: bool = False):
         if alternatives < 0:
             raise ValueError(f"alternatives must be >= 0, got {alternatives}")
         self.spec, self.cache, self.alternatives = head, cache, alternatives
+        self.lookup = PromptLookup() if lookup else None
         self.head: DraftHead | None = None
         self._target: Model | None = None
         self.kv = None  # the target's LeanKVCache
@@ -85,7 +91,7 @@ class EagleDrafter:
         pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
         self.seen = list(context)
         ids = self.head.vocab_ids
-        tree = self.alternatives > 0 and sampler.params.greedy
+        tree = (self.alternatives > 0 or self.lookup is not None) and sampler.params.greedy
         depth = -(-k // (1 + self.alternatives)) if tree else k
         tokens, probs, confidence, parents, main = [], [], [], [], -1
         for i in range(depth):
@@ -110,5 +116,10 @@ class EagleDrafter:
                 break
             if i < depth - 1:
                 pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
-        return Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None,
-                     parents=parents if tree else None)
+        draft = Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None,
+                      parents=parents if tree else None)
+        if tree and self.lookup is not None:
+            grafted = draft.grafted(self.lookup.propose(context, k, sampler).tokens, k)
+            grafted.confidence = draft.confidence
+            return grafted
+        return draft
