@@ -149,9 +149,20 @@ def test_eagle_tree_grafts_prompt_lookup_as_a_branch(target, head):
     draft = drafter.propose(context, 6, greedy)
     looked = PromptLookup().propose(context, 6, greedy).tokens
     assert looked and len(draft.tokens) <= 6
-    # some root-to-node path spells the start of lookup's draft (the tree keeps at least half its room)
+    assert draft.tokens == looked and draft.parents is None  # a 12-token match: lookup's draft alone
+    short = prompt_ids(12)
+    short = short + [short[4]]  # the last token occurred once before: a 1-token match
+    kv.rollback(0)
+    kv.extend(short[:-1])
+    drafter.prepare(target)
+    drafter.attach(kv)
+    assert PromptLookup().propose(short, 6, greedy).match_length < EagleDrafter.LONG_MATCH
+    tree = drafter.propose(short, 6, greedy)
+    assert tree.tokens[0] == full_forward_draft(target, head, short)  # the head's chain leads
+    # and some root-to-node path spells the start of lookup's draft (it takes up to half the room)
+    looked = PromptLookup().propose(short, 6, greedy).tokens
     paths = {}
-    for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)):
+    for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)):
         paths[i] = (paths[p] if p >= 0 else ()) + (t,)
     assert any(path == tuple(looked[: len(path)]) and len(path) >= min(3, len(looked)) for path in paths.values())
     prompt = prompt_ids() * 2

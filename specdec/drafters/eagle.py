@@ -32,10 +32,14 @@ class EagleDrafter:
     only): graft prompt lookup's draft onto that tree as a branch (Draft.grafted, as the suffix
     tree drafter does): the head and lookup are right on different tokens (the head on fluent
     text, lookup on text the context repeats), and the target keeps whichever path it agrees with.
+    When lookup's match is at least LONG_MATCH tokens long, its draft alone is proposed (a long
+    match is usually copied on: extraction, repeated code) and the head is not run.
 
     prepare() raises ValueError for a target on the transformers backend, HeadError for a missing
     head or one trained for another target.
     """
+
+    LONG_MATCH = 6  # tokens of lookup match from which lookup's draft leads the tree
 
     def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0,
                  lookup: bool = False):
@@ -84,6 +88,11 @@ class EagleDrafter:
             raise ValueError("call prepare(target) and attach(kv) before propose()")
         if k <= 0 or n < 2 or len(self.kv) < n - 1:
             return Draft([])
+        tree = (self.alternatives > 0 or self.lookup is not None) and sampler.params.greedy
+        if tree and self.lookup is not None:
+            looked = self.lookup.propose(context, k, sampler)
+            if looked.tokens and (looked.match_length or 0) >= self.LONG_MATCH:
+                return looked  # text the context repeats: its copy is the better guess, all k of it
         # head position t reads (f_t, e(x_{t+1})); it is valid while x_0..x_{t+1} are unchanged
         start = max(0, min(common_prefix(self.seen, context) - 1, n - 2))  # re-run at least the last position
         feats = self.kv.features[start : n - 1].float()
@@ -91,7 +100,6 @@ class EagleDrafter:
         pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
         self.seen = list(context)
         ids = self.head.vocab_ids
-        tree = (self.alternatives > 0 or self.lookup is not None) and sampler.params.greedy
         depth = -(-k // (1 + self.alternatives)) if tree else k
         tokens, probs, confidence, parents, main = [], [], [], [], -1
         for i in range(depth):
@@ -119,7 +127,7 @@ class EagleDrafter:
         draft = Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None,
                       parents=parents if tree else None)
         if tree and self.lookup is not None:
-            grafted = draft.grafted(self.lookup.propose(context, k, sampler).tokens, k)
+            grafted = draft.grafted(looked.tokens, k)
             grafted.confidence = draft.confidence
             return grafted
         return draft
