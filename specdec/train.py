@@ -285,7 +285,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
                "head": str(dest)}
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
-    plot_loss(history, out / "loss.png", "loss (sum over draft steps of 0.8^(j-1) (smooth L1 + w x CE))",
+    plot_loss(history, out / "loss.png", "loss (smooth L1 + w x CE, steps x 0.8^(j-1))",
               "held-out accuracy, draft step 1")
     return summary
 

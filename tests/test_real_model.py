@@ -51,3 +51,19 @@ def test_eagle_head_drafting_on_the_real_model_is_exact(smollm2):
     spec = generate(smollm2, ids, make_drafter("eagle", head=head), k=4, max_new_tokens=32)
     assert spec.tokens == plain.tokens, first_divergence(smollm2, ids, plain.tokens, spec.tokens)
     assert spec.stats.drafted > 0
+
+
+def test_the_shipped_head_is_trained_and_its_drafters_are_exact(smollm2):
+    """The head that ships for SmolLM2 (specdec/data/heads) loads, keeps greedy output identical
+    with both head drafters, and is trained: an untrained head gets almost no draft accepted."""
+    from specdec.head import PACKAGED, load_head
+
+    path = PACKAGED / "smollm2-135m.safetensors"
+    head, meta = load_head(path, smollm2.lean().hidden_size)
+    assert meta["target"] == "smollm2-135m" and meta["steps"] >= 1
+    ids = smollm2.encode("Write a short blog post about a trip to the mountains.", chat=True)
+    plain = generate(smollm2, ids, max_new_tokens=48)
+    for name in ("eagle", "eagle-tree"):
+        spec = generate(smollm2, ids, make_drafter(name, head=path), k=4, max_new_tokens=48)
+        assert spec.tokens == plain.tokens, first_divergence(smollm2, ids, plain.tokens, spec.tokens)
+        assert spec.stats.accepted >= 0.25 * spec.stats.rounds, (name, spec.stats)
