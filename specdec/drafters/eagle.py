@@ -39,7 +39,7 @@ class EagleDrafter:
     head or one trained for another target.
     """
 
-    LONG_MATCH = 6  # tokens of lookup match from which lookup's draft leads the tree
+    LONG_MATCH = 6  # lookup match length (tokens) from which lookup's draft is proposed alone
 
     def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0,
                  lookup: bool = False):
