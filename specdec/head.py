@@ -18,6 +18,7 @@ target's hidden size.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -88,13 +89,12 @@ class DraftHead(nn.Module):
         """A copy for drafting whose projections run as specdec.lean.Linear (weights reordered
         once for oneDNN on CPU; one draft step's products are memory-bound, and MKL's path for a
         single row reads them several times slower). Inference only: no gradients."""
-        copy = DraftHead(self.config, self.vocab_ids)
-        copy.load_state_dict(self.state_dict())
+        packed = copy.deepcopy(self).eval()
         for name in ("fc", "qkv", "o", "gate_up", "down"):
-            weight = getattr(copy, name).weight.detach()
-            delattr(copy, name)
-            setattr(copy, name, Linear(weight))
-        return copy.eval()
+            weight = getattr(packed, name).weight.detach()
+            delattr(packed, name)  # a module attribute: replaced by a plain callable
+            setattr(packed, name, Linear(weight))
+        return packed
 
     def _project(self, features: torch.Tensor, embeds: torch.Tensor, start: int):
         """x (T, d) after fc; q (T, heads, head_dim), k and v (T, kv_heads, head_dim) after RoPE

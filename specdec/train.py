@@ -197,7 +197,7 @@ def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, nois
         x_in = x_in + (torch.rand_like(x_in) - 0.5) * 2 * noise * feats.std()
     preds = head.unrolled(x_in, embed[tokens[1:]].float(), steps)  # (T-1, d) each: predicted f_1..f_{T-1}
     target_ids = index[labels[1:]]  # the target's token after position t+1, as a head-vocabulary index
-    total, parts, accs = 0.0, [], []
+    total, first, accs = 0.0, None, []
     for j, pred in enumerate(preds):  # rows before j have no j-step path
         logits = pred[j:] @ out_weight.T
         reg = F.smooth_l1_loss(pred[j:], feats[1 + j:])
@@ -205,8 +205,8 @@ def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, nois
         valid = target_ids[j:] >= 0
         accs.append(float((logits.argmax(-1)[valid] == target_ids[j:][valid]).float().mean()) if valid.any() else 0.0)
         total = total + decay ** j * (reg + ce_weight * ce)
-        parts.append((reg, ce))
-    return total, parts[0][0], parts[0][1], accs
+        first = first or (reg, ce)
+    return total, *first, accs
 
 
 def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int = 128, epochs: int = 12,

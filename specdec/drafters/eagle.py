@@ -100,9 +100,8 @@ class EagleDrafter:
         pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
         self.seen = list(context)
         ids = self.head.vocab_ids
-        depth = -(-k // (1 + self.alternatives)) if tree else k
         tokens, probs, confidence, parents, main = [], [], [], [], -1
-        for i in range(depth):
+        for i in range(k):  # a depth per step; a tree reaches k tokens in about k / (1 + alternatives)
             sub = self.out(pred)[0]  # (N,) logits over the head's vocabulary: the rest have probability 0
             j, p = sampler.choose(sub)
             token = int(ids[j])
@@ -120,14 +119,9 @@ class EagleDrafter:
                 confidence.append(float(p[j]) if p is not None else float(sub.softmax(-1)[j]))
                 if not keep_going(i + 1, confidence[-1]):
                     break
-            if len(tokens) >= k:
+            if len(tokens) >= k:  # also ends the last depth: no head step whose output goes unused
                 break
-            if i < depth - 1:
-                pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
+            pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
         draft = Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None,
                       parents=parents if tree else None)
-        if tree and self.lookup is not None:
-            grafted = draft.grafted(looked.tokens, k)
-            grafted.confidence = draft.confidence
-            return grafted
-        return draft
+        return draft.grafted(looked.tokens, k) if tree and self.lookup is not None else draft
