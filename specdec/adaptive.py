@@ -54,7 +54,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from .costmodel import interpolate
-from .models import Model
+from .models import Model, synchronize
 
 BIN_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)  # confidence bins: [0, .2), [.2, .4), ..., [.97, 1]
 MATCH_EDGES = (1, 2, 3, 4, 6, 10, 16)  # match-length classes: unknown, 1, 2, 3, 4-5, 6-9, 10-15, 16+
@@ -136,8 +136,10 @@ class VerifyCosts:
         best: dict[int, float] = {}
         for _ in range(repeats):
             for n in range(1, n_max + 1):
+                synchronize(kv.model.device)
                 start = time.perf_counter()
                 kv.extend(block[:n])
+                synchronize(kv.model.device)
                 best[n] = min(best.get(n, math.inf), (time.perf_counter() - start) * 1e3)
                 kv.rollback(here)
         if not self.shapes:  # the first calibration also sets the level

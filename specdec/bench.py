@@ -34,7 +34,7 @@ from .drafters import Drafter, make_drafter
 from .drafters.suffix import load_corpus
 from .engine import AUTO_K_MAX, Generation, generate
 from .exactness import first_divergence
-from .models import Model, load_model
+from .models import Model, load_model, resolve_device, synchronize
 from .peers import hf_generate, llama_cpp_generate
 from .registry import REGISTRY
 from .results import SCHEMA
@@ -106,15 +106,19 @@ def git_commit(folder: Path) -> str | None:
         return None
 
 
-def _interleaved_medians(fns: dict[str, tuple], repeats: int, warmup: int = 2) -> dict[str, float]:
+def _interleaved_medians(fns: dict[str, tuple], repeats: int, warmup: int = 2,
+                         device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """Median ms of each (setup, timed) pair of zero-argument functions, timed round-robin (each
-    once per pass) so that a burst of load on a shared machine falls on every point alike."""
+    once per pass) so that a burst of load on a shared machine falls on every point alike; on a
+    GPU each timing waits for the work it queued (models.synchronize)."""
     times: dict[str, list[float]] = {key: [] for key in fns}
     for i in range(warmup + repeats):
         for key, (setup, fn) in fns.items():
             setup()
+            synchronize(device)
             start = time.perf_counter()
             fn()
+            synchronize(device)
             if i >= warmup:
                 times[key].append((time.perf_counter() - start) * 1e3)
     return {key: statistics.median(t) for key, t in times.items()}
@@ -138,15 +142,17 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
         kv.extend(block[:n])
         kv.rollback(n_keep)
 
-    verify_curve = _interleaved_medians({str(n): (nothing, lambda n=n: verify(n)) for n in range(1, max(ks) + 2)}, repeats)
+    dev = target.device
+    verify_curve = _interleaved_medians({str(n): (nothing, lambda n=n: verify(n)) for n in range(1, max(ks) + 2)},
+                                        repeats, device=dev)
     drafter.prepare(target)
     if hasattr(drafter, "attach"):
         drafter.attach(kv)
     sampler = Sampler(SamplingParams(), torch.Generator().manual_seed(0))
     propose = lambda k: lambda: drafter.propose(context, k, sampler)  # noqa: E731
     lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # leaves a model drafter at context[:-n]  # noqa: E731
-    draft_cost = _interleaved_medians({str(k): (lag(1), propose(k)) for k in ks}, repeats)
-    catchup_cost = _interleaved_medians({str(k): (lag(2), propose(k)) for k in ks}, repeats)
+    draft_cost = _interleaved_medians({str(k): (lag(1), propose(k)) for k in ks}, repeats, device=dev)
+    catchup_cost = _interleaved_medians({str(k): (lag(2), propose(k)) for k in ks}, repeats, device=dev)
     return {"context_tokens": len(context), "verify_ms": verify_curve, "draft_ms": draft_cost,
             "draft_catchup_ms": catchup_cost, "overhead_ms": 0.0}
 
@@ -250,6 +256,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     costs["overhead_ms"] = statistics.median(per_round)
     result = {"target": pair.target, "drafter": pair.drafter, "draft": pair.draft,
               "dtype": str(target.hf.dtype).removeprefix("torch."), "backend": target.backend,
+              "device": str(target.device),
               "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None, "workload": workload,
               "costs": costs, "prompts": records, "peers": peer_rows,
               "padded_rows": _padded_rows(target), "draft_padded_rows": _padded_rows(draft_model)}
@@ -374,7 +381,7 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
         raise ValueError(f"--k needs draft lengths >= 1 or 'auto' (plain decoding is always measured), got {ks}")
     if not prompts:
         raise ValueError("the workload selection is empty")
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = memory_bandwidth_gbs(resolve_device(load_kwargs.get("device", "cpu")))
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

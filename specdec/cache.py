@@ -63,7 +63,7 @@ class KVCache:
         Returns logits of shape (len(tokens), V) when all_logits, else (1, V) for the last token
         only (cheaper: the output layer runs on one row). Row i scores the token after tokens[i].
         """
-        ids = torch.tensor([tokens], dtype=torch.long)  # (1, n)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)  # (1, n)
         out = self.model.hf(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
         self.tokens.extend(tokens)
         return out.logits[0]  # (n, V) or (1, V)

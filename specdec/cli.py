@@ -14,7 +14,7 @@ from .drafters.suffix import load_corpus
 from .engine import AUTO_K_MAX, generate
 from .errors import SpecdecError
 from .exactness import first_divergence
-from .models import BACKENDS, load_model
+from .models import BACKENDS, DEVICES, load_model
 from .textstream import TextDeltas
 from .weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from .registry import REGISTRY
@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _loading_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
-    """--dtype, --backend, --pull and --cache-dir (and --draft-dtype), shared by the commands
-    that load models."""
+def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: bool = True) -> None:
+    """--dtype, --backend, --pull and --cache-dir (and --draft-dtype, --device), shared by the
+    commands that load models; those without --device (training, calibration) run on the CPU."""
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     if draft:
         p.add_argument("--draft-dtype", choices=sorted(DTYPES),
@@ -51,6 +51,9 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="lean: specdec's forward over prepacked weights and a preallocated cache (Llama, Qwen2); "
                         "hf: the transformers model; auto (default): lean where it runs")
+    if device:
+        p.add_argument("--device", choices=DEVICES, default="auto",
+                       help="where the models run: auto (default) is the CUDA GPU when torch sees one, else the CPU")
     p.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
     p.add_argument("--cache-dir", help="specdec cache folder (default: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec)")
 
@@ -67,7 +70,8 @@ def _training_data_options(p: argparse.ArgumentParser) -> None:
 def _load_kwargs(args, draft: bool = False) -> dict:
     """load_model's keyword arguments from the loading options; draft=True: the draft's dtype."""
     dtype = (getattr(args, "draft_dtype", None) if draft else None) or args.dtype
-    return dict(dtype=DTYPES[dtype], pull_missing=args.pull, cache=args.cache_dir, backend=args.backend)
+    return dict(dtype=DTYPES[dtype], pull_missing=args.pull, cache=args.cache_dir, backend=args.backend,
+                device=getattr(args, "device", "cpu"))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     cs.add_argument("--max-keep", type=int, help="keep at most this many layers (default: all but one)")
     cs.add_argument("--beam", type=int, default=4, help="layers re-tried per step after the first; 0 = all (default 4)")
     cs.add_argument("--verify-ratio", type=float, help="cost of verifying k+1 tokens over one (default: timed)")
-    _loading_options(cs, draft=False)
+    _loading_options(cs, draft=False, device=False)
     cs.set_defaults(run=_calibrate_skip)
 
     tr = sub.add_parser("train", help="train a feature-level draft head (EAGLE-style) for a target on its own outputs")
@@ -160,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", type=Path, default=Path("specdec-train"), help="folder for data, checkpoint, loss.png, summary.json")
     tr.add_argument("--head-out", type=Path, help="where to write the head (default: <cache>/heads/<target>.safetensors)")
     tr.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
-    _loading_options(tr, draft=False)
+    _loading_options(tr, draft=False, device=False)
     tr.set_defaults(run=_train)
 
     ds = sub.add_parser("distill", help="distill a small draft model (a few of the target's layers) on the target's own outputs")
@@ -173,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="folder for data, checkpoint, loss.png, summary.json (the same --out as `specdec train` reuses its data)")
     ds.add_argument("--draft-out", type=Path, help="folder for the draft (default: <cache>/drafts/<target>-distilled-<L>L)")
     ds.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
-    _loading_options(ds, draft=False)
+    _loading_options(ds, draft=False, device=False)
     ds.set_defaults(run=_distill)
 
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
@@ -279,7 +283,8 @@ def _generate(args) -> int:
             else:
                 print(f"identical to plain greedy: NO: first difference at new token {d.position} "
                       f"(plain {d.plain_token}, speculative {d.other_token}); the target's top-2 logit "
-                      f"gap there is {d.logit_gap:.3g} (a gap under ~1e-4 is a floating-point near-tie)")
+                      f"gap there is {d.logit_gap:.3g}, {d.logit_gap / d.logit_ulp:.3g} ulp of the logits' dtype "
+                      f"({'a floating-point near-tie' if d.near_tie else 'NOT a near-tie: a bug, please report it'})")
     return 0
 
 

@@ -27,7 +27,7 @@ from .adaptive import AdaptiveK
 from .cache import new_cache
 from .drafters import Draft, Drafter, make_drafter
 from .errors import ContextLengthError
-from .models import Model
+from .models import Model, synchronize
 from .sampling import Sampler, SamplingParams, processed_probs
 from .stats import RunStats
 from .verify import verify_greedy, verify_sampling, verify_tree_greedy
@@ -105,6 +105,7 @@ def generate(
     sampler = Sampler(params, generator)
     eos = target.eos_token_ids
     vocab = target.vocab_size
+    device = target.device
 
     stats = RunStats(k=k, prompt_tokens=len(prompt))
     start = time.perf_counter()
@@ -118,6 +119,7 @@ def generate(
     if adaptive:
         # once per target and context length: the verify-cost curve, here and where the output ends
         adaptive.verify.calibrate(kv, prompt, k_max + 1, ahead=max_new_tokens)
+    synchronize(device)
     stats.prefill_s = time.perf_counter() - start
 
     tokens = list(prompt)  # committed: prompt + output
@@ -140,6 +142,7 @@ def generate(
             draft = drafter.propose(tokens, kk, sampler, keep_going=adaptive.keep_going)
         else:
             draft = drafter.propose(tokens, kk, sampler)
+        synchronize(device)  # on a GPU: the draft's queued work counts as drafting
         t1 = time.perf_counter()
         tree = draft.parents is not None
         if tree and not (params.greedy and hasattr(kv, "keep_path")):
@@ -157,6 +160,7 @@ def generate(
         else:
             drafted = chain[:cut_at]
             logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
+        synchronize(device)
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1

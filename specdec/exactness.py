@@ -7,6 +7,7 @@ flip an argmax only where the target's top two logits are (almost) equal.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,21 @@ from .models import Model
 class Divergence:
     """position: index in the new tokens of the first difference; plain_token / other_token: the
     ids each run chose there; logit_gap: the target's top-1 minus top-2 logit at that position, on
-    a fresh forward over prompt + the shared prefix (a near-tie is a gap of about 1e-5 or less)."""
+    a fresh forward over prompt + the shared prefix; logit_ulp: the spacing of the logits' dtype
+    at the top-1 logit (fp32 at a logit of 20: 2e-6; bf16: 0.125). A gap of a few ulp or less is
+    a floating-point near-tie: the verify forward's kernels round differently from a one-token
+    forward's, by about an ulp per operation."""
 
     position: int
     plain_token: int | None
     other_token: int | None
     logit_gap: float
+    logit_ulp: float = float("nan")
+
+    @property
+    def near_tie(self) -> bool:
+        """Whether the gap is within 4 ulp of the logits' dtype (rounding can flip such an argmax)."""
+        return self.logit_gap <= 4 * self.logit_ulp
 
 
 @torch.inference_mode()
@@ -32,8 +42,14 @@ def first_divergence(target: Model, prompt: list[int], plain: list[int], other: 
     if plain == other:
         return None
     pos = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
-    ids = torch.tensor([prompt + plain[:pos]])  # (1, len(prompt) + pos)
+    ids = torch.tensor([prompt + plain[:pos]], device=target.device)  # (1, len(prompt) + pos)
     logits = target.hf(input_ids=ids, logits_to_keep=1).logits[0, -1]  # (V,)
     top2 = torch.topk(logits.float(), 2).values
     at = lambda seq: seq[pos] if pos < len(seq) else None  # noqa: E731
-    return Divergence(pos, at(plain), at(other), float(top2[0] - top2[1]))
+    return Divergence(pos, at(plain), at(other), float(top2[0] - top2[1]), ulp(float(top2[0]), logits.dtype))
+
+
+def ulp(x: float, dtype: torch.dtype) -> float:
+    """The spacing of `dtype`'s numbers at x: eps * 2^floor(log2 |x|) (for x = 0, eps)."""
+    exponent = math.floor(math.log2(abs(x))) if x else 0
+    return torch.finfo(dtype).eps * 2.0 ** exponent

@@ -85,11 +85,12 @@ class DraftHead(nn.Module):
             head.fc.weight[:, d:] += torch.eye(d)
         return head
 
-    def packed(self) -> "DraftHead":
-        """A copy for drafting whose projections run as specdec.lean.Linear (weights reordered
-        once for oneDNN on CPU; one draft step's products are memory-bound, and MKL's path for a
-        single row reads them several times slower). Inference only: no gradients."""
-        packed = copy.deepcopy(self).eval()
+    def packed(self, device: torch.device | None = None) -> "DraftHead":
+        """A copy for drafting, on `device` (default: where this head is), whose projections run as
+        specdec.lean.Linear (weights reordered once for oneDNN on CPU; one draft step's products are
+        memory-bound, and MKL's path for a single row reads them several times slower). Inference
+        only: no gradients."""
+        packed = copy.deepcopy(self).eval().to(device)
         for name in ("fc", "qkv", "o", "gate_up", "down"):
             weight = getattr(packed, name).weight.detach()
             delattr(packed, name)  # a module attribute: replaced by a plain callable
@@ -174,7 +175,7 @@ class HeadCache:
 
     def __init__(self, head: DraftHead, capacity: int = 256):
         self.head = head
-        self.k = torch.empty(head.n_kv, capacity, head.head_dim)
+        self.k = torch.empty(head.n_kv, capacity, head.head_dim, device=head.norm_in.device)
         self.v = torch.empty_like(self.k)
 
     def reserve(self, start: int, end: int) -> None:

@@ -20,6 +20,32 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../
 
 
 BACKENDS = ("auto", "lean", "hf")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device a model runs on: "auto" is the first CUDA GPU when torch sees one, else the
+    CPU; "cpu", "cuda" and "cuda:N" are taken as they are. Raises ValueError for "cuda" when torch
+    sees no CUDA GPU (a CPU-only torch build, or no driver) and for a name torch does not know."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}: use auto, cpu or cuda ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this torch ({torch.__version__}) sees no CUDA GPU: "
+                         "use --device cpu (or auto)")
+    if dev.type == "cuda" and dev.index is None:  # as a tensor's .device names it
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a CUDA GPU runs kernels asynchronously; a timer read
+    without this measures the launch, not the work). Nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass(eq=False)
@@ -61,6 +87,11 @@ class Model:
         return self._lean
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights live (and the KV cache and logits of its forwards)."""
+        return self.hf.device
+
+    @property
     def n_ctx(self) -> int:
         """Context length in tokens (the model's max_position_embeddings)."""
         return int(self.hf.config.max_position_embeddings)
@@ -91,6 +122,7 @@ def load_model(
     pull_missing: bool = False,
     cache: str | os.PathLike | None = None,
     backend: str = "auto",
+    device: str | torch.device = "cpu",
 ) -> Model:
     """Load a model and its tokenizer, in eval mode.
 
@@ -98,13 +130,15 @@ def load_model(
     `gemma-3-270m`), a local Hugging Face model folder, a local `.gguf` file (converted once to
     safetensors in the cache, keyed by its sha256), or a hub id such as `HuggingFaceTB/SmolLM2-360M`.
     dtype: the weights' dtype (default fp32). pull_missing: pull a registry model that is not in the
-    cache yet instead of raising.
+    cache yet instead of raising. device: "cpu" (default), "cuda", "cuda:N" or "auto" (a CUDA GPU
+    when torch sees one), see resolve_device; the CLI's --device defaults to auto.
 
-    Raises ModelNotFoundError with the command that fixes it: a registry model not pulled, a path
+    Raises ValueError for a device torch cannot use; ModelNotFoundError with the command that fixes it: a registry model not pulled, a path
     that does not exist, a hub id that cannot be reached (fails within seconds when offline).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dev = resolve_device(device)
     root = cache_dir(cache)
     path = Path(spec).expanduser()
     if spec in REGISTRY:
@@ -132,7 +166,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     except OSError as e:
         raise ModelNotFoundError(f"could not load {spec!r}: {e}") from e
-    hf.eval()
+    hf.to(dev).eval()
     return Model(hf, tokenizer, spec, default_eos_ids(hf, tokenizer), backend)
 
 

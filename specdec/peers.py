@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import Model
+from .models import Model, synchronize
 
 
 @dataclass
@@ -40,9 +40,11 @@ def hf_generate(name: str, target: Model, prompt: list[int], max_new_tokens: int
                       assistant_confidence_threshold=0.0)
     elif name != "hf":
         raise ValueError(f"unknown peer {name!r}: hf, hf-lookup, hf-assisted")
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
+    synchronize(target.device)
     start = time.perf_counter()
     out = target.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    synchronize(target.device)
     elapsed = time.perf_counter() - start
     new = out[0, len(prompt):].tolist()
     return PeerRun(name, new, len(new) / elapsed)

@@ -179,6 +179,14 @@ def _peers(pair: dict) -> list[str]:
     return out
 
 
+def _in_ulp(d: dict) -> str:
+    """" = 2 ulp of the logits' dtype: a near-tie" for a divergence that records its ulp."""
+    gap, ulp = d.get("logit_gap"), d.get("logit_ulp")
+    if gap is None or ulp is None or not ulp > 0:
+        return ""
+    return f" = {gap / ulp:.3g} ulp of the logits' dtype" + (": a floating-point near-tie" if gap <= 4 * ulp else "")
+
+
 def _divergences(pair: dict) -> list[str]:
     items = []
     for prompt in pair["prompts"]:
@@ -187,6 +195,7 @@ def _divergences(pair: dict) -> list[str]:
                 d = run.get("divergence") or {}
                 where = (f"first differing token at position {d['position']} (plain {d['plain_token']}, "
                          f"speculative {d['other_token']}), top-2 logit gap {_f(d.get('logit_gap'), '.2g')}"
+                         + _in_ulp(d)
                          if d else "no divergence recorded")
                 items.append(f"- `{prompt['id']}`, k = {k}: {where}")
     if not items:
@@ -200,7 +209,7 @@ def markdown_report(results: dict) -> str:
     out = _header(results)
     for pair in results["pairs"]:
         out += ["", f"## {_pair_name(pair)}", "",
-                f"dtype {pair['dtype']}, workload {pair['workload']}, {len(pair['prompts'])} prompts.", ""]
+                f"dtype {pair['dtype']}, device {pair.get('device', 'cpu')}, workload {pair['workload']}, {len(pair['prompts'])} prompts.", ""]
         for section in (_costs(pair), _configs(pair), _categories(pair), _peers(pair), _divergences(pair)):
             if section:
                 out += section + [""]

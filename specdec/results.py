@@ -15,6 +15,7 @@ read only this file and never run a model. Schema `specdec.bench/1`:
       "pairs": [{
         "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
         "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
+        "device": str,                  # where they ran: "cpu", "cuda:0" (absent in files before it)
         "draft_dtype": str | null,      # a draft model's dtype
         "costs": {                      # medians after warm-up, ms
           "context_tokens": int,        # KV length the curve was measured at
@@ -32,7 +33,8 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                                                   "decode_tokens_per_s_repeats": [float],  # every repeat
                                                   "divergence": null | {"position": int,
                                                    "plain_token": int, "other_token": int,
-                                                   "logit_gap": float}}}
+                                                   "logit_gap": float,
+                                                   "logit_ulp": float}}}  # absent in older files
         }],
         "peers": [{"name": str, "prompt_id": str, "tokens_per_s": float, "identical": bool | null,
                    "error": str | null}],

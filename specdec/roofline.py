@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from .models import Model
+from .models import Model, synchronize
 
 
 def weight_bytes(hf: torch.nn.Module) -> int:
@@ -29,15 +29,18 @@ def weight_bytes(hf: torch.nn.Module) -> int:
     return total
 
 
-def memory_bandwidth_gbs(size_mb: int = 256, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s: the median time to sum a size_mb fp32 tensor (larger than the
-    caches), with torch's current thread count."""
-    x = torch.ones(size_mb * 2**20 // 4)
+def memory_bandwidth_gbs(device: torch.device = torch.device("cpu"), size_mb: int = 256, repeats: int = 5) -> float:
+    """Read bandwidth in GB/s of `device`'s memory: the median time to sum a size_mb fp32 tensor
+    (larger than the CPU's caches; on a GPU, larger than its L2), with torch's current thread count
+    on the CPU."""
+    x = torch.ones(size_mb * 2**20 // 4, device=device)
     x.sum()  # first touch
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         x.sum()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return x.numel() * 4 / statistics.median(times) / 1e9
 

@@ -45,13 +45,14 @@ class SamplingParams:
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p.
 
-    logits: (n, V) any float dtype. Returns (n, V) float32 rows that sum to 1. Tokens removed by
+    logits: (n, V) any float dtype, on any device. Returns (n, V) float32 rows on the CPU (where the
+    run's generator draws, so a seed gives the same draws on every device) that sum to 1. Tokens removed by
     top-k or top-p get probability exactly 0. Not for greedy params (temperature 0): raises
     ValueError, since greedy needs no distribution.
     """
     if params.greedy:
         raise ValueError("processed_probs needs temperature > 0; greedy decoding uses argmax")
-    logits = logits.float() / params.temperature
+    logits = logits.float().cpu() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (n, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

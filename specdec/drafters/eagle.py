@@ -66,7 +66,8 @@ class EagleDrafter:
                     raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target "
                                     f"{target.name}` (it writes {head_file(target.name, self.cache)}), or pass a head file")
                 head, _ = load_head(path, target.lean().hidden_size)
-            self.head = head.packed()  # projections reordered for oneDNN (DraftHead.packed)
+            self.head = head.packed(target.device)  # projections reordered for oneDNN on CPU (DraftHead.packed)
+            self.ids = self.head.vocab_ids.cpu()  # (N,) the token id of each of the head's logits
             weight = target.hf.get_output_embeddings().weight.detach()[head.vocab_ids].float()
             self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
             self.embed = target.lean().embed
@@ -96,10 +97,10 @@ class EagleDrafter:
         # head position t reads (f_t, e(x_{t+1})); it is valid while x_0..x_{t+1} are unchanged
         start = max(0, min(common_prefix(self.seen, context) - 1, n - 2))  # re-run at least the last position
         feats = self.kv.features[start : n - 1].float()
-        embeds = self.embed[torch.tensor(context[start + 1 : n])].float()
+        embeds = self.embed[torch.tensor(context[start + 1 : n], device=self.embed.device)].float()
         pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
         self.seen = list(context)
-        ids = self.head.vocab_ids
+        ids = self.ids
         tokens, probs, confidence, parents, main = [], [], [], [], -1
         for i in range(k):  # a depth per step; a tree reaches k tokens in about k / (1 + alternatives)
             sub = self.out(pred)[0]  # (N,) logits over the head's vocabulary: the rest have probability 0
