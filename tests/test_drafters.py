@@ -110,6 +110,13 @@ def test_drafter_continues_a_repetition_past_the_end(frequent):
     assert SuffixDrafter(frequent=frequent).propose(context, 7).tokens == [5, 6, 4, 5, 6, 4, 5]
 
 
+def test_prompt_lookup_continues_a_repetition_past_the_end():
+    lookup = make_drafter("prompt-lookup", max_ngram=3)
+    assert lookup.propose([4, 5, 6, 4, 5, 6, 4], 7, GREEDY).tokens == [5, 6, 4, 5, 6, 4, 5]
+    assert lookup.propose([9, 7, 7, 7], 4, GREEDY).tokens == [7, 7, 7, 7]  # a one-token loop, drafted k deep
+    assert lookup.propose([1, 2, 3, 4, 1, 2], 2, GREEDY).tokens == [3, 4]  # far occurrences as before
+
+
 def test_min_match_and_nothing_to_match():
     context = [1, 2, 3, 9, 2]  # only the 1-token suffix "2" occurred before
     assert SuffixDrafter(min_match=1).propose(context, 2).tokens == [3, 9]

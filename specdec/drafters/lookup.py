@@ -11,12 +11,24 @@ from .base import Draft
 MAX_MATCH = 32  # how far back a match's length is measured
 
 
+def continuation(context: list[int], at: int, k: int) -> list[int]:
+    """k tokens from context[at:], and where those run out, the draft's own tokens again: an
+    occurrence d tokens back predicts that the text repeats with period d (LZ77's overlapping
+    copy), so a loop of d < k tokens is drafted k tokens deep, not d (a model looping on one
+    token got one-token drafts before, as the suffix automaton's continuation already did)."""
+    out: list[int] = []
+    for i in range(at, at + k):
+        out.append(context[i] if i < len(context) else out[i - len(context)])
+    return out
+
+
 class PromptLookup:
     """n-gram match over prompt + output so far.
 
     Tries the longest n-gram first (max_ngram down to min_ngram) and, for each n, the most recent
-    earlier occurrence first; proposes the up to k tokens that followed it. Raises ValueError
-    unless 1 <= min_ngram <= max_ngram.
+    earlier occurrence first; proposes the up to k tokens that followed it, continued periodically
+    where they run into the end of the context (see continuation). Raises ValueError unless
+    1 <= min_ngram <= max_ngram.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -39,5 +51,5 @@ class PromptLookup:
                     while length < MAX_MATCH and start - (length - n) > 0 and \
                             context[start - (length - n) - 1] == context[L - length - 1]:
                         length += 1
-                    return Draft(context[start + n:start + n + k], match_length=length)
+                    return Draft(continuation(context, start + n, k), match_length=length)
         return Draft([])
