@@ -124,15 +124,18 @@ def _interleaved_medians(fns: dict[str, tuple], repeats: int, warmup: int = 2,
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 9) -> dict:
+def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 9,
+                  greedy: bool = True) -> dict:
     """Costs in ms (medians) on a KV cache that holds `context`, whose length is the workload's
     typical context length:
     - verify_ms[n]: one target forward over n = 1..max(ks)+1 new tokens, V(n);
     - draft_ms[k]: one proposal of k tokens when the drafter's state lags the context by one token
       (the round before rejected a drafted token);
     - draft_catchup_ms[k]: the same when it lags by two (the round before accepted everything, so
-      the last drafted token and the bonus token are both new to a draft model)."""
+      the last drafted token and the bonus token are both new to a draft model).
+    greedy: time the forwards and drafts greedy decoding runs (else sampling's)."""
     kv = new_cache(target)
+    kv.argmax_only = greedy  # as the engine's cache: the output layer screened when greedy
     kv.extend(context[:-1], all_logits=False)
     n_keep = len(kv)
     block = (context * (max(ks) + 2))[: max(ks) + 1]
@@ -148,7 +151,7 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
     drafter.prepare(target)
     if hasattr(drafter, "attach"):
         drafter.attach(kv)
-    sampler = Sampler(SamplingParams(), torch.Generator().manual_seed(0))
+    sampler = Sampler(SamplingParams(temperature=0.0 if greedy else 1.0), torch.Generator().manual_seed(0))
     propose = lambda k: lambda: drafter.propose(context, k, sampler)  # noqa: E731
     lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # leaves a model drafter at context[:-n]  # noqa: E731
     draft_cost = _interleaved_medians({str(k): (lag(1), propose(k)) for k in ks}, repeats, device=dev)
@@ -200,9 +203,9 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     ctx_len = int(statistics.median(len(e) for e in encoded)) + max_new_tokens // 2
     longest = max(encoded, key=len)
     context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
-    costs = measure_costs(target, drafter, context, cost_ks)
+    costs = measure_costs(target, drafter, context, cost_ks, greedy=temperature == 0)
     if bandwidth_gbs:
-        costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs)
+        costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=temperature == 0)
 
     records, peer_rows = [], []
     bar = tqdm(total=len(prompts) * (len(ks) + 1 + len(peers)), desc=f"bench {pair.target} / {pair.drafter}",

@@ -41,7 +41,11 @@ def new_cache(model: Model) -> "KVCache":
 
 class KVCache:
     """The KV cache of one sequence on one model (transformers' DynamicCache), and the token ids
-    it holds."""
+    it holds. argmax_only: set it for greedy decoding, where only each row's argmax of the logits
+    is read; the lean backend then screens its output layer in bf16 (specdec.screen) and the other
+    entries may be approximations. The transformers backend ignores it."""
+
+    argmax_only = False
 
     def __init__(self, model: Model):
         self.model = model
@@ -123,7 +127,8 @@ class LeanKVCache(KVCache):
             self.features = grown(self.features, capacity, start, dim=0)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
         tree = None if parents is None else tree_layout(parents, start, self.lean.device)
-        logits = self.lean.forward(ids, self.k, self.v, self.features, start, len(tokens) if all_logits else 1, tree)
+        logits = self.lean.forward(ids, self.k, self.v, self.features, start, len(tokens) if all_logits else 1, tree,
+                                   argmax_only=self.argmax_only)
         self.tokens.extend(tokens)
         return logits
 

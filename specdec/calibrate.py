@@ -123,6 +123,7 @@ def verify_cost_ratio(target: Model, k: int, context: list[int], repeats: int = 
     """v: the target's time to score k+1 tokens over its time for one, on a KV cache holding
     `context` (medians, the two timed alternately)."""
     kv = new_cache(target)
+    kv.argmax_only = True  # greedy decoding's forward (specdec.screen)
     kv.extend(context, all_logits=False)
     n = len(kv)
     times: dict[int, list[float]] = {1: [], k + 1: []}

@@ -112,6 +112,7 @@ def generate(
     if drafter is not None:
         drafter.prepare(target)
     kv = new_cache(target)
+    kv.argmax_only = params.greedy  # greedy reads only the argmax: the lean output layer is screened in bf16
     if drafter is not None and hasattr(drafter, "attach"):
         drafter.attach(kv)  # a feature-level drafter reads the target's cache
     if len(prompt) > 1:

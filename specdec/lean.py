@@ -182,11 +182,16 @@ class LeanModel:
         self.hidden_size = c.hidden_size
         self.dtype, self.device = hf.dtype, hf.device
         self.inv_freq = rope_inv_freq(theta, self.head_dim, self.device)
+        from .screen import ScreenedHead, screening_pays  # here: screen builds on this module's Linear
+
         with torch.no_grad():
             self.embed = hf.get_input_embeddings().weight.detach()
             self.layers = [_Layer(layer) for layer in hf.model.layers]
             self.norm = hf.model.norm.weight.detach()
-            self.lm_head = Linear(hf.get_output_embeddings().weight.detach())
+            out = hf.get_output_embeddings()
+            self.lm_head = Linear(out.weight.detach())
+            # greedy steps read the output layer in bf16 and recompute only the possible argmaxes (specdec.screen)
+            self.screen = ScreenedHead(out.weight.detach()) if out.bias is None and screening_pays(out.weight) else None
         self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.rows); absent: n
         if self.device.type == "cpu" and weight_bytes(hf) >= rows.TUNE_MIN_BYTES:
             self.rows = rows.tune_rows(self)
@@ -205,14 +210,16 @@ class LeanModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                 features: torch.Tensor, start: int, keep: int,
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None, argmax_only: bool = False) -> torch.Tensor:
         """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
 
         keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); features: (capacity,
         hidden). Rows start..start+n-1 are written: keys, values, and the final-normed hidden
         states (what the output layer reads; a feature-level draft head, specdec.head, reads them
         too). tree: (positions, mask) of tree_layout() when ids are a token tree rather than a
-        sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them). A
+        sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them); with
+        argmax_only, logits whose argmax per row is exact but whose other entries may be bf16
+        approximations (the output layer screened in bf16, specdec.screen; for greedy decoding). A
         sequence of n is run as rows[n] rows where that table (specdec.rows) says it is faster."""
         n, hd = ids.shape[0], self.head_dim
         real = n
@@ -233,4 +240,5 @@ class LeanModel:
             h = h + layer.down(F.silu(gate) * up)
         h = self.rms_norm(h, self.norm)
         features[start : start + n] = h
-        return self.lm_head(h[real - keep:real])
+        head = self.screen if argmax_only and self.screen is not None else self.lm_head
+        return head(h[real - keep:real])

@@ -110,7 +110,8 @@ def _costs(pair: dict) -> list[str]:
     if roof:
         frac = roof["fraction"]
         widest = max(frac, key=int)
-        out += ["", f"Roofline ({pair.get('backend', 'hf')} backend, {pair['dtype']}): a forward reads "
+        screened = " (its output layer in bf16, screened)" if roof.get("screened_output_layer") else ""
+        out += ["", f"Roofline ({pair.get('backend', 'hf')} backend, {pair['dtype']}): a forward reads{screened} "
                 f"{roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured here that takes "
                 f"at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
                 f"V({widest}) {frac[widest]:.0%}."]

@@ -24,7 +24,8 @@ read only this file and never run a model. Schema `specdec.bench/1`:
           "draft_catchup_ms": {"1": float, ...}, # the same, 2 tokens behind (after a fully accepted round)
           "overhead_ms": float,         # per round, outside draft and verify (sampling, bookkeeping)
           "roofline": {"weight_mb": float, "bandwidth_gbs": float, "floor_ms": float,  # specdec.roofline
-                       "fraction": {"1": float, ...}}   # floor_ms / V(n)
+                       "fraction": {"1": float, ...},   # floor_ms / V(n)
+                       "screened_output_layer": bool}   # greedy read the output layer in bf16 (specdec.screen)
         },
         "prompts": [{                   # raw measurements, one per prompt
           "id": str, "category": str, "prompt_tokens": int,

@@ -45,13 +45,17 @@ def memory_bandwidth_gbs(device: torch.device = torch.device("cpu"), size_mb: in
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float) -> dict:
+def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float, greedy: bool = False) -> dict:
     """The floor of one forward and the fraction of it reached.
 
     forward_ms: measured ms of one forward over n new tokens, by str(n) (the bench's verify_ms).
-    Returns {"weight_mb", "bandwidth_gbs", "floor_ms", "fraction": {n: floor_ms / forward_ms[n]}}
-    (1.0 would be reading the weights at full bandwidth and nothing else)."""
-    nbytes = weight_bytes(model.hf)
+    greedy: the forwards were greedy ones, which read a lean model's output layer in bf16 where it
+    is screened (specdec.screen). Returns {"weight_mb", "bandwidth_gbs", "floor_ms", "fraction":
+    {n: floor_ms / forward_ms[n]}, "screened_output_layer"} (1.0 would be reading the weights at
+    full bandwidth and nothing else)."""
+    screen = model.lean().screen if greedy and model.backend == "lean" else None
+    nbytes = weight_bytes(model.hf) - (screen.saved_bytes if screen is not None else 0)
     floor_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
     return {"weight_mb": nbytes / 1e6, "bandwidth_gbs": bandwidth_gbs, "floor_ms": floor_ms,
-            "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0}}
+            "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0},
+            "screened_output_layer": screen is not None}

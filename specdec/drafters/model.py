@@ -42,6 +42,7 @@ class ModelDrafter:
         if k <= 0:
             return Draft([])
         todo = self.kv.sync(context)
+        self.kv.argmax_only = sampler.params.greedy  # confidences then come from screened logits: close enough
         if max(todo) >= self.draft.vocab_size:  # the target emitted an id the draft cannot embed
             return Draft([])
         logits = self.kv.extend(todo, all_logits=False)[-1]  # (V,)
