@@ -15,9 +15,9 @@ The bound, per row h (fp32, d) and token v with fp32 weight row w_v: rounding h 
 dot product by at most that times ||h|| ||w_v|| (Cauchy-Schwarz); the bf16 result is rounded once
 more (2^-8 of its magnitude); fp32 accumulation, in the bf16 product and in the fp32 one it is
 compared with, adds about d 2^-24 of ||h|| ||w_v|| each. The bound used is twice the first two
-terms, whose spare 2^-7 ||h|| ||w_v|| covers the accumulation for d up to 2^16. On SmolLM2-135M (Spec-Bench
-answers, 2-core EPYC) the largest error seen was 7% of the bound, and a row kept a median 4 tokens
-for recomputation (90th percentile 21, at most 1519 of 49152).
+terms, whose spare 2^-7 ||h|| ||w_v|| covers the accumulation for d up to 2^16. On SmolLM2-135M
+(Spec-Bench answers, 2-core EPYC) the largest error seen was 7% of the bound, and a row kept a
+median 4 tokens for recomputation (90th percentile 21, at most 1519 of 49152).
 """
 
 from __future__ import annotations
