@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .models import Model
+from .results import near_tie
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,9 @@ class Divergence:
 
     @property
     def near_tie(self) -> bool:
-        """Whether the gap is within 4 ulp of the logits' dtype (rounding can flip such an argmax)."""
-        return self.logit_gap <= 4 * self.logit_ulp
+        """Whether the gap is within results.NEAR_TIE_ULP ulp of the logits' dtype (rounding can flip
+        such an argmax)."""
+        return near_tie(self.logit_gap, self.logit_ulp)
 
 
 @torch.inference_mode()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from .results import k_order
+from .results import k_order, near_tie
 
 AUTO_NOTE = "0..8 tokens, from the costs and acceptance measured while generating"
 
@@ -181,11 +181,12 @@ def _peers(pair: dict) -> list[str]:
 
 
 def _in_ulp(d: dict) -> str:
-    """" = 2 ulp of the logits' dtype: a near-tie" for a divergence that records its ulp."""
+    """" = 2 ulp of the logits' dtype: a near-tie" for a divergence that records its ulp (files
+    before it do not)."""
     gap, ulp = d.get("logit_gap"), d.get("logit_ulp")
     if gap is None or ulp is None or not ulp > 0:
         return ""
-    return f" = {gap / ulp:.3g} ulp of the logits' dtype" + (": a floating-point near-tie" if gap <= 4 * ulp else "")
+    return f" = {gap / ulp:.3g} ulp of the logits' dtype" + (": a floating-point near-tie" if near_tie(gap, ulp) else "")
 
 
 def _divergences(pair: dict) -> list[str]:

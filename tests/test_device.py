@@ -29,10 +29,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def on(model: Model, device: str) -> Model:
-    """A copy of a test model on `device` (its weights copied there; the original is untouched)."""
-    hf = type(model.hf)(model.hf.config).eval()
-    hf.load_state_dict(model.hf.state_dict())
-    return dataclasses.replace(model, hf=hf.to(device), _lean=None, backend="auto")
+    """A fresh test model moved to `device` (its weights move; its lean form is rebuilt there)."""
+    return dataclasses.replace(model, hf=model.hf.to(device), _lean=None)
 
 
 @pytest.fixture(scope="module", params=DEVICES)

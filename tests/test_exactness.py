@@ -37,6 +37,8 @@ def test_first_divergence_reports_the_gap_in_ulp(dtype):
     assert d.logit_gap == pytest.approx(float(top[0] - top[1]), abs=1e-5)
     assert d.logit_ulp == ulp(float(top[0]), dtype)
     assert d.near_tie == (d.logit_gap <= 4 * d.logit_ulp)
+    assert Divergence(0, 1, 2, logit_gap=4 * d.logit_ulp, logit_ulp=d.logit_ulp).near_tie
+    assert not Divergence(0, 1, 2, logit_gap=4.5 * d.logit_ulp, logit_ulp=d.logit_ulp).near_tie
     shorter = first_divergence(target, prompt, plain, plain[:3])  # one run stopped early
     assert (shorter.position, shorter.other_token) == (3, None)
 
