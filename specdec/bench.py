@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import costmodel
+from . import costmodel, gemv
 from .cache import new_cache
 from .drafters import Drafter, make_drafter
 from .drafters.suffix import load_corpus
@@ -262,7 +262,9 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
               "device": str(target.device),
               "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None, "workload": workload,
               "costs": costs, "prompts": records, "peers": peer_rows,
-              "padded_rows": _padded_rows(target), "draft_padded_rows": _padded_rows(draft_model)}
+              "padded_rows": _padded_rows(target), "draft_padded_rows": _padded_rows(draft_model),
+              "products": gemv.status() if target.backend == "lean" and target.device.type == "cpu"
+              and target.hf.dtype == torch.float32 else None}
     result.update(fit(result, ks))
     return result
 

@@ -22,7 +22,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from . import rows
+from . import gemv, rows
 from .roofline import weight_bytes
 
 SUPPORTED = ("llama", "qwen2")
@@ -127,16 +127,21 @@ def _packs(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Linear:
-    """y = x W^T + b over a weight (out, in) reordered once for oneDNN on CPU; F.linear elsewhere.
-    x: (..., in) -> (..., out)."""
+    """y = x W^T + b over a weight (out, in): on CPU, one- and two-row fp32 products run the
+    specdec.gemv kernel over `parts` (the weights whose concatenation is W, shared with the
+    transformers model: no copy), longer ones oneDNN over W reordered once; F.linear elsewhere.
+    x: (n, in) -> (n, out)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: list[torch.Tensor] | None = None):
         self.out_features = weight.shape[0]
         self.packed = _packs(weight.dtype, weight.device)
+        self.parts = [p.contiguous() for p in (parts or [weight])] if gemv.usable(weight) else None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None and x.shape[0] <= gemv.MAX_ROWS:
+            return gemv.kernel().gemv(x, self.parts, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -148,7 +153,7 @@ def _fused(*linears: torch.nn.Linear) -> Linear:
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device)
          for m, b in zip(linears, biases)])
-    return Linear(weight, bias)
+    return Linear(weight, bias, parts=[m.weight.detach() for m in linears])
 
 
 class _Layer:

@@ -115,6 +115,8 @@ def _costs(pair: dict) -> list[str]:
                 f"{roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured here that takes "
                 f"at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
                 f"V({widest}) {frac[widest]:.0%}."]
+    if pair.get("products"):
+        out += ["", f"Matrix products (fp32, CPU): {pair['products']}."]
     for key, who in (("padded_rows", "target"), ("draft_padded_rows", "draft")):
         table = pair.get(key)
         if table:

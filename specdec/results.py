@@ -17,6 +17,7 @@ read only this file and never run a model. Schema `specdec.bench/1`:
         "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
         "device": str,                  # where they ran: "cpu", "cuda:0" (absent in files before it)
         "draft_dtype": str | null,      # a draft model's dtype
+        "products": str | null,         # lean on CPU: which kernels ran the fp32 products (specdec.gemv)
         "costs": {                      # medians after warm-up, ms
           "context_tokens": int,        # KV length the curve was measured at
           "verify_ms": {"1": float, "2": float, ...},   # V(n): one target forward over n new tokens

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec import costmodel, results
+from specdec import costmodel, gemv, results
 from specdec.bench import Pair, fit, git_commit, run_bench
 from specdec.cli import main
 from specdec.stats import RunStats
@@ -106,6 +106,7 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
             assert set(config["by_category"]) == {"qa", "summarization"}
     assert model["configs"][0]["alpha"] == 1.0  # a draft identical to the target is always right
     assert lookup["backend"] == "lean" and model["draft_dtype"] == "float32"
+    assert lookup["products"] == gemv.status() and ("specdec gemv" in gemv.status() or "oneDNN" in gemv.status())
     roof = lookup["costs"]["roofline"]
     assert roof["bandwidth_gbs"] == res["environment"]["memory_bandwidth_gbs"] > 0
     for n, frac in roof["fraction"].items():
@@ -128,6 +129,7 @@ def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path
             assert len(run["decode_tokens_per_s_repeats"]) == 3
             assert run["decode_tokens_per_s"] == sorted(run["decode_tokens_per_s_repeats"])[1]
     assert res["pairs"][0]["backend"] == "hf" and "Roofline (hf backend" in (out / "report.md").read_text()
+    assert res["pairs"][0]["products"] is None  # transformers' forward: not ours to describe
     assert len(list(out.glob("*.png"))) == 5
     assert main(["plot", str(out / "results.json"), "--out", str(tmp_path / "again")]) == 0
     assert len(list((tmp_path / "again").glob("*.png"))) == 5

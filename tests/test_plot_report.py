@@ -131,6 +131,9 @@ def test_report_contents(data):
     assert "2e-06" in report and "translation-1" in report and "position 57" in report
     assert "| hf-lookup | 1.07x |" in report
     assert "| 1 | 65 | 1.00 |" in report  # V(1) and V(1)/V(1) in the costs table
+    assert "Matrix products" not in report  # none recorded in this pair
+    pair["products"] = "specdec gemv for 1-2 rows, oneDNN for more"
+    assert "Matrix products (fp32, CPU): specdec gemv for 1-2 rows, oneDNN for more." in markdown_report(data)
 
 
 def test_report_prints_dash_for_nan(data, tmp_path):
