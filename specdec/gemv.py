@@ -2,16 +2,20 @@
 
 A plain decoding step multiplies one row by each weight, a one-token verify two rows: matrix-vector
 products, bound by how fast memory delivers the weights. oneDNN's fp32 kernels (specdec.lean's
-default) reach about two thirds of that on the 2-core AMD EPYC these figures come from; a loop that
-reads each weight row once, front to back, reaches more: SmolLM2-135M's four projection shapes
-took (2 threads, weights streamed from memory, GB/s of weights read) 20-34 for one row against
-11-24 for oneDNN, and 19-31 against 14-21 for two rows. From three rows on oneDNN's blocked kernels are
-faster, and specdec.lean uses them.
+default) fall short of that on the 2-core AMD EPYC these figures come from; a loop that reads each
+weight row once, front to back, gets closer. SmolLM2-135M's four projection shapes and a
+Qwen2.5-Coder-1.5B MLP weight, 2 threads, weights streamed from memory, GB/s of weights read
+(medians of 9): one row 22-25 against oneDNN's 17-23, two rows 22-27 against 14-22 (a plain
+`sum` over memory reads 31-35 there). A SmolLM2-135M one-token step took 0.77x the time
+with it (interleaved medians of 12). From three rows on oneDNN's blocked kernels are faster (this
+loop, which re-reads the input rows for every weight row, is bound by loads there) and
+specdec.lean uses them.
 
 The kernel is built with torch's C++ extension loader (a C++ compiler and ninja, about 30 s once;
 cached under ~/.cache/torch_extensions) for the machine it runs on (-march=native). Where it cannot
 be built, or with SPECDEC_GEMV=0 in the environment, `kernel()` returns None and specdec.lean runs
-every product through oneDNN; `status()` says which and why.
+every product through oneDNN; `status()` says which and why. The build is for this CPU: a home
+directory shared by machines with different CPUs wants TORCH_EXTENSIONS_DIR set per machine.
 """
 
 from __future__ import annotations
