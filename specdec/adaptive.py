@@ -230,6 +230,7 @@ class AdaptiveK:
         self.draft_step_ms: float | None = None  # draft model: each further step
         self.draft_token_ms: float | None = None  # all-at-once drafter: proposal ms per requested token
         self.overhead_ms = 0.0  # per round, outside drafting and verifying
+        self.nodes_per_depth = 1.0  # tokens verified per depth of this drafter's drafts: 1 for chains, more for trees
         self.fresh = True  # no draft step timed yet in this generation
         self.plain_streak = 0
         self.probe_interval = probe_after
@@ -294,14 +295,22 @@ class AdaptiveK:
             return first + (m - 1) * (self.draft_step_ms if self.draft_step_ms is not None else first)
         return m * (self.draft_token_ms or 0.0)
 
+    def _nodes(self, depth: int) -> int:
+        """Tokens verified for a draft `depth` deep: depth for a chain; for a token tree (eagle-tree,
+        suffix-tree) about nodes_per_depth x depth, at most the round's cap (the engine prunes a
+        tree to it)."""
+        return max(depth, min(self.cap, round(depth * self.nodes_per_depth))) if depth > 0 else 0
+
     def _extra_verify_ms(self, m: int) -> float:
-        """What verifying m >= 1 drafted tokens is taken to cost over a plain step, in ms: the
-        measured V(m + 1) - V(1) at the current context plus `margin` x V(1) (for the noise of a
-        curve timed once per context range). It may be negative: where oneDNN's kernel for m + 1
-        rows beats its one-row kernel (2-core EPYC, lean, fp32, 64 tokens of context: SmolLM2
-        V(4) = 0.94 V(1), Qwen2.5-Coder-1.5B 0.73), verifying even a useless draft is faster than a plain step, and a fixed k = 2 with a
-        random drafter gained 4% from it while auto, refusing junk, did not."""
-        return self.verify(m + 1) - self.verify(1) + self.margin * self.verify(1)
+        """What verifying a draft m >= 1 tokens deep is taken to cost over a plain step, in ms: the
+        measured V(n + 1) - V(1) at the current context, n = _nodes(m) (m for a chain; a tree's
+        depth used to be costed as a chain's, and auto then chose eagle-tree drafts at 0.91x of its
+        best fixed k), plus `margin` x V(1) (for the noise of a curve timed once per context range).
+        It may be negative: where oneDNN's kernel for n + 1 rows beats its one-row kernel (2-core
+        EPYC, lean, fp32, 64 tokens of context: SmolLM2 V(4) = 0.94 V(1) before specdec.gemv,
+        Qwen2.5-Coder-1.5B 0.73), verifying even a useless draft is faster than a plain step, and a
+        fixed k = 2 with a random drafter gained 4% from it while auto, refusing junk, did not."""
+        return self.verify(self._nodes(m) + 1) - self.verify(1) + self.margin * self.verify(1)
 
     def _best_rate(self, cap: int, incremental: bool) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
@@ -374,7 +383,7 @@ class AdaptiveK:
         for m in range(n_drafted + 1, self.cap + 1):
             p *= accept[m - 1]
             gain += p
-            cost = (m - n_drafted) * step_ms + self.verify(m + 1) - self.verify(n_drafted + 1)
+            cost = (m - n_drafted) * step_ms + self.verify(self._nodes(m) + 1) - self.verify(self._nodes(n_drafted) + 1)
             if gain - self.rho * cost > 0:
                 return True
         return False
@@ -415,6 +424,8 @@ class AdaptiveK:
         depth: of a token tree, its depth (default n_verified, a chain)."""
         depth = n_verified if depth is None else depth
         self.verify.observe(n_verified + 1, verify_ms)
+        if n_verified and depth:
+            self.nodes_per_depth = self._ema(self.nodes_per_depth, n_verified / depth)
         self.overhead_ms = self._ema(self.overhead_ms, other_ms)
         self.tokens_ema = self._ema(self.tokens_ema, n_accepted + 1.0, 0.1)
         self.ms_ema = self._ema(self.ms_ema, verify_ms + draft_ms + other_ms, 0.1)

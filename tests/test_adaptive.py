@@ -122,6 +122,34 @@ def test_junk_is_verified_only_where_that_beats_a_plain_step():
     assert useful.cut([7] * 8, deterministic=True) >= 2
 
 
+def test_a_trees_depth_is_costed_by_the_tokens_it_verifies():
+    """A token tree verifies more tokens than it is deep (eagle-tree: the head's chain, a sibling
+    at each depth, lookup's branch). The rounds teach the controller how many per depth, and a
+    depth is then costed as the forward over its tokens, so where the curve is steep the tree is
+    kept shallower than a chain with the same acceptance by position."""
+    v = {1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 16.0, 6: 17.0, 7: 18.0, 8: 19.0, 9: 20.0}
+    learner = controller(v, [0.6] * 8)
+    for _ in range(30):  # trees 3 deep of 6 tokens, timed at the curve's own V(7)
+        learner.observe(6, 1, v[7], 0.0, 0.0, 8, incremental=False, depth=3)
+    assert learner.nodes_per_depth == pytest.approx(2.0, abs=1e-3)
+    chain, tree = controller(v, [0.6] * 8), controller(v, [0.6] * 8)
+    tree.nodes_per_depth = 2.0
+    for ctl in (chain, tree):
+        assert ctl.plan(8, incremental=False) == 8 and ctl.shadowing  # a free drafter: cut() decides
+    assert tree._extra_verify_ms(2) == pytest.approx(v[5] - v[1] + tree.margin * v[1])  # 2 deep: 4 tokens
+    assert chain._extra_verify_ms(2) == pytest.approx(v[3] - v[1] + chain.margin * v[1])
+    assert tree._nodes(8) == 8  # never more than the round's cap: the engine prunes the tree to it
+    # gain of depth m: 0.6, 0.96, 1.18, 1.31; each ms of extra verify costs rho = 0.1 token (plain's rate)
+    assert chain.cut([7] * 8, deterministic=True) == 3  # V(4) = 11.5; depth 4 would cost V(5) = 16
+    assert tree.cut([7] * 8, deterministic=True) == 1  # 2 tokens, V(3) = 11; depth 2 would cost V(5)
+    # an incremental drafter (eagle-tree drafts a depth per head step) is stopped at the same depths
+    for ctl, stop in ((chain, 3), (tree, 1)):
+        ctl.draft_first_ms = ctl.draft_step_ms = 0.2
+        ctl.fresh = False
+        assert ctl.plan(8, incremental=True) == 8
+        assert next(d for d in range(1, 9) if not ctl.keep_going(d, 0.9)) == stop
+
+
 def test_verify_shape_follows_the_context_length():
     v = VerifyCosts(ms={1: 10.0, 4: 9.0},
                     shapes={100: {1: 1.0, 4: 0.9}, 900: {1: 1.0, 4: 1.3}})
