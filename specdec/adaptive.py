@@ -303,9 +303,8 @@ class AdaptiveK:
 
     def _extra_verify_ms(self, m: int) -> float:
         """What verifying a draft m >= 1 tokens deep is taken to cost over a plain step, in ms: the
-        measured V(n + 1) - V(1) at the current context, n = _nodes(m) (m for a chain; a tree's
-        depth used to be costed as a chain's, and auto then chose eagle-tree drafts at 0.91x of its
-        best fixed k), plus `margin` x V(1) (for the noise of a curve timed once per context range).
+        measured V(n + 1) - V(1) at the current context, n = _nodes(m) (m for a chain, more for a
+        tree), plus `margin` x V(1) (for the noise of a curve timed once per context range).
         It may be negative: where oneDNN's kernel for n + 1 rows beats its one-row kernel (2-core
         EPYC, lean, fp32, 64 tokens of context: SmolLM2 V(4) = 0.94 V(1) before specdec.gemv,
         Qwen2.5-Coder-1.5B 0.73), verifying even a useless draft is faster than a plain step, and a

@@ -136,12 +136,13 @@ class Linear:
         self.out_features = weight.shape[0]
         self.packed = _packs(weight.dtype, weight.device)
         self.parts = [p.contiguous() for p in (parts or [weight])] if gemv.usable(weight) else None
+        self.gemv = gemv.kernel().gemv if self.parts is not None else None
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is not None and x.shape[0] <= gemv.MAX_ROWS:
-            return gemv.kernel().gemv(x, self.parts, self.bias)
+            return self.gemv(x, self.parts, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
