@@ -149,12 +149,13 @@ class Linear:
 
 
 def _fused(*linears: torch.nn.Linear) -> Linear:
-    weight = torch.cat([m.weight.detach() for m in linears])
+    parts = [m.weight.detach() for m in linears]
+    weight = torch.cat(parts)
     biases = [m.bias for m in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device)
          for m, b in zip(linears, biases)])
-    return Linear(weight, bias, parts=[m.weight.detach() for m in linears])
+    return Linear(weight, bias, parts=parts)
 
 
 class _Layer:

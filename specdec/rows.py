@@ -13,7 +13,8 @@ The table is timed once per model when its lean form is built (tune_rows), at a 
 a length is padded only when that saves a clear `gain` (default 15%), since the attention over a
 long context adds per-row cost the short timing does not see (SmolLM2-135M fp32's one-token step
 would gain 7% as 4-6 rows at 64 tokens and lose 3% at 768: it is left unpadded, while its slow
-two-row forward, 1.15 V(1), is padded).
+two-row forward, 1.15 V(1), was padded until specdec.gemv made one and two rows its fastest
+forwards; its table is now empty).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from specdec.lean import Linear
 
 
 def test_the_kernel_builds_where_a_compiler_is_present():
-    if not shutil.which("c++") or not shutil.which("ninja"):
-        pytest.skip("no C++ compiler or ninja: specdec runs its products through oneDNN")
+    if not shutil.which("c++"):  # ninja is a pinned dependency, found beside the venv's python if not on PATH
+        pytest.skip("no C++ compiler: specdec runs its products through oneDNN")
     assert gemv.kernel() is not None, gemv.status()
     assert "specdec gemv" in gemv.status()
 
