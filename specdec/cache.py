@@ -97,19 +97,37 @@ class LeanKVCache(KVCache):
     """The KV cache of one sequence on the lean path (specdec.lean.LeanModel).
 
     Keys and values live in per-layer tensors (n_kv_heads, capacity, head_dim), preallocated and
-    doubled when full, never past the context length; `features` (capacity, hidden) holds each
-    cached position's final-normed hidden state, for a feature-level draft head (specdec.head).
-    Rollback moves the length back; the rows past it are overwritten by the next forward.
+    doubled when full, never past the context length; `features` (capacity, hidden x (1 +
+    len(taps))) holds each cached position's final-normed hidden state, then its hidden states
+    after the decoder layers `taps` (none unless asked for), for a feature-level draft head
+    (specdec.head). Rollback moves the length back; the rows past it are overwritten by the next
+    forward.
     """
 
-    def __init__(self, model: Model, capacity: int = 256):
+    def __init__(self, model: Model, capacity: int = 256, taps: tuple[int, ...] = ()):
         self.model, self.lean = model, model.lean()
         self.tokens = []
         lm, capacity = self.lean, min(capacity, model.n_ctx)
         empty = lambda *shape: torch.empty(shape, dtype=lm.dtype, device=lm.device)  # noqa: E731
         self.k = [empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers]  # per layer (n_kv_heads, capacity, head_dim)
         self.v = [empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers]
+        self.taps: tuple[int, ...] = ()
         self.features = empty(capacity, lm.hidden_size)  # final-normed hidden states
+        self.tap(taps)
+
+    def tap(self, layers) -> None:
+        """Keep, from now on, the hidden states after these decoder layers (0-based) beside each
+        position's feature. Only on an empty cache (ValueError otherwise, or for a layer the model
+        does not have)."""
+        layers = tuple(int(i) for i in layers)
+        if layers == self.taps:
+            return
+        if self.tokens:
+            raise ValueError("tap() needs an empty cache: call it before the first forward")
+        if any(not 0 <= i < len(self.lean.layers) for i in layers):
+            raise ValueError(f"taps {layers}: {self.model.name} has decoder layers 0..{len(self.lean.layers) - 1}")
+        self.taps = layers
+        self.features = self.features.new_empty(self.features.shape[0], self.lean.hidden_size * (1 + len(layers)))
 
     def extend(self, tokens: list[int], all_logits: bool = True, parents: list[int] | None = None) -> torch.Tensor:
         """As KVCache.extend. With parents, `tokens` is a token tree, not a sequence (see
@@ -128,7 +146,7 @@ class LeanKVCache(KVCache):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
         tree = None if parents is None else tree_layout(parents, start, self.lean.device)
         logits = self.lean.forward(ids, self.k, self.v, self.features, start, len(tokens) if all_logits else 1, tree,
-                                   argmax_only=self.argmax_only)
+                                   argmax_only=self.argmax_only, taps=self.taps)
         self.tokens.extend(tokens)
         return logits
 

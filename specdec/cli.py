@@ -161,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--vocab", type=int, default=8192, help="tokens the head may draft (default 8192)")
     tr.add_argument("--steps", type=int, default=3,
                     help="draft steps trained on the head's own predicted features (training-time test; default 3, 1 = teacher forcing only)")
+    tr.add_argument("--taps", default="none",
+                    help="decoder layers (0-based, comma-separated) whose hidden states the head also reads, fused with the "
+                         "final feature as in EAGLE-3; 'auto': a low and a middle layer (2 and n_layers // 2); default none")
     tr.add_argument("--out", type=Path, default=Path("specdec-train"), help="folder for data, checkpoint, loss.png, summary.json")
     tr.add_argument("--head-out", type=Path, help="where to write the head (default: <cache>/heads/<target>.safetensors)")
     tr.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
@@ -384,13 +387,23 @@ def _calibrate_skip(args) -> int:
 def _train(args) -> int:
     from transformers.utils import logging as hf_logging
 
+    from .head import DraftHead
     from .train import train_head
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
+    if args.taps == "none":
+        taps = []
+    elif args.taps == "auto":
+        taps = DraftHead.default_taps(target.hf.config.num_hidden_layers)
+    else:
+        try:
+            taps = [int(x) for x in args.taps.split(",")]
+        except ValueError:
+            raise ValueError(f"--taps takes 'none', 'auto' or layer numbers such as 2,15; got {args.taps!r}") from None
     summary = train_head(target, args.out, prompts=args.prompts, sampled=args.sampled_prompts,
-                         max_new_tokens=args.max_new_tokens, epochs=args.epochs,
-                         lr=args.lr, vocab=args.vocab, steps=args.steps, head_out=args.head_out, restart=args.restart, cache=args.cache_dir)
+                         max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, vocab=args.vocab,
+                         steps=args.steps, head_out=args.head_out, restart=args.restart, cache=args.cache_dir, taps=taps)
     last = summary["history"][-1]
     print(f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "
           f"held-out accuracy by draft step {' '.join(f'{a:.3f}' for a in last['heldout_acc_by_step'])}; wrote {summary['head']}, {args.out / 'loss.png'}")

@@ -43,7 +43,8 @@ class DraftHead(nn.Module):
     """fc (2d -> d) and one Llama decoder layer; see the module docstring.
 
     config: hidden (d), heads, kv_heads, head_dim, intermediate, rope_theta, eps, target (name of
-    the model it was trained on). vocab_ids: (N,) long, the token ids it can draft.
+    the model it was trained on), taps (decoder layers whose outputs the first step also reads;
+    absent or [] for none). vocab_ids: (N,) long, the token ids it can draft.
     """
 
     def __init__(self, config: dict, vocab_ids: torch.Tensor):
@@ -51,6 +52,8 @@ class DraftHead(nn.Module):
         self.config = dict(config)
         d, h, kv, hd, inter = (config[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "intermediate"))
         self.n_heads, self.n_kv, self.head_dim, self.eps = h, kv, hd, config["eps"]
+        self.taps = tuple(config.get("taps") or ())
+        self.fuse = nn.Linear((1 + len(self.taps)) * d, d, bias=False) if self.taps else None
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.norm_in = nn.Parameter(torch.ones(d))
         self.qkv = nn.Linear(d, (h + 2 * kv) * hd, bias=False)
@@ -61,16 +64,23 @@ class DraftHead(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.long().clone())
         self.register_buffer("inv_freq", rope_inv_freq(config["rope_theta"], hd), persistent=False)
 
+    @staticmethod
+    def default_taps(n_layers: int) -> list[int]:
+        """EAGLE-3's low and middle layers for a target of n_layers decoder layers: [2, n // 2]
+        (0-based; SmolLM2-135M, 30 layers: [2, 15])."""
+        return sorted({min(2, n_layers - 1), n_layers // 2})
+
     @classmethod
-    def for_target(cls, model, vocab_ids: torch.Tensor) -> "DraftHead":
+    def for_target(cls, model, vocab_ids: torch.Tensor, taps: list[int] | None = None) -> "DraftHead":
         """A fresh head shaped like the target (a Llama-family specdec Model): its decoder layer
         starts as a copy of the target's last one and fc passes the feature through, a better
-        start than random."""
+        start than random. taps: decoder layers (0-based) whose outputs the first step also reads
+        (default none); fuse starts by passing the final feature through and ignoring them."""
         c, last = model.hf.config, model.hf.model.layers[-1]
         hd, theta = attention_shape(c)
         config = {"hidden": c.hidden_size, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
                   "head_dim": hd, "intermediate": c.intermediate_size, "rope_theta": theta,
-                  "eps": float(c.rms_norm_eps), "target": model.name}
+                  "eps": float(c.rms_norm_eps), "target": model.name, "taps": list(taps or [])}
         head = cls(config, vocab_ids)
         a, m = last.self_attn, last.mlp
         with torch.no_grad():
@@ -83,6 +93,9 @@ class DraftHead(nn.Module):
             d = c.hidden_size
             head.fc.weight.mul_(0.1)
             head.fc.weight[:, d:] += torch.eye(d)
+            if head.fuse is not None:
+                head.fuse.weight.zero_()
+                head.fuse.weight[:, :d] = torch.eye(d)
         return head
 
     def packed(self, device: torch.device | None = None) -> "DraftHead":
@@ -91,17 +104,32 @@ class DraftHead(nn.Module):
         memory-bound, and MKL's path for a single row reads them several times slower). Inference
         only: no gradients."""
         packed = copy.deepcopy(self).eval().to(device)
-        for name in ("fc", "qkv", "o", "gate_up", "down"):
+        for name in ("fuse", "fc", "qkv", "o", "gate_up", "down"):
+            if getattr(packed, name) is None:
+                continue
             weight = getattr(packed, name).weight.detach()
             delattr(packed, name)  # a module attribute: replaced by a plain callable
             setattr(packed, name, Linear(weight))
         return packed
 
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """(T, d) input features: the target's (T, (1 + len(taps)) d) features fused by `fuse`
+        (the tapped layers' hidden states RMS-normalised first), or (T, d) ones as they are (the
+        final feature alone, or the head's own prediction)."""
+        d = self.norm_in.shape[0]
+        if features.shape[-1] == d:
+            return features
+        if self.fuse is None or features.shape[-1] != d * (1 + len(self.taps)):
+            raise HeadError(f"features of width {features.shape[-1]} for a head of hidden size {d} and taps {list(self.taps)}")
+        parts = features.unflatten(-1, (1 + len(self.taps), d))
+        normed = torch.cat([parts[..., :1, :], F.rms_norm(parts[..., 1:, :], (d,), eps=self.eps)], dim=-2)
+        return self.fuse(normed.flatten(-2))
+
     def _project(self, features: torch.Tensor, embeds: torch.Tensor, start: int):
         """x (T, d) after fc; q (T, heads, head_dim), k and v (T, kv_heads, head_dim) after RoPE
         at positions start..start+T-1."""
         T, hd = features.shape[0], self.head_dim
-        x = self.fc(torch.cat([embeds, features], dim=-1))
+        x = self.fc(torch.cat([embeds, self.fused(features)], dim=-1))
         cos, sin = rope(self.inv_freq, start, start + T, x.dtype)
         qk, v = self.qkv(F.rms_norm(x, (x.shape[-1],), self.norm_in, self.eps)).split(
             ((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1)
@@ -137,8 +165,8 @@ class DraftHead(nn.Module):
         the "training-time test" of EAGLE-3 (Li et al. 2025) and HASS (Zhang et al. 2024), which
         trains the head on its own predicted features instead of only on the target's.
 
-        features, embeds: (T, d), the target's true features and the next tokens' embeddings at
-        positions 0..T-1. Returns `steps` tensors (T, d). out[0] is forward(features, embeds).
+        features, embeds: (T, d) (features (T, (1 + len(taps)) d) with taps), the target's true
+        features and the next tokens' embeddings at positions 0..T-1. Returns `steps` tensors (T, d). out[0] is forward(features, embeds).
         out[j][t] is draft step j+1 when the last true feature is at position t-j: its input is
         (out[j-1][t-1], embeds[t]), and it attends to step one's keys at positions <= t-j and to
         the keys of steps 2..j+1 on its own path (positions t-j+1..t), exactly what drafting

@@ -217,13 +217,15 @@ class LeanModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                 features: torch.Tensor, start: int, keep: int,
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None, argmax_only: bool = False) -> torch.Tensor:
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None, argmax_only: bool = False,
+                taps: tuple[int, ...] = ()) -> torch.Tensor:
         """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
 
         keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); features: (capacity,
-        hidden). Rows start..start+n-1 are written: keys, values, and the final-normed hidden
-        states (what the output layer reads; a feature-level draft head, specdec.head, reads them
-        too). tree: (positions, mask) of tree_layout() when ids are a token tree rather than a
+        hidden x (1 + len(taps))). Rows start..start+n-1 are written: keys, values, and in
+        features the final-normed hidden states (what the output layer reads; a feature-level
+        draft head, specdec.head, reads them too), followed by the hidden states after each
+        decoder layer in `taps` (0-based; EAGLE-3's low and middle features). tree: (positions, mask) of tree_layout() when ids are a token tree rather than a
         sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them); with
         argmax_only, logits whose argmax per row is exact but whose other entries may be bf16
         approximations (the output layer screened in bf16, specdec.screen; for greedy decoding). A
@@ -237,7 +239,8 @@ class LeanModel:
         cos, sin = rope(self.inv_freq, start, start + n, self.dtype, positions)
         h = F.embedding(ids, self.embed)  # (n, d)
         q_size, kv_size = self.n_heads * hd, self.n_kv * hd
-        for layer, k_cache, v_cache in zip(self.layers, keys, values):
+        d = h.shape[-1]
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
             qk, v = layer.qkv(self.rms_norm(h, layer.norm_in)).split((q_size + kv_size, kv_size), dim=-1)
             qk = rotate(qk.reshape(n, self.n_heads + self.n_kv, hd), cos, sin)  # q and k heads in one go
             attn = cached_attention(qk[:, : self.n_heads], qk[:, self.n_heads:], v.view(n, self.n_kv, hd),
@@ -245,7 +248,10 @@ class LeanModel:
             h = h + layer.o(attn)
             gate, up = layer.gate_up(self.rms_norm(h, layer.norm_post)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
+            if i in taps:
+                column = d * (1 + taps.index(i))
+                features[start : start + n, column : column + d] = h
         h = self.rms_norm(h, self.norm)
-        features[start : start + n] = h
+        features[start : start + n, :d] = h
         head = self.screen if argmax_only and self.screen is not None else self.lm_head
         return head(h[real - keep:real])

@@ -159,13 +159,15 @@ def training_rows(target: Model, out: Path, prompts: int, sampled: int, max_new_
     return self_distilled_data(target, texts, max_new_tokens, out / "data.json", batch)
 
 
-def features_and_labels(target: Model, rows: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per sequence (tokens (T,), features (T, d) fp32, labels (T,): the target's greedy token
+def features_and_labels(target: Model, rows: list[dict], taps: tuple[int, ...] = ()
+                        ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per sequence (tokens (T,), features (T, d (1 + len(taps))) fp32: the final-normed hidden
+    state, then those after the decoder layers `taps`; labels (T,): the target's greedy token
     after each position), from one lean forward each."""
     out = []
     for row in tqdm(rows, desc="target features", unit="seq"):
         tokens = row["prompt"] + row["answer"]
-        kv = LeanKVCache(target, capacity=len(tokens))
+        kv = LeanKVCache(target, capacity=len(tokens), taps=taps)
         logits = kv.extend(tokens)
         out.append((torch.tensor(tokens), kv.features[: len(tokens)].float().clone(), logits.argmax(-1)))
     return out
@@ -191,10 +193,16 @@ def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, nois
     (DraftHead.unrolled, the training-time test of EAGLE-3 / HASS); every step is trained toward
     the same targets, the next feature and the target's token after it, and weighs decay^(j-1).
     Regression and cross-entropy are step one's; accuracy j is how often step j's top token is the
-    target's greedy one."""
+    target's greedy one. feats: (T, d) or, for a head with taps, (T, (1 + len(taps)) d), whose
+    first d columns (the final feature) are the regression target; the noise is scaled to each
+    block's spread."""
+    d = embed.shape[-1]
     x_in = feats[:-1]
     if noise:
-        x_in = x_in + (torch.rand_like(x_in) - 0.5) * 2 * noise * feats.std()
+        blocks = feats.unflatten(-1, (-1, d))  # (T, 1 + taps, d)
+        scale = blocks.std(dim=(0, 2)) if blocks.shape[1] > 1 else feats.std()
+        x_in = x_in + ((torch.rand_like(x_in) - 0.5) * 2 * noise).unflatten(-1, (-1, d)).mul(scale[..., None]).flatten(-2)
+    feats = feats[:, :d]
     preds = head.unrolled(x_in, embed[tokens[1:]].float(), steps)  # (T-1, d) each: predicted f_1..f_{T-1}
     target_ids = index[labels[1:]]  # the target's token after position t+1, as a head-vocabulary index
     total, first, accs = 0.0, None, []
@@ -213,8 +221,12 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
                sampled: int = 0,
                lr: float = 1e-3, vocab: int = 8192, noise: float = 0.1, ce_weight: float = 0.5, steps: int = 3,
                head_out: Path | None = None, batch: int = 16, seed: int = 0, restart: bool = False,
-               cache=None) -> dict:
+               cache=None, taps: list[int] | None = None) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
+
+    taps: decoder layers (0-based) whose hidden states the head's first step also reads (EAGLE-3's
+    fused low / middle / high features; DraftHead.default_taps gives EAGLE-3's choice); None or []
+    for the final feature alone.
 
     Raises ValueError for a target the lean backend cannot run, or bad arguments."""
     if target.backend != "lean":
@@ -223,7 +235,10 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
         raise ValueError(f"need prompts >= 2, epochs >= 1, steps >= 1 and 0 < vocab <= {target.vocab_size}")
     torch.manual_seed(seed)
     rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
-    data = features_and_labels(target, rows)
+    taps = sorted(set(taps or []))
+    if any(not 0 <= i < len(target.lean().layers) for i in taps):
+        raise ValueError(f"taps {taps}: {target.name} has decoder layers 0..{len(target.lean().layers) - 1}")
+    data = features_and_labels(target, rows, tuple(taps))
     shuffled = random.Random(seed).sample(data, len(data))  # held out: 5% of template and sampled prompts alike
     held = max(1, len(data) // 20)
     train, valid = shuffled[held:], shuffled[:held]
@@ -233,7 +248,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
     embed = target.lean().embed
     out_weight = target.hf.get_output_embeddings().weight.detach()[vocab_ids].float()
 
-    head = DraftHead.for_target(target, vocab_ids)
+    head = DraftHead.for_target(target, vocab_ids, taps)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     updates = epochs * len(train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, updates) / updates)))
@@ -281,7 +296,8 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
 
     dest = head_out or head_file(target.name, cache)
     summary = {"target": target.name, "prompts": prompts, "sampled_prompts": sampled, "sequences": len(data), "positions": sum(len(t) for t, _, _ in data),
-               "max_new_tokens": max_new_tokens, "epochs": epochs, "steps": steps, "vocab": len(vocab_ids), "history": history,
+               "max_new_tokens": max_new_tokens, "epochs": epochs, "steps": steps, "vocab": len(vocab_ids), "taps": taps,
+               "history": history,
                "head": str(dest)}
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))

@@ -235,3 +235,63 @@ def test_sampled_drafts_carry_the_full_vocabulary_distribution(target, head):
     outside[head.vocab_ids] = False
     assert draft.probs[:, outside].abs().max() == 0 and (draft.probs > 0).sum(-1).le(5).all()
     assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+
+
+def test_cache_taps_keep_the_hidden_states_of_the_asked_layers(target):
+    """EAGLE-3's fused features: a cache asked to tap layer 0 keeps, after the final feature,
+    exactly transformers' hidden state after decoder layer 0, and the final feature is unchanged."""
+    context = prompt_ids(10)
+    plain, tapped = LeanKVCache(target), LeanKVCache(target, taps=(0,))
+    plain.extend(context)
+    tapped.extend(context)
+    d = target.hf.config.hidden_size
+    assert tapped.features.shape[1] == 2 * d
+    torch.testing.assert_close(tapped.features[:10, :d], plain.features[:10])
+    with torch.no_grad():
+        hidden = target.hf(torch.tensor([context]), output_hidden_states=True).hidden_states[1][0]  # after layer 0
+    torch.testing.assert_close(tapped.features[:10, d:], hidden, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="empty cache"):
+        tapped.tap((1,))
+    with pytest.raises(ValueError, match="decoder layers 0..1"):
+        LeanKVCache(target, taps=(5,))
+
+
+def test_a_head_with_taps_fuses_them_drafts_exactly_and_round_trips(target, tmp_path):
+    torch.manual_seed(5)
+    head = DraftHead.for_target(target, torch.arange(3, 50), taps=[0])
+    d = head.config["hidden"]
+    feats, embeds = torch.randn(9, 2 * d), torch.randn(9, d)
+    with torch.no_grad():
+        # at the start fuse passes the final feature through: the taps change nothing yet
+        torch.testing.assert_close(head(feats, embeds), head(feats[:, :d], embeds))
+        head.fuse.weight.add_(0.05 * torch.randn_like(head.fuse.weight))
+        assert not torch.allclose(head(feats, embeds), head(feats[:, :d], embeds), atol=1e-3)
+        # unrolled step j (the head's own features fed back, d wide) is what drafting over a cache computes
+        outs = head.unrolled(feats, embeds, 3)
+        cache = HeadCache(head)
+        pred = head(feats[:5], embeds[:5], 0, cache)[-1:]
+        for j in (1, 2):
+            pred = head(pred, embeds[4 + j][None], 4 + j, cache)
+            torch.testing.assert_close(pred[0], outs[j][4 + j], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(head.packed()(feats, embeds, 0, HeadCache(head)), head(feats, embeds),
+                                   atol=1e-4, rtol=1e-4)
+    with pytest.raises(HeadError, match="width"):
+        head(torch.randn(3, 3 * d), torch.randn(3, d))
+    loaded, _ = load_head(save_head(head, tmp_path / "t.safetensors"), hidden_size=d)
+    assert loaded.taps == (0,) and loaded.fuse is not None
+    drafter = EagleDrafter(loaded)  # the drafter asks the target's cache for the head's taps
+    prompt = prompt_ids()
+    out = generate(target, prompt, drafter, k=3, max_new_tokens=24)
+    assert drafter.kv.taps == (0,) and out.stats.drafted > 0
+    assert out.tokens == generate(target, prompt, None, max_new_tokens=24).tokens
+
+
+def test_train_with_taps_reads_the_tapped_layers(target, tmp_path):
+    dest = tmp_path / "head.safetensors"
+    s = train_head(target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest,
+                   batch=3, taps=[1, 0])
+    head, meta = load_head(dest, hidden_size=64)
+    assert s["taps"] == [0, 1] and meta["taps"] == [0, 1] and head.taps == (0, 1)
+    assert head.fuse.weight.shape == (64, 3 * 64)
+    with pytest.raises(ValueError, match="decoder layers"):
+        train_head(target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, taps=[7])

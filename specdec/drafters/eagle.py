@@ -77,8 +77,11 @@ class EagleDrafter:
         self.seen = []
 
     def attach(self, kv) -> None:
-        """The target's KV cache of this generation (its `features` are read at each proposal)."""
+        """The target's KV cache of this generation (its `features` are read at each proposal); asks
+        it to keep the hidden states of the layers the head taps (EAGLE-3), before its first forward."""
         self.kv = kv
+        if self.head is not None and self.head.taps:
+            kv.tap(self.head.taps)
 
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampler: Sampler,
