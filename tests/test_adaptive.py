@@ -257,6 +257,29 @@ def test_draft_model_stops_at_low_confidence_and_cuts_a_greedy_draft():
     assert ctl.cut([4, 5, 6], deterministic=False) == 3  # a sampled draft is never cut by its contents
 
 
+def test_a_draft_not_worth_verifying_is_not_drafted_deeper():
+    """Going on drafting must beat what stopping now is worth, a plain round included: a first
+    token the drafter barely believes (its one extra verified token costs 3 ms) is not worth
+    verifying, and cheap further tokens (0.2 ms each) do not make the whole draft pay, so drafting
+    stops there instead of drafting on to have it all cut (eagle-tree did that in 1 round in 10)."""
+    v = {1: 10.0, 2: 13.0, 3: 13.2, 4: 13.4, 5: 13.6, 6: 13.8, 7: 14.0, 8: 14.2, 9: 14.4}
+    ctl = controller(v, [0.8] * 8, margin=0.0)
+    ctl.draft_first_ms = ctl.draft_step_ms = 0.2
+    ctl.fresh = False
+    for b in range(len(ctl.bin_reached)):  # calibrated: acceptance equals the draft's confidence
+        ctl.bin_reached[b] = 1000.0
+        ctl.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
+    assert ctl.plan(8, incremental=True) == 8
+    ctl.rho = 0.1  # tokens per ms: a token is worth 10 ms
+    # depth 1 at confidence 0.05 is worth 0.1 - 0.1 x 3 < 0; depths 2 and 3 add 0.08 and 0.064
+    # tokens for 0.4 ms each (verify and draft step), so the old marginal test went on
+    assert not ctl.keep_going(1, 0.05)
+    assert ctl.cut([4], deterministic=True) == 0
+    ctl.plan(8, incremental=True)
+    ctl.rho = 0.1
+    assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.99)  # a draft that pays goes on
+
+
 def test_controller_is_shared_per_drafter_and_verify_costs_per_target():
     a, b = make_model("llama", seed=1), make_model("llama", seed=2)
     d1, d2 = object.__new__(ModelDrafter), object.__new__(ModelDrafter)
