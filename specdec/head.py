@@ -166,11 +166,12 @@ class DraftHead(nn.Module):
         trains the head on its own predicted features instead of only on the target's.
 
         features, embeds: (T, d) (features (T, (1 + len(taps)) d) with taps), the target's true
-        features and the next tokens' embeddings at positions 0..T-1. Returns `steps` tensors (T, d). out[0] is forward(features, embeds).
-        out[j][t] is draft step j+1 when the last true feature is at position t-j: its input is
-        (out[j-1][t-1], embeds[t]), and it attends to step one's keys at positions <= t-j and to
-        the keys of steps 2..j+1 on its own path (positions t-j+1..t), exactly what drafting
-        with a HeadCache sees. Rows t < j have no such path; callers ignore them.
+        features and the next tokens' embeddings at positions 0..T-1. Returns `steps` tensors
+        (T, d). out[0] is forward(features, embeds). out[j][t] is draft step j+1 when the last
+        true feature is at position t-j: its input is (out[j-1][t-1], embeds[t]), and it attends
+        to step one's keys at positions <= t-j and to the keys of steps 2..j+1 on its own path
+        (positions t-j+1..t), exactly what drafting with a HeadCache sees. Rows t < j have no
+        such path; callers ignore them.
         """
         T, hd, rep = features.shape[0], self.head_dim, self.n_heads // self.n_kv
         scale = hd ** -0.5
