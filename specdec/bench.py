@@ -136,6 +136,9 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
     greedy: time the forwards and drafts greedy decoding runs (else sampling's)."""
     kv = new_cache(target)
     kv.argmax_only = greedy  # as the engine's cache: the output layer screened when greedy
+    drafter.prepare(target)
+    if hasattr(drafter, "attach"):
+        drafter.attach(kv)  # before the first forward: a head with taps has the cache keep them
     kv.extend(context[:-1], all_logits=False)
     n_keep = len(kv)
     block = (context * (max(ks) + 2))[: max(ks) + 1]
@@ -148,9 +151,6 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
     dev = target.device
     verify_curve = _interleaved_medians({str(n): (nothing, lambda n=n: verify(n)) for n in range(1, max(ks) + 2)},
                                         repeats, device=dev)
-    drafter.prepare(target)
-    if hasattr(drafter, "attach"):
-        drafter.attach(kv)
     sampler = Sampler(SamplingParams(temperature=0.0 if greedy else 1.0), torch.Generator().manual_seed(0))
     propose = lambda k: lambda: drafter.propose(context, k, sampler)  # noqa: E731
     lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # leaves a model drafter at context[:-n]  # noqa: E731

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec import generate
+from specdec.bench import measure_costs
 from specdec.cache import LeanKVCache
 from specdec.drafters import EagleDrafter
 from specdec.head import DraftHead, HeadCache, HeadError, load_head, save_head
@@ -284,6 +285,8 @@ def test_a_head_with_taps_fuses_them_drafts_exactly_and_round_trips(target, tmp_
     out = generate(target, prompt, drafter, k=3, max_new_tokens=24)
     assert drafter.kv.taps == (0,) and out.stats.drafted > 0
     assert out.tokens == generate(target, prompt, None, max_new_tokens=24).tokens
+    costs = measure_costs(target, drafter, prompt, [1, 2], repeats=1)  # bench attaches before the prompt's forward
+    assert drafter.kv.taps == (0,) and set(costs["draft_ms"]) == {"1", "2"}
 
 
 def test_train_with_taps_reads_the_tapped_layers(target, tmp_path):
