@@ -355,7 +355,11 @@ class AdaptiveK:
         if self.plain_streak >= self.probe_interval:
             self.probing = True
             self._t_last = time.perf_counter()
-            return 1
+            # one depth of the drafter's usual draft: a token for a chain, the head's token, its
+            # sibling and lookup's for eagle-tree. A one-token tree is a worse draft than the
+            # first depth the estimates describe: rejected, it taught the policy that trees do not
+            # pay (eagle-tree, SmolLM2 fp32, MT-bench coding: 126 plain rounds of 128)
+            return self._nodes(1)
         return 0
 
     def keep_going(self, n_drafted: int, confidence: float) -> bool:
@@ -422,10 +426,14 @@ class AdaptiveK:
         return best_m
 
     def observe(self, n_verified: int, n_accepted: int, verify_ms: float, draft_ms: float, other_ms: float,
-                requested: int, incremental: bool, depth: int | None = None) -> None:
+                requested: int, incremental: bool, depth: int | None = None,
+                match_length: int | None = None) -> None:
         """Learn from the finished round: n_verified drafted tokens were scored in a forward of
         verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens.
-        depth: of a token tree, its depth (default n_verified, a chain)."""
+        depth: of a token tree, its depth (default n_verified, a chain). match_length: the draft's
+        (Draft.match_length), whose class the acceptance is learned under, as cut() reads it: a
+        drafter that sometimes proposes a long lookup match alone (eagle-tree) and otherwise a
+        head's tree keeps the two apart."""
         depth = n_verified if depth is None else depth
         self.verify.observe(n_verified + 1, verify_ms)
         if n_verified and depth:
@@ -436,7 +444,7 @@ class AdaptiveK:
         if requested and not incremental:
             self.draft_token_ms = self._ema(self.draft_token_ms, draft_ms / requested)
         if n_verified and not self.shadowing:  # a shadowed draft is learned from in resolve()
-            self._learn(0, min(depth, n_accepted + 1), n_accepted)
+            self._learn(match_class(match_length), min(depth, n_accepted + 1), n_accepted)
             self.bin_reached = [x * self.decay for x in self.bin_reached]
             self.bin_accepted = [x * self.decay for x in self.bin_accepted]
             for j in range(min(depth, n_accepted + 1)):

@@ -182,7 +182,8 @@ def generate(
         stats.record_round(n_verified, verdict.n_accepted, depth)
         if adaptive:
             adaptive.observe(n_verified, verdict.n_accepted, (t2 - t1) * 1e3, (t1 - t0) * 1e3,
-                             (time.perf_counter() - t_round - (t2 - t0)) * 1e3, kk, incremental, depth)
+                             (time.perf_counter() - t_round - (t2 - t0)) * 1e3, kk, incremental, depth,
+                             draft.match_length)
 
         committed = []
         for t in accepted + [verdict.token]:

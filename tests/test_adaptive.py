@@ -199,6 +199,23 @@ def test_a_useless_draft_model_is_probed_with_exponential_back_off():
     assert len(probes) <= 12  # about 1% of the rounds; the cost over plain stays ~0.6% here
 
 
+def test_a_trees_probe_is_one_depth_and_rounds_learn_under_their_match_class():
+    """eagle-tree drafts a tree (about 3 tokens a depth), or a long lookup match alone. A probe
+    asks for one depth of its usual tree, not a single token, whose acceptance would be learned as
+    the tree's; and a verified round's acceptance goes to its own match class, so the lookup
+    chains' streaks do not raise the head trees' estimate nor the other way round."""
+    ctl = controller({1: 10.0, 2: 16.0, 3: 20.0, 4: 24.0}, [0.0] * 8)
+    ctl.nodes_per_depth = 3.0
+    asked = [ctl.plan(8, incremental=True) for _ in range(4)]
+    assert asked == [0, 0, 0, 3] and ctl.probing
+    fresh = controller({1: 10.0})
+    fresh.plan(8, incremental=True)
+    for _ in range(50):  # lookup's 12-token matches: all 6 accepted
+        fresh.observe(6, 6, 12.0, 0.0, 0.0, 8, incremental=True, match_length=12)
+    assert fresh.acceptance(1, match_class(12)) > 0.9
+    assert fresh.acceptance(1) == pytest.approx(fresh.prior)  # the head's trees (class 0): untouched
+
+
 def test_probing_notices_when_drafts_start_paying_again():
     ctl = controller({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0}, [0.0] * 8, rounds=20)
     for _ in range(200):  # the draft model is useless: probes back off
