@@ -36,8 +36,9 @@ Within a round, a draft model is asked after every drafted token whether to go o
 stop of transformers' `assistant_confidence_threshold` and llama.cpp's `--draft-p-min`, with the
 threshold replaced by the same cost-benefit test), and a finished draft is cut to its best length
 (only when it is deterministic: greedy drafting, or a drafter without probabilities, so that
-speculative sampling stays exact). When plain decoding wins for a while, a one-token probe is
-drafted now and then (exponential back-off) to notice when speculation starts paying again.
+speculative sampling stays exact). When plain decoding wins for a while, a one-token probe (one
+depth of a token tree) is drafted now and then (exponential back-off) to notice when speculation
+starts paying again.
 
 The verify-cost table is kept per target model and the acceptance and draft-cost estimates per
 (drafter, target), across generations: a server or a bench learns them once.
@@ -199,8 +200,8 @@ class AdaptiveK:
     k_max: the longest draft of a round (>= 1). decay: weight kept by a draft position's old
     acceptance counts each time a draft reaches it (0.9: about the last 10 such drafts). prior:
     acceptance assumed before any round, worth prior_weight rounds. probe_after: plain rounds
-    before a one-token probe; it doubles after each probe, up to probe_max, and resets when the
-    policy chooses to draft again. margin: the part of V(1) any verify of drafted tokens is taken
+    before a one-token probe (one depth of a tree); it doubles after each probe, up to probe_max,
+    and resets when the policy chooses to draft again. margin: the part of V(1) any verify of drafted tokens is taken
     to cost beyond the measured curve (see _extra_verify_ms). lift: how far the prior of a deeper
     position moves from the estimate at the position before toward 1 (see acceptances).
 
