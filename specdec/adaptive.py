@@ -201,9 +201,10 @@ class AdaptiveK:
     acceptance counts each time a draft reaches it (0.9: about the last 10 such drafts). prior:
     acceptance assumed before any round, worth prior_weight rounds. probe_after: plain rounds
     before a one-token probe (one depth of a tree); it doubles after each probe, up to probe_max,
-    and resets when the policy chooses to draft again. margin: the part of V(1) any verify of drafted tokens is taken
-    to cost beyond the measured curve (see _extra_verify_ms). lift: how far the prior of a deeper
-    position moves from the estimate at the position before toward 1 (see acceptances).
+    and resets when the policy chooses to draft again. margin: the part of V(1) any verify of
+    drafted tokens is taken to cost beyond the measured curve (see _extra_verify_ms). lift: how far
+    the prior of a deeper position moves from the estimate at the position before toward 1 (see
+    acceptances).
 
     Use for_pair() to get the shared instance; raises ValueError for k_max < 1.
     """

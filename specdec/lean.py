@@ -225,8 +225,8 @@ class LeanModel:
         hidden x (1 + len(taps))). Rows start..start+n-1 are written: keys, values, and in
         features the final-normed hidden states (what the output layer reads; a feature-level
         draft head, specdec.head, reads them too), followed by the hidden states after each
-        decoder layer in `taps` (0-based; EAGLE-3's low and middle features). tree: (positions, mask) of tree_layout() when ids are a token tree rather than a
-        sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them); with
+        decoder layer in `taps` (0-based; EAGLE-3's low and middle features). tree: (positions,
+        mask) of tree_layout() when ids are a token tree rather than a sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them); with
         argmax_only, logits whose argmax per row is exact but whose other entries may be bf16
         approximations (the output layer screened in bf16, specdec.screen; for greedy decoding). A
         sequence of n is run as rows[n] rows where that table (specdec.rows) says it is faster."""

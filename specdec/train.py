@@ -199,9 +199,8 @@ def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, nois
     d = embed.shape[-1]
     x_in = feats[:-1]
     if noise:
-        blocks = feats.unflatten(-1, (-1, d))  # (T, 1 + taps, d)
-        scale = blocks.std(dim=(0, 2)) if blocks.shape[1] > 1 else feats.std()
-        x_in = x_in + ((torch.rand_like(x_in) - 0.5) * 2 * noise).unflatten(-1, (-1, d)).mul(scale[..., None]).flatten(-2)
+        scale = feats.unflatten(-1, (-1, d)).std(dim=(0, 2))  # (1 + taps,): each block's spread
+        x_in = x_in + ((torch.rand_like(x_in) - 0.5) * 2 * noise).unflatten(-1, (-1, d)).mul(scale[:, None]).flatten(-2)
     feats = feats[:, :d]
     preds = head.unrolled(x_in, embed[tokens[1:]].float(), steps)  # (T-1, d) each: predicted f_1..f_{T-1}
     target_ids = index[labels[1:]]  # the target's token after position t+1, as a head-vocabulary index
@@ -233,11 +232,11 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
         raise ValueError("specdec train reads the target's features through the lean backend: a Llama or Qwen2 target")
     if prompts < 2 or epochs < 1 or steps < 1 or not 0 < vocab <= target.vocab_size:
         raise ValueError(f"need prompts >= 2, epochs >= 1, steps >= 1 and 0 < vocab <= {target.vocab_size}")
+    taps = sorted(set(taps or []))
+    if any(not 0 <= i < len(target.lean().layers) for i in taps):  # before the answers, which take a while
+        raise ValueError(f"taps {taps}: {target.name} has decoder layers 0..{len(target.lean().layers) - 1}")
     torch.manual_seed(seed)
     rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
-    taps = sorted(set(taps or []))
-    if any(not 0 <= i < len(target.lean().layers) for i in taps):
-        raise ValueError(f"taps {taps}: {target.name} has decoder layers 0..{len(target.lean().layers) - 1}")
     data = features_and_labels(target, rows, tuple(taps))
     shuffled = random.Random(seed).sample(data, len(data))  # held out: 5% of template and sampled prompts alike
     held = max(1, len(data) // 20)
