@@ -92,11 +92,12 @@ def test_a_deep_position_keeps_its_estimate_through_drafts_that_stop_short_of_it
        cap=st.integers(1, 8))
 def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, steps, cap):
     """The Dinkelbach rule: speculate iff the best fixed draft length's rate beats plain decoding's,
-    and then with the length of the best rate (an all-at-once drafter that is not free)."""
+    and then with the length of the best rate (an all-at-once drafter that is not free), the
+    estimates taken at face value (explore=0: no optimism for uncertain ones)."""
     v = {1: 10.0}
     for n, step in enumerate(steps, start=2):
         v[n] = v[n - 1] + step
-    ctl = controller(v, acceptance)
+    ctl = controller(v, acceptance, explore=0.0)
     ctl.draft_token_ms = 0.5
     m = ctl.plan(cap, incremental=False)
     assert not ctl.shadowing
@@ -214,6 +215,19 @@ def test_a_trees_probe_is_one_depth_and_rounds_learn_under_their_match_class():
         fresh.observe(6, 6, 12.0, 0.0, 0.0, 8, incremental=True, match_length=12)
     assert fresh.acceptance(1, match_class(12)) > 0.9
     assert fresh.acceptance(1) == pytest.approx(fresh.prior)  # the head's trees (class 0): untouched
+
+
+def test_an_uncertain_first_position_is_given_the_benefit_of_the_doubt():
+    """Near break-even, an estimate from a few drafted rounds is read optimistically (UCB): the
+    same 0.25 acceptance drafts when it rests on 3 rounds and not when it rests on 1000, and a
+    drafter never right in 1000 rounds stays plain."""
+    v = {1: 10.0, 2: 13.0, 3: 16.0}  # the first drafted token costs 3 ms: pays at acceptance > ~0.3
+    few, many, never = controller(v, [0.25] * 8, rounds=3), controller(v, [0.25] * 8), controller(v, [0.0] * 8)
+    for ctl in (few, many, never):
+        ctl.draft_first_ms = ctl.draft_step_ms = 0.0
+    assert few.plan(2, incremental=True) == 2
+    assert many.plan(2, incremental=True) == 0 and never.plan(2, incremental=True) == 0
+    assert controller(v, [0.25] * 8, rounds=3, explore=0.0).plan(2, incremental=True) == 0
 
 
 def test_probing_notices_when_drafts_start_paying_again():
