@@ -347,9 +347,9 @@ class AdaptiveK:
         # optimism in the face of uncertainty (UCB, Auer et al. 2002) on the first position, the
         # one that decides whether to draft at all: its estimate plus `explore` standard errors.
         # Rejections are learned only from drafted rounds, so near break-even one unlucky streak
-        # stopped all drafting for most of a generation (eagle-tree, SmolLM2 fp32, MT-bench coding
-        # and stem: 126 plain rounds of 128 where k = 4 read 1.04x / 1.11x plain); a drafter that is
-        # never right has a small estimate and a smaller error, and stays plain
+        # stopped all drafting for most of a generation (eagle-tree, SmolLM2 fp32, 2-core EPYC,
+        # MT-bench coding and stem: 126 plain rounds of 128 where k = 4 read 1.04x / 1.11x plain);
+        # a drafter that is never right has a small estimate and a smaller error, and stays plain
         n = self.reached[0][0] + self.prior_weight
         accept[0] = min(1.0, accept[0] + self.explore * math.sqrt(accept[0] * (1.0 - accept[0]) / n))
         gain, p, best, best_m = 0.0, 1.0, 0.0, 0
@@ -370,7 +370,7 @@ class AdaptiveK:
             # one depth of the drafter's usual draft: a token for a chain, the head's token, its
             # sibling and lookup's for eagle-tree. A one-token tree is a worse draft than the
             # first depth the estimates describe: rejected, it taught the policy that trees do not
-            # pay (eagle-tree, SmolLM2 fp32, MT-bench coding: 126 plain rounds of 128)
+            # pay (eagle-tree, SmolLM2 fp32, 2-core EPYC, MT-bench coding: 126 plain rounds of 128)
             return self._nodes(1)
         return 0
 
@@ -393,7 +393,7 @@ class AdaptiveK:
         # now is worth the best of m <= n_drafted or 0 (a plain round, as cut() would choose); going
         # on must beat that, paying the further draft steps too. Measured against the value of the
         # draft as it stands instead, a draft not worth verifying was drafted deeper only to be cut
-        # to nothing (eagle-tree, SmolLM2 fp32, MT-bench writing: 2 head steps then 0 verified in
+        # to nothing (eagle-tree, SmolLM2 fp32, 2-core EPYC, MT-bench writing: 2 head steps then 0 verified in
         # 1 round in 10)
         step_ms = next((ms for ms in (self.draft_step_ms, self.draft_first_ms) if ms is not None), 0.0)  # unknown: free
         gain, p, stop = 0.0, 1.0, 0.0

@@ -7,9 +7,9 @@ weight row once, front to back, gets closer. SmolLM2-135M's four projection shap
 Qwen2.5-Coder-1.5B MLP weight, 2 threads, weights streamed from memory, GB/s of weights read
 (medians of 9): one row 22-25 against oneDNN's 17-23, two rows 22-27 against 14-22 (a plain
 `sum` over memory reads 31-35 there). A SmolLM2-135M fp32 one-token step (lean backend, 200
-tokens of context) took 0.77x the time with it (interleaved medians of 12). From three rows on oneDNN's blocked kernels are faster (this
-loop, which re-reads the input rows for every weight row, is bound by loads there) and
-specdec.lean uses them.
+tokens of context) took 0.77x the time with it (interleaved medians of 12). From three rows on
+oneDNN's blocked kernels are faster (this loop, which re-reads the input rows for every weight
+row, is bound by loads there) and specdec.lean uses them.
 
 The kernel is built with torch's C++ extension loader (a C++ compiler and ninja, about 30 s once;
 cached under ~/.cache/torch_extensions) for the machine it runs on (-march=native). Where it cannot

@@ -120,7 +120,8 @@ class DraftHead(nn.Module):
         if features.shape[-1] == d:
             return features
         if self.fuse is None or features.shape[-1] != d * (1 + len(self.taps)):
-            raise HeadError(f"features of width {features.shape[-1]} for a head of hidden size {d} and taps {list(self.taps)}")
+            raise HeadError(f"features of width {features.shape[-1]} for a head of hidden size {d} and taps "
+                            f"{list(self.taps)}: the target's cache must keep those layers (LeanKVCache(taps=...))")
         parts = features.unflatten(-1, (1 + len(self.taps), d))
         normed = torch.cat([parts[..., :1, :], F.rms_norm(parts[..., 1:, :], (d,), eps=self.eps)], dim=-2)
         return self.fuse(normed.flatten(-2))

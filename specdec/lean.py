@@ -226,10 +226,11 @@ class LeanModel:
         features the final-normed hidden states (what the output layer reads; a feature-level
         draft head, specdec.head, reads them too), followed by the hidden states after each
         decoder layer in `taps` (0-based; EAGLE-3's low and middle features). tree: (positions,
-        mask) of tree_layout() when ids are a token tree rather than a sequence. Returns logits (keep, V) for the last `keep` positions (n for all of them); with
-        argmax_only, logits whose argmax per row is exact but whose other entries may be bf16
-        approximations (the output layer screened in bf16, specdec.screen; for greedy decoding). A
-        sequence of n is run as rows[n] rows where that table (specdec.rows) says it is faster."""
+        mask) of tree_layout() when ids are a token tree rather than a sequence. Returns logits
+        (keep, V) for the last `keep` positions (n for all of them); with argmax_only, logits
+        whose argmax per row is exact but whose other entries may be bf16 approximations (the
+        output layer screened in bf16, specdec.screen; for greedy decoding). A sequence of n is
+        run as rows[n] rows where that table (specdec.rows) says it is faster."""
         n, hd = ids.shape[0], self.head_dim
         real = n
         if tree is None and self.rows.get(n, n) > n and start + self.rows[n] <= features.shape[0]:

@@ -233,8 +233,7 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
     if prompts < 2 or epochs < 1 or steps < 1 or not 0 < vocab <= target.vocab_size:
         raise ValueError(f"need prompts >= 2, epochs >= 1, steps >= 1 and 0 < vocab <= {target.vocab_size}")
     taps = sorted(set(taps or []))
-    if any(not 0 <= i < len(target.lean().layers) for i in taps):  # before the answers, which take a while
-        raise ValueError(f"taps {taps}: {target.name} has decoder layers 0..{len(target.lean().layers) - 1}")
+    LeanKVCache(target, capacity=1, taps=tuple(taps))  # refuses a layer the target lacks, before the answers
     torch.manual_seed(seed)
     rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
     data = features_and_labels(target, rows, tuple(taps))
