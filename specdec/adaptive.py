@@ -205,20 +205,22 @@ class AdaptiveK:
     drafted tokens is taken to cost beyond the measured curve (see _extra_verify_ms). lift: how far
     the prior of a deeper position moves from the estimate at the position before toward 1 (see
     acceptances). explore: standard errors added to the first position's estimate when deciding
-    whether to draft at all (see plan).
+    whether to draft at all (see plan). clock: seconds, read to time a draft model's steps
+    (specdec.replay runs the policy on a simulated one).
 
     Use for_pair() to get the shared instance; raises ValueError for k_max < 1.
     """
 
     def __init__(self, costs: VerifyCosts, k_max: int = 8, decay: float = 0.9, prior: float = 0.5,
                  prior_weight: float = 1.0, probe_after: int = 4, probe_max: int = 64, margin: float = 0.02,
-                 lift: float = 0.5, explore: float = 1.0):
+                 lift: float = 0.5, explore: float = 1.0, clock=time.perf_counter):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
         self.verify, self.k_max, self.decay = costs, k_max, decay
         self.prior, self.prior_weight = prior, prior_weight
         self.probe_after, self.probe_max = probe_after, probe_max
         self.margin, self.lift, self.explore = margin, lift, explore
+        self.clock = clock
         # decayed counts per match class and draft position: drafts whose j-th token was checked
         # after tokens 1..j-1 were accepted, and those whose j-th token was accepted too
         self.reached = [[0.0] * k_max for _ in range(len(MATCH_EDGES) + 1)]
@@ -361,12 +363,12 @@ class AdaptiveK:
                 best, best_m = value, m
         if best_m:
             self.probe_interval = self.probe_after  # drafting pays: probe promptly if it stops paying
-            self._t_last = time.perf_counter()
+            self._t_last = self.clock()
             return cap if incremental else best_m  # keep_going() steers an incremental drafter
         self.plain_streak += 1
         if self.plain_streak >= self.probe_interval:
             self.probing = True
-            self._t_last = time.perf_counter()
+            self._t_last = self.clock()
             # one depth of the drafter's usual draft: a token for a chain, the head's token, its
             # sibling and lookup's for eagle-tree. A one-token tree is a worse draft than the
             # first depth the estimates describe: rejected, it taught the policy that trees do not
@@ -377,7 +379,7 @@ class AdaptiveK:
     def keep_going(self, n_drafted: int, confidence: float) -> bool:
         """Called by an incremental drafter after each drafted token (n_drafted so far, the last
         one's probability under the drafter): draft another? Also times the draft steps."""
-        now = time.perf_counter()
+        now = self.clock()
         step = now - self._t_last
         self._t_last = now
         if n_drafted == 1 and self.fresh:

@@ -37,6 +37,8 @@ from .exactness import first_divergence
 from .models import Model, load_model, resolve_device, synchronize
 from .peers import hf_generate, llama_cpp_generate
 from .registry import REGISTRY
+from .replay import controller, replayable
+from .replay import replay as replay_run
 from .results import SCHEMA
 from .roofline import memory_bandwidth_gbs, roofline
 from .sampling import Sampler, SamplingParams
@@ -176,10 +178,12 @@ def _encode(model: Model, prompt: Prompt) -> list[int]:
 def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens: int, temperature: float,
                peers: list[str], workload: str, peer_k: int = 4, progress: bool = True,
                bandwidth_gbs: float | None = None, draft_dtype: torch.dtype | None = None, repeats: int = 1,
-               **load_kwargs) -> dict:
+               replay: bool = True, **load_kwargs) -> dict:
     """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
-    bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward."""
+    bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward.
+    replay: when greedy and the drafter allows it (specdec.replay), also replay every config on
+    each prompt's plain output under the measured costs: speeds without the machine's noise."""
     target = load_model(pair.target, **load_kwargs)
     draft_model = None
     if pair.draft and pair.drafter == "model":
@@ -207,7 +211,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     if bandwidth_gbs:
         costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=temperature == 0)
 
-    records, peer_rows = [], []
+    records, peer_rows, outputs = [], [], []
     bar = tqdm(total=len(prompts) * (len(ks) + 1 + len(peers)), desc=f"bench {pair.target} / {pair.drafter}",
                disable=not progress)
     for prompt, ids in zip(prompts, encoded):
@@ -218,6 +222,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
                 spec = generate(target, ids, drafter if k else None, k=k, k_max=AUTO_K_MAX, **run)
                 timed.setdefault(str(k) if k else "plain", []).append(spec)
         plain = _median_run(timed["plain"])
+        outputs.append(plain.tokens)
         bar.update()
         runs = {}
         for k in ks:
@@ -257,6 +262,12 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     per_round = [r["other_s"] / r["rounds"] * 1e3 for rec in records
                  for r in [rec["plain"], *rec["runs"].values()] if r["rounds"]]
     costs["overhead_ms"] = statistics.median(per_round)
+    if replay and temperature == 0 and replayable(drafter):
+        policy = controller(costs) if "auto" in ks else None  # carried across prompts, as the engine's
+        for rec, ids, out in tqdm(list(zip(records, encoded, outputs)), desc=f"replay {pair.target} / {pair.drafter}",
+                                  disable=not progress):
+            rec["replay"] = {str(k) if k else "plain": _brief(replay_run(target, ids, out, drafter, k, costs, policy=policy))
+                             for k in [0, *ks]}
     result = {"target": pair.target, "drafter": pair.drafter, "draft": pair.draft,
               "dtype": str(target.hf.dtype).removeprefix("torch."), "backend": target.backend,
               "device": str(target.device),
@@ -267,6 +278,12 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
               and target.hf.dtype == torch.float32 else None}
     result.update(fit(result, ks))
     return result
+
+
+def _brief(stats) -> dict:
+    """What results.json keeps of a replayed run (specdec.replay): simulated speed, rounds, tokens."""
+    return {"decode_tokens_per_s": stats.decode_tokens_per_s, "rounds": stats.rounds, "drafted": stats.drafted,
+            "accepted": stats.accepted, "tau": stats.tau, "mean_k": stats.mean_k}
 
 
 def _padded_rows(model) -> dict[str, int] | None:
@@ -318,8 +335,7 @@ def fit(pair: dict, ks: list[int]) -> dict:
         speed = _quartiles(measured)
         predicted = {"textbook": statistics.median(textbook), "ours": statistics.median(ours)}
         by_category = {}
-        for cat in dict.fromkeys(rec["category"] for rec in records):
-            idx = [i for i, rec in enumerate(records) if rec["category"] == cat]
+        for cat, idx in _categories(records).items():
             pooled = _pooled([runs[i] for i in idx])
             by_category[cat] = {"alpha": pooled["alpha"], "tau": pooled["tau"],
                                 "speedup": statistics.median(measured[i] for i in idx)}
@@ -334,6 +350,13 @@ def fit(pair: dict, ks: list[int]) -> dict:
                       for name, values in (("textbook", textbook), ("ours", ours))},
             "by_category": by_category,
         })
+        if records and all("replay" in rec for rec in records):  # the same runs replayed (specdec.replay)
+            sim = [rec["replay"][str(k)]["decode_tokens_per_s"] / rec["replay"]["plain"]["decode_tokens_per_s"]
+                   for rec in records]
+            configs[-1]["replayed"] = {"speedup": _quartiles(sim),
+                                       "tau": statistics.fmean(rec["replay"][str(k)]["tau"] for rec in records),
+                                       "by_category": {cat: {"speedup": statistics.median(sim[i] for i in idx)}
+                                                       for cat, idx in _categories(records).items()}}
     fixed = [c for c in configs if c["k"] != "auto"]
     best = lambda key: max(fixed, key=key)["k"] if fixed else None  # noqa: E731
     plain_tps = {rec["id"]: rec["plain"]["tokens_per_s"] for rec in records}
@@ -353,32 +376,51 @@ def fit(pair: dict, ks: list[int]) -> dict:
     return {"configs": configs,
             "best_k": {"measured": best_k, "textbook": best(lambda c: c["predicted"]["textbook"]),
                        "ours": best(lambda c: c["predicted"]["ours"])},
-            "auto": _auto_summary(configs, best_k),
+            "auto": _auto_summary(configs),
             "peer_summary": peer_summary}
 
 
-def _auto_summary(configs: list[dict], best_k: int | None) -> dict | None:
-    """How k = "auto" did (issue 5's test): its median speed-up over the best fixed k's, and its
-    speed-up over plain decoding on its worst category."""
-    auto = next((c for c in configs if c["k"] == "auto"), None)
-    if auto is None:
+def _categories(records: list[dict]) -> dict[str, list[int]]:
+    """{category: indices of its prompts}, in order of first appearance."""
+    out: dict[str, list[int]] = {}
+    for i, rec in enumerate(records):
+        out.setdefault(rec["category"], []).append(i)
+    return out
+
+
+def _auto_summary(configs: list[dict], replayed: bool = False) -> dict | None:
+    """How k = "auto" did (issue 5's test): its median speed-up over that of the best fixed k (the
+    fixed k with the best median), its speed-up over plain decoding on its worst category, and
+    per category its speed-up over that category's best fixed k's. replayed: from the replayed
+    speed-ups (specdec.replay), which then also get a summary of their own under "replayed"."""
+    view = (lambda c: c.get("replayed")) if replayed else (lambda c: c)  # noqa: E731
+    auto = next((view(c) for c in configs if c["k"] == "auto"), None)
+    fixed = {c["k"]: view(c) for c in configs if c["k"] != "auto"}
+    if auto is None or not all(fixed.values()):
         return None
-    best = next((c for c in configs if c["k"] == best_k), None)
+    best_k = max(fixed, key=lambda k: fixed[k]["speedup"]["median"], default=None)
     worst = min(auto["by_category"].items(), key=lambda kv: kv[1]["speedup"], default=(None, {"speedup": float("nan")}))
-    return {"vs_best_fixed": auto["speedup"]["median"] / best["speedup"]["median"] if best else float("nan"),
-            "best_fixed_k": best_k, "worst_category": worst[0], "worst_category_vs_plain": worst[1]["speedup"]}
+    per_category = {cat: a["speedup"] / max(f["by_category"][cat]["speedup"] for f in fixed.values())
+                    for cat, a in auto["by_category"].items()} if fixed else {}
+    out = {"vs_best_fixed": auto["speedup"]["median"] / fixed[best_k]["speedup"]["median"] if fixed else float("nan"),
+           "best_fixed_k": best_k, "worst_category": worst[0], "worst_category_vs_plain": worst[1]["speedup"],
+           "vs_best_fixed_by_category": per_category}
+    if not replayed:
+        out["replayed"] = _auto_summary(configs, replayed=True)
+    return out
 
 
 def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[int], max_new_tokens: int,
               temperature: float = 0.0, peers: list[str] = (), quick: bool = False, peer_k: int = 4,
               categories: list[str] | None = None, limit: int | None = None, progress: bool = True,
-              repeats: int = 1, **load_kwargs) -> dict:
+              repeats: int = 1, replay: bool = True, **load_kwargs) -> dict:
     """The whole results dict (schema specdec.bench/1) for the given pairs and prompts.
 
     repeats: how many times each prompt is generated per config (plain, each k), interleaved
     (plain, k1, k2, ..., then k1, k2, ..., plain: each repeat rotates the order); a prompt's
     speed per config is its median run's. More repeats narrow the noise of a shared machine (a
-    speed-up of one 128-token run varies by about 5-10% here). Raises ValueError on bad ks,
+    speed-up of one 128-token run varies by about 5-10% here). replay: also replay every config
+    without noise where that is possible (see bench_pair). Raises ValueError on bad ks,
     repeats < 1 or an empty selection."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
@@ -393,8 +435,10 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
         "environment": {**environment(), "memory_bandwidth_gbs": bandwidth},
         "settings": {"workload": workload, "categories": sorted({p.category for p in prompts}),
                      "limit": limit, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                     "ks": ks, "quick": quick, "repeats": repeats, "peers": list(peers), "peer_k": peer_k},
+                     "ks": ks, "quick": quick, "repeats": repeats, "peers": list(peers), "peer_k": peer_k,
+                     "replay": replay},
         "pairs": [bench_pair(pair, prompts, ks, max_new_tokens, temperature, list(peers), workload,
-                             peer_k=peer_k, progress=progress, bandwidth_gbs=bandwidth, repeats=repeats, **load_kwargs)
+                             peer_k=peer_k, progress=progress, bandwidth_gbs=bandwidth, repeats=repeats, replay=replay,
+                             **load_kwargs)
                   for pair in pairs],
     }

@@ -2,8 +2,8 @@
 
 Up front the environment and the settings, then per (target, drafter) pair: the measured costs,
 one row per draft length k (alpha, tau, acceptance by position, measured speed-up, exactness,
-both predictions and their errors), the best k three ways, speed-up by category, peers, and any
-divergence from plain greedy decoding.
+both predictions and their errors), the best k three ways, speed-up by category, the replayed
+speed-ups (specdec.replay), peers, and any divergence from plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -147,7 +147,34 @@ def _configs(pair: dict) -> list[str]:
         out += ["", f"k = auto (chosen every round, {AUTO_NOTE}): {_x(auto['vs_best_fixed'])} the speed-up of the "
                 f"best fixed k ({auto['best_fixed_k']}); on its worst category ({auto['worst_category']}) "
                 f"{_x(auto['worst_category_vs_plain'])} plain decoding."]
+        again = auto.get("replayed")
+        if again:
+            out += ["", f"Replayed (the same policies on each prompt's plain output, timed by the costs above, "
+                    f"no timing noise; specdec.replay): auto {_x(again['vs_best_fixed'])} the speed-up of the best "
+                    f"fixed k ({again['best_fixed_k']}); on its worst category ({again['worst_category']}) "
+                    f"{_x(again['worst_category_vs_plain'])} plain decoding."]
     return out
+
+
+def _replayed(pair: dict) -> list[str]:
+    """Per category: replayed speed-up of each k, and auto over that category's best fixed k,
+    measured and replayed."""
+    configs = sorted((c for c in pair["configs"] if c.get("replayed")), key=lambda c: k_order(c["k"]))
+    if not configs:
+        return []
+    auto = pair.get("auto") or {}
+    measured, again = auto.get("vs_best_fixed_by_category", {}), (auto.get("replayed") or {}).get("vs_best_fixed_by_category", {})
+    rows = [[cat] + [_x(c["replayed"]["by_category"][cat]["speedup"]) for c in configs]
+            + ([_x(measured.get(cat)), _x(again.get(cat))] if auto else [])
+            for cat in configs[0]["replayed"]["by_category"]]
+    rows.append(["all (median)"] + [_x(c["replayed"]["speedup"]["median"]) for c in configs]
+                + ([_x(auto.get("vs_best_fixed")), _x(again.get("vs_best_fixed"))] if auto else []))
+    header = ["category"] + [f"replayed k={c['k']}" for c in configs] + (
+        ["auto / best fixed k, measured", "auto / best fixed k, replayed"] if auto else [])
+    return ["### Replayed speed-up by category", "",
+            "Each config replayed on the prompt's plain greedy output: the rounds a real run makes (the drafter "
+            "runs), timed by the measured costs instead of the clock (specdec.replay). The best fixed k is "
+            "each category's own.", ""] + _table(header, rows)
 
 
 def _categories(pair: dict) -> list[str]:
@@ -214,7 +241,7 @@ def markdown_report(results: dict) -> str:
     for pair in results["pairs"]:
         out += ["", f"## {_pair_name(pair)}", "",
                 f"dtype {pair['dtype']}, device {pair.get('device', 'cpu')}, workload {pair['workload']}, {len(pair['prompts'])} prompts.", ""]
-        for section in (_costs(pair), _configs(pair), _categories(pair), _peers(pair), _divergences(pair)):
+        for section in (_costs(pair), _configs(pair), _categories(pair), _replayed(pair), _peers(pair), _divergences(pair)):
             if section:
                 out += section + [""]
     return "\n".join(out).rstrip() + "\n"

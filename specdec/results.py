@@ -11,7 +11,7 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                       "memory_bandwidth_gbs": float},   # measured at the start of the run;
                       # git_commit ends in "-dirty" when specdec's files differ from it
       "settings": {"workload": str, "categories": [str], "limit": int, "max_new_tokens": int,
-                   "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int},
+                   "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int, "replay": bool},
       "pairs": [{
         "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
         "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
@@ -36,7 +36,11 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                                                   "divergence": null | {"position": int,
                                                    "plain_token": int, "other_token": int,
                                                    "logit_gap": float,
-                                                   "logit_ulp": float}}}  # absent in older files
+                                                   "logit_ulp": float}}},  # absent in older files
+          "replay": {"plain" | "<k>": {"decode_tokens_per_s": float, "rounds": int, "drafted": int,
+                     "accepted": int, "tau": float, "mean_k": float}}   # specdec.replay: simulated
+                     # speeds; absent when not greedy, for a drafter that reads the target's cache,
+                     # with --no-replay, and in older files
         }],
         "peers": [{"name": str, "prompt_id": str, "tokens_per_s": float, "identical": bool | null,
                    "error": str | null}],
@@ -47,11 +51,15 @@ read only this file and never run a model. Schema `specdec.bench/1`:
           "identical": [int, int],      # [identical prompts, prompts] (greedy only)
           "predicted": {"textbook": float, "ours": float},
           "error": {"textbook": float, "ours": float},   # median over prompts of (predicted - measured) / measured
-          "by_category": {"<category>": {"alpha": float, "tau": float, "speedup": float}}
+          "by_category": {"<category>": {"alpha": float, "tau": float, "speedup": float}},
+          "replayed": {"speedup": {as above}, "tau": float,      # when the prompts have "replay"
+                       "by_category": {"<category>": {"speedup": float}}}
         }],
         "best_k": {"measured": int, "textbook": int, "ours": int},   # among the fixed k
         "auto": null | {"vs_best_fixed": float, "best_fixed_k": int,   # k = "auto", when run:
-                        "worst_category": str, "worst_category_vs_plain": float},
+                        "worst_category": str, "worst_category_vs_plain": float,
+                        "vs_best_fixed_by_category": {"<category>": float},  # over that category's best
+                        "replayed": null | {the same fields, from the replayed speed-ups}},
         "peer_summary": [{"name": str, "vs_plain": float, "vs_speculative": float, "identical": [int, int]}]
       }]
     }

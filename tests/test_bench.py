@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdec import costmodel, gemv, results
-from specdec.bench import Pair, fit, git_commit, run_bench
+from specdec.bench import Pair, _auto_summary, fit, git_commit, run_bench
 from specdec.cli import main
 from specdec.stats import RunStats
 from specdec.workloads import load_workload
@@ -75,6 +75,27 @@ def test_fit_on_the_stored_results_is_reproducible():
     assert again["best_k"] == pair["best_k"]
 
 
+def test_auto_is_compared_with_each_categorys_best_fixed_k_measured_and_replayed():
+    def config(k, med, cats, replayed=None):
+        c = {"k": k, "speedup": {"median": med}, "by_category": {cat: {"speedup": x} for cat, x in cats.items()}}
+        if replayed:
+            c["replayed"] = config(k, *replayed)
+        return c
+
+    configs = [config(2, 1.3, {"a": 1.1, "b": 1.5}, (1.2, {"a": 1.2, "b": 1.2})),
+               config(4, 1.2, {"a": 0.9, "b": 2.2}, (1.25, {"a": 1.0, "b": 1.5})),
+               config("auto", 1.4, {"a": 1.0, "b": 2.0}, (1.3, {"a": 1.2, "b": 1.5}))]
+    summary = _auto_summary(configs)
+    assert summary["best_fixed_k"] == 2 and summary["vs_best_fixed"] == pytest.approx(1.4 / 1.3)
+    assert summary["worst_category"] == "a" and summary["worst_category_vs_plain"] == 1.0
+    assert summary["vs_best_fixed_by_category"] == pytest.approx({"a": 1.0 / 1.1, "b": 2.0 / 2.2})
+    again = summary["replayed"]
+    assert again["best_fixed_k"] == 4 and again["vs_best_fixed"] == pytest.approx(1.3 / 1.25)
+    assert again["vs_best_fixed_by_category"] == pytest.approx({"a": 1.0, "b": 1.0})
+    del configs[0]["replayed"]  # not every config replayed: no replayed summary
+    assert _auto_summary(configs)["replayed"] is None
+
+
 def test_pair_parsing():
     assert Pair.parse("a") == Pair("a", "prompt-lookup", None)
     assert Pair.parse("a:model:b") == Pair("a", "model", "b")
@@ -105,6 +126,15 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
             assert not math.isnan(config["predicted"]["ours"])
             assert set(config["by_category"]) == {"qa", "summarization"}
     assert model["configs"][0]["alpha"] == 1.0  # a draft identical to the target is always right
+    for pair in (lookup, model):  # replayed: the measured runs' rounds, timed by the measured costs
+        for rec in pair["prompts"]:
+            for k in ("1", "3"):
+                assert rec["replay"][k]["rounds"] == rec["runs"][k]["rounds"]
+                assert rec["replay"][k]["accepted"] == rec["runs"][k]["accepted"]
+            assert rec["replay"]["plain"]["rounds"] == rec["plain"]["rounds"]
+        for config in pair["configs"]:
+            assert set(config["replayed"]["by_category"]) == {"qa", "summarization"}
+            assert config["replayed"]["speedup"]["median"] > 0
     assert lookup["backend"] == "lean" and model["draft_dtype"] == "float32"
     assert lookup["products"] == gemv.status() and ("specdec gemv" in gemv.status() or "oneDNN" in gemv.status())
     roof = lookup["costs"]["roofline"]
