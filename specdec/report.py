@@ -163,9 +163,10 @@ def _replayed(pair: dict) -> list[str]:
     if not configs:
         return []
     auto = pair.get("auto") or {}
-    measured, again = auto.get("vs_best_fixed_by_category", {}), (auto.get("replayed") or {}).get("vs_best_fixed_by_category", {})
+    again = auto.get("replayed") or {}
+    measured, replayed = auto.get("vs_best_fixed_by_category", {}), again.get("vs_best_fixed_by_category", {})
     rows = [[cat] + [_x(c["replayed"]["by_category"][cat]["speedup"]) for c in configs]
-            + ([_x(measured.get(cat)), _x(again.get(cat))] if auto else [])
+            + ([_x(measured.get(cat)), _x(replayed.get(cat))] if auto else [])
             for cat in configs[0]["replayed"]["by_category"]]
     rows.append(["all (median)"] + [_x(c["replayed"]["speedup"]["median"]) for c in configs]
                 + ([_x(auto.get("vs_best_fixed")), _x(again.get("vs_best_fixed"))] if auto else []))

@@ -147,12 +147,16 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
 
 def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["bench", "--pair", str(model_dir), "--workload", str(workload), "--limit", "1", "--k", "1,2",
+    args = ["bench", "--pair", str(model_dir), "--workload", str(workload), "--limit", "1", "--k", "1,2,auto",
             "--max-new-tokens", "6", "--peers", "none", "--out", str(out), "--backend", "hf", "--repeats", "3"]
     assert main(args) == 0
     assert "identical" in capsys.readouterr().out
     res = results.load(out / "results.json")
-    assert res["settings"]["ks"] == [1, 2] and (out / "report.md").read_text().startswith("#")
+    report = (out / "report.md").read_text()
+    assert res["settings"]["ks"] == [1, 2, "auto"] and report.startswith("#")
+    # auto against the best fixed k, measured and replayed, on the median row of the replay table
+    ratios = [line for line in report.splitlines() if line.startswith("| all (median)")][0].split("|")[-3:-1]
+    assert all(cell.strip().endswith("x") for cell in ratios), ratios
     assert res["settings"]["repeats"] == 3
     for rec in res["pairs"][0]["prompts"]:
         for run in [rec["plain"], *rec["runs"].values()]:  # each config's speed is its median run's
