@@ -79,7 +79,7 @@ def replay(target: Model, prompt: list[int], output: list[int], drafter: Drafter
         raise ValueError(f"k (draft length) must be an integer >= 0 or 'auto', got {k!r}")
     if not replayable(drafter):
         raise ValueError(f"{type(drafter).__name__} reads the target's KV cache, which a replay does not run: "
-                         "bench it without --replay")
+                         "measure it with specdec bench, which replays only the drafters it can")
     if drafter is None:
         k = 0
     auto = k == "auto"
