@@ -33,7 +33,7 @@ def test_a_fixed_k_replays_the_engines_rounds_exactly(run, draft_model, name, k)
     assert (again.new_tokens, again.drafted, again.accepted) == (real.new_tokens, real.drafted, real.accepted)
 
 
-def test_replayed_time_is_the_measured_costs_of_the_rounds(run, draft_model):
+def test_replayed_time_is_the_measured_costs_of_the_rounds(run):
     target, prompt, plain = run
     stats = replay(target, prompt, plain, None, 0, COSTS)
     assert stats.rounds == len(plain) == stats.new_tokens
