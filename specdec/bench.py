@@ -37,8 +37,7 @@ from .exactness import first_divergence
 from .models import Model, load_model, resolve_device, synchronize
 from .peers import hf_generate, llama_cpp_generate
 from .registry import REGISTRY
-from .replay import controller, replayable
-from .replay import replay as replay_run
+from .replay import controller, replayable, replay as replay_run
 from .results import SCHEMA
 from .roofline import memory_bandwidth_gbs, roofline
 from .sampling import Sampler, SamplingParams
@@ -388,26 +387,30 @@ def _categories(records: list[dict]) -> dict[str, list[int]]:
     return out
 
 
-def _auto_summary(configs: list[dict], replayed: bool = False) -> dict | None:
-    """How k = "auto" did (issue 5's test): its median speed-up over that of the best fixed k (the
-    fixed k with the best median), its speed-up over plain decoding on its worst category, and
-    per category its speed-up over that category's best fixed k's. replayed: from the replayed
-    speed-ups (specdec.replay), which then also get a summary of their own under "replayed"."""
-    view = (lambda c: c.get("replayed")) if replayed else (lambda c: c)  # noqa: E731
-    auto = next((view(c) for c in configs if c["k"] == "auto"), None)
-    fixed = {c["k"]: view(c) for c in configs if c["k"] != "auto"}
-    if auto is None or not all(fixed.values()):
+def _auto_summary(configs: list[dict]) -> dict | None:
+    """How k = "auto" did (issue 5's test), from the measured speed-ups and, under "replayed", from
+    the replayed ones when every config has them (specdec.replay); see _auto_versus_fixed."""
+    auto = next((c for c in configs if c["k"] == "auto"), None)
+    if auto is None:
         return None
+    fixed = {c["k"]: c for c in configs if c["k"] != "auto"}
+    replayed = None
+    if auto.get("replayed") and all(c.get("replayed") for c in fixed.values()):
+        replayed = _auto_versus_fixed(auto["replayed"], {k: c["replayed"] for k, c in fixed.items()})
+    return {**_auto_versus_fixed(auto, fixed), "replayed": replayed}
+
+
+def _auto_versus_fixed(auto: dict, fixed: dict) -> dict:
+    """auto's speed-ups ({"speedup": {"median"}, "by_category": {cat: {"speedup"}}}) against the fixed
+    k's ({k: the same}): its median over that of the best fixed k (the best median), its speed-up
+    over plain decoding on its worst category, and per category its speed-up over that category's
+    best fixed k's."""
     best_k = max(fixed, key=lambda k: fixed[k]["speedup"]["median"], default=None)
     worst = min(auto["by_category"].items(), key=lambda kv: kv[1]["speedup"], default=(None, {"speedup": float("nan")}))
-    per_category = {cat: a["speedup"] / max(f["by_category"][cat]["speedup"] for f in fixed.values())
-                    for cat, a in auto["by_category"].items()} if fixed else {}
-    out = {"vs_best_fixed": auto["speedup"]["median"] / fixed[best_k]["speedup"]["median"] if fixed else float("nan"),
-           "best_fixed_k": best_k, "worst_category": worst[0], "worst_category_vs_plain": worst[1]["speedup"],
-           "vs_best_fixed_by_category": per_category}
-    if not replayed:
-        out["replayed"] = _auto_summary(configs, replayed=True)
-    return out
+    return {"vs_best_fixed": auto["speedup"]["median"] / fixed[best_k]["speedup"]["median"] if fixed else float("nan"),
+            "best_fixed_k": best_k, "worst_category": worst[0], "worst_category_vs_plain": worst[1]["speedup"],
+            "vs_best_fixed_by_category": {cat: a["speedup"] / max(f["by_category"][cat]["speedup"] for f in fixed.values())
+                                          for cat, a in auto["by_category"].items()} if fixed else {}}
 
 
 def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[int], max_new_tokens: int,

@@ -16,7 +16,6 @@ One round, as in gpt-fast and Leviathan et al. 2023:
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -25,7 +24,7 @@ import torch
 
 from .adaptive import AdaptiveK
 from .cache import new_cache
-from .drafters import Draft, Drafter, make_drafter
+from .drafters import Draft, Drafter, make_drafter, steerable
 from .errors import ContextLengthError
 from .models import Model, synchronize
 from .sampling import Sampler, SamplingParams, processed_probs
@@ -96,7 +95,7 @@ def generate(
     adaptive = AdaptiveK.for_pair(target, drafter, k_max) if k == "auto" else None
     if adaptive:
         adaptive.begin()
-    incremental = adaptive is not None and "keep_going" in inspect.signature(drafter.propose).parameters
+    incremental = adaptive is not None and steerable(drafter)
     generator = torch.Generator()
     if seed is None:
         seed = generator.seed()

@@ -12,8 +12,8 @@ takes draft(m) (draft_catchup(m) after a round that accepted all it drafted), ve
 tokens V(n + 1), and every round `overhead_ms`. The drafter runs for real (its drafts, a draft
 model's confidences, auto's early stops); only the clock is simulated. Two policies' replayed
 speeds thus differ by their choices alone, where the measured ones also differ by the machine:
-one prompt's repeated runs spread by 5-20% on the shared 2-core host these figures come from,
-more than the 3% that issue 5's per-category test asks to resolve.
+one prompt's repeated runs spread by 5-20% (SmolLM2-135M and Qwen2.5-Coder-1.5B fp32, Spec-Bench
+dev, a shared 2-core EPYC), more than the 3% that issue 5's per-category test asks to resolve.
 
 What a replay leaves out: the verify curve is the one measured at the bench's typical context
 (the engine's own curve follows the context length); drafters that read the target's KV cache
@@ -24,13 +24,11 @@ near-tied argmaxes) can differ with the history of its cache and the row padding
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from .adaptive import AdaptiveK, VerifyCosts
 from .costmodel import draft_ms_at, verify_ms
-from .drafters import Draft, Drafter
+from .drafters import Draft, Drafter, steerable
 from .engine import AUTO_K_MAX, _usable
 from .models import Model
 from .sampling import Sampler, SamplingParams
@@ -70,8 +68,8 @@ def replay(target: Model, prompt: list[int], output: list[int], drafter: Drafter
     (plain greedy decoding's new tokens after `prompt`, an EOS included), timed by `costs`.
 
     k: a draft length >= 0 (0: plain decoding) or "auto", then policy (default: a fresh
-    controller(costs, k_max); pass one to carry its estimates across prompts, as the engine does
-    per drafter). costs: bench's measure_costs dict, its overhead_ms filled in. Returns a RunStats
+    controller(costs, k_max); pass one from controller() to carry its estimates across prompts, as
+    the engine does per drafter; the replay sets its clock, so not the engine's own). costs: bench's measure_costs dict, its overhead_ms filled in. Returns a RunStats
     whose times are simulated seconds (prefill 0), so decode_tokens_per_s is the replayed speed
     (tokens/s), and whose rounds, drafted and accepted tokens are those a real run would have.
     Raises ValueError for a bad k or a drafter that reads the target's KV cache."""
@@ -83,7 +81,7 @@ def replay(target: Model, prompt: list[int], output: list[int], drafter: Drafter
     if drafter is None:
         k = 0
     auto = k == "auto"
-    stepwise = drafter is not None and "keep_going" in inspect.signature(drafter.propose).parameters
+    stepwise = steerable(drafter)
     clock = _Clock()
     if auto:
         policy = policy or controller(costs, k_max)

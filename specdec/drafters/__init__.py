@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-from .base import Draft, Drafter
+from .base import Draft, Drafter, steerable
 from .eagle import EagleDrafter
 from .layerskip import LayerSkipDrafter
 from .lookup import PromptLookup
@@ -34,4 +34,4 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     return DRAFTERS[name](**kwargs)
 
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "EagleDrafter", "LayerSkipDrafter", "ModelDrafter", "PromptLookup", "RandomDrafter", "SuffixDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "Draft", "Drafter", "EagleDrafter", "LayerSkipDrafter", "ModelDrafter", "PromptLookup", "RandomDrafter", "SuffixDrafter", "make_drafter", "steerable"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -122,3 +123,8 @@ class Drafter(Protocol):
     def prepare(self, target: Model) -> None: ...
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft: ...
+
+
+def steerable(drafter: Drafter | None) -> bool:
+    """Whether a drafter takes `keep_going` (drafts token by token; k="auto" steers it, see Drafter)."""
+    return drafter is not None and "keep_going" in inspect.signature(drafter.propose).parameters
