@@ -8,7 +8,7 @@ from specdec.drafters import Draft, make_drafter
 from specdec.engine import generate
 from specdec.replay import controller, replay
 
-from .conftest import prompt_ids
+from .conftest import make_model, prompt_ids
 
 # A steep verify curve (each drafted token verified costs 40% of a step) and a cheap draft step.
 COSTS = {"context_tokens": 20, "verify_ms": {str(n): 10.0 + 4.0 * (n - 1) for n in range(1, 10)},
@@ -82,3 +82,29 @@ def test_replay_refuses_what_it_cannot_run(run):
         replay(target, prompt, plain, make_drafter("prompt-lookup"), -1, COSTS)
     with pytest.raises(ValueError, match="reads the target's KV cache"):
         replay(target, prompt, plain, make_drafter("eagle", head="no-such-head.safetensors"), 2, COSTS)
+
+
+def test_auto_drafts_deep_again_after_prompts_that_left_deep_positions_looking_bad():
+    """Deep positions' estimates change only when a draft reaches them. A policy that earlier
+    prompts left believing positions 2..8 are accepted 1 time in 4 (8 drafts each) drafted 2
+    tokens a round forever with an always-right draft model; the optimism of acceptances()
+    (UCB at every position) drafts deep again, as a fresh policy does. Flat verify curve."""
+    target = make_model("llama", seed=1)
+    prompt = prompt_ids(20)
+    plain = generate(target, prompt, None, max_new_tokens=60, temperature=0.0).tokens
+    flat = {**COSTS, "verify_ms": {str(n): 10.0 + 1.0 * (n - 1) for n in range(1, 10)}}
+
+    def speed(explore: float, pessimistic: bool):
+        policy = controller(flat, explore=explore)
+        if pessimistic:
+            policy.reached[0][0], policy.accepted[0][0] = 8.0, 6.0
+            for j in range(1, 8):
+                policy.reached[0][j], policy.accepted[0][j] = 8.0, 2.0
+        stats = replay(target, prompt, plain, make_drafter("model", draft=target), "auto", flat, policy=policy)
+        return stats.decode_tokens_per_s, max(stats.k_per_round)
+
+    fresh, _ = speed(1.0, pessimistic=False)
+    stuck, stuck_k = speed(0.0, pessimistic=True)
+    recovered, recovered_k = speed(1.0, pessimistic=True)
+    assert stuck_k <= 2 and stuck < 0.8 * fresh  # the trap, with the optimism off
+    assert recovered_k == 8 and recovered >= 0.95 * fresh
