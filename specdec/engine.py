@@ -16,6 +16,7 @@ One round, as in gpt-fast and Leviathan et al. 2023:
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -123,6 +124,8 @@ def generate(
     stats.prefill_s = time.perf_counter() - start
 
     tokens = list(prompt)  # committed: prompt + output
+    long_match = getattr(drafter, "long_match", None) if params.greedy else None  # eagle-tree's (see AdaptiveK.plan)
+    match = functools.partial(long_match, tokens) if long_match else None
     out: list[int] = []
     while not stats.stop_reason:
         budget, room = max_new_tokens - len(out), n_ctx - len(tokens)
@@ -134,7 +137,7 @@ def generate(
         kk = min(k_max if adaptive else k, budget - 1, room - 1)
         if adaptive:
             adaptive.verify.at(len(tokens))
-            kk = adaptive.plan(kk, incremental)
+            kk = adaptive.plan(kk, incremental, match)
         t0 = time.perf_counter()
         if kk <= 0:
             draft = Draft([])

@@ -217,6 +217,24 @@ def test_a_trees_probe_is_one_depth_and_rounds_learn_under_their_match_class():
     assert fresh.acceptance(1) == pytest.approx(fresh.prior)  # the head's trees (class 0): untouched
 
 
+
+def test_a_long_match_is_judged_by_its_own_class_and_looked_for_only_when_the_head_does_not_pay():
+    """plan(match=...): eagle-tree may propose a lookup match alone; when its head's trees do not
+    pay, the match's class decides (and the match is looked for only then)."""
+    v = {1: 10.0, 2: 10.5, 3: 11.0}
+    looked = []
+
+    def match():
+        looked.append(12)
+        return 12
+
+    hopeless = controller(v, [0.0] * 8)  # the head's trees: never right
+    for _ in range(100):
+        hopeless._learn(match_class(12), 2, 2)  # 12-token matches: always right
+    assert hopeless.plan(2, incremental=True, match=lambda: None) == 0  # no long match: plain
+    assert hopeless.plan(2, incremental=True, match=match) == 2 and looked == [12]
+    assert controller(v, [0.9] * 8).plan(2, incremental=True, match=match) == 2 and looked == [12]
+
 def test_an_uncertain_first_position_is_given_the_benefit_of_the_doubt():
     """Near break-even, an estimate from a few drafted rounds is read optimistically (UCB): the
     same 0.25 acceptance drafts when it rests on 3 rounds and not when it rests on 1000, and a
@@ -399,7 +417,7 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
     adaptive._VERIFY_COSTS[target] = SteepCosts()
     ctl = AdaptiveK.for_pair(target, drafter)
 
-    def always_draft(cap: int, incremental: bool) -> int:
+    def always_draft(cap: int, incremental: bool, match=None) -> int:
         ctl.confidence, ctl.probing, ctl.cap, ctl.rho = [], False, cap, 0.1  # rho: plain decoding's tokens/ms
         return cap
 

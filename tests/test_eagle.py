@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec import generate
+from specdec.adaptive import AdaptiveK, match_class
 from specdec.bench import measure_costs
 from specdec.cache import LeanKVCache
 from specdec.drafters import EagleDrafter
@@ -298,3 +299,26 @@ def test_train_with_taps_reads_the_tapped_layers(target, tmp_path):
     assert head.fuse.weight.shape == (64, 3 * 64)
     with pytest.raises(ValueError, match="decoder layers"):
         train_head(target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, taps=[7])
+
+
+def test_auto_proposes_a_long_lookup_match_even_when_the_heads_trees_do_not_pay(target, head):
+    """k="auto" decides whether to draft at all before the drafter runs. eagle-tree proposes a
+    lookup match of LONG_MATCH or more tokens alone, so that choice must read the match's own
+    estimates (AdaptiveK.plan's match): a policy that has learnt the head's trees are never right
+    used to leave a prompt that repeats itself to plain rounds."""
+    prompt = [1] + list(range(3, 15)) * 3  # the end of the context matches earlier text 24 tokens long
+    plain = generate(target, prompt, None, max_new_tokens=20).tokens
+    drafter = EagleDrafter(head, alternatives=1, lookup=True)
+    drafter.prepare(target)
+    assert drafter.long_match(prompt) >= EagleDrafter.LONG_MATCH
+    assert EagleDrafter(head, alternatives=1).long_match(prompt) is None  # no lookup: no match
+    generate(target, prompt, drafter, k="auto", max_new_tokens=2)  # times the verify curve
+    ctl = AdaptiveK.for_pair(target, drafter, 8)
+    ctl.reached = [[0.0] * 8 for _ in ctl.reached]  # nothing known of lookup's matches
+    ctl.accepted = [[0.0] * 8 for _ in ctl.accepted]
+    ctl.reached[0] = [1000.0] * 8  # the head's trees (class 0): never right in 1000 rounds
+    ctl.probe_interval = ctl.probe_max  # and its probes backed off
+    out = generate(target, prompt, drafter, k="auto", max_new_tokens=20)
+    assert out.tokens == plain
+    long = range(match_class(EagleDrafter.LONG_MATCH), len(ctl.reached))
+    assert out.stats.drafted > 0 and sum(ctl.reached[c][0] for c in long) > 0  # learned under its class

@@ -83,6 +83,15 @@ class EagleDrafter:
         if self.head is not None and self.head.taps:
             kv.tap(self.head.taps)
 
+    def long_match(self, context: list[int]) -> int | None:
+        """The length of lookup's match when propose() would propose it alone (at least
+        LONG_MATCH tokens; greedy decoding), else None. Free (no model runs): k="auto" reads it
+        before deciding to draft at all (AdaptiveK.plan)."""
+        if self.lookup is None:
+            return None
+        length = self.lookup.propose(context, 1, None).match_length or 0
+        return length if length >= self.LONG_MATCH else None
+
     @torch.inference_mode()
     def propose(self, context: list[int], k: int, sampler: Sampler,
                 keep_going: Callable[[int, float], bool] | None = None) -> Draft:
