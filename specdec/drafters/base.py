@@ -118,6 +118,10 @@ class Drafter(Protocol):
 
     A drafter that reads the target's own state may define attach(kv): the engine calls it with
     the target's KV cache (specdec.cache) once it exists, after prepare().
+
+    A drafter that sometimes proposes a lookup match alone instead of its usual draft may define
+    long_match(context) -> int | None, that match's length (free to compute); k="auto" reads it
+    when its usual draft does not pay (EagleDrafter, AdaptiveK.plan).
     """
 
     def prepare(self, target: Model) -> None: ...
