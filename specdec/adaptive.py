@@ -282,9 +282,10 @@ class AdaptiveK:
         unlucky streak stopped all drafting for most of a generation (eagle-tree, SmolLM2 fp32,
         2-core EPYC, MT-bench coding and stem: 126 plain rounds of 128 where k = 4 read 1.04x /
         1.11x plain); at deeper ones, two low-acceptance prompts left the Qwen pair (2.5-Coder
-        1.5B fp32 target, 0.5B bf16 draft) drafting one token a round through 82 of 85 rounds of
-        Spec-Bench reasoning, math and coding (math: 31 of 32 drafts accepted). A drafter that is
-        never right has a small estimate and a smaller error, and stays plain."""
+        1.5B fp32 target on the lean backend, 0.5B bf16 draft, 2-core EPYC) drafting one token a
+        round through 82 of 85 rounds of Spec-Bench dev reasoning, math and coding, 64 tokens each
+        (math: 31 of 32 drafts accepted). A drafter that is never right has a small estimate and
+        a smaller error, and stays plain."""
         lift = 0.0 if self.shadowing else self.lift
         out, estimate = [], self.prior
         for i in range(min(n, self.k_max)):
@@ -363,8 +364,9 @@ class AdaptiveK:
         read only when the usual draft is not worth drafting: such a draft is judged by its own
         match class, and is free to draft. Otherwise a plain round never looked for it, and once
         the head's trees stopped paying and probes had backed off, a long copyable match went
-        unproposed (eagle-tree, SmolLM2 fp32, 2-core EPYC, Spec-Bench extraction: 2 drafted
-        rounds in 128, 1.00x plain, where the same policy drafted it at 2.8x in another run)."""
+        unproposed (eagle-tree, SmolLM2-135M fp32 on the lean backend, 2-core EPYC, Spec-Bench dev
+        extraction, 128 tokens: 2 tokens drafted in 126 rounds, 1.00x plain, where another run of
+        the same policy reached 2.8x)."""
         self.confidence, self.probing = [], False
         if cap <= 0:
             return 0
@@ -381,7 +383,8 @@ class AdaptiveK:
         best_m = self._deepest_worth(self.acceptances(cap, optimistic=True), incremental)  # UCB: see acceptances()
         length = match() if match is not None and not best_m else None
         if length:
-            best_m = self._deepest_worth(self.acceptances(cap, match_class(length), optimistic=True), False)
+            best_m = self._deepest_worth(self.acceptances(cap, match_class(length), optimistic=True),
+                                         incremental=False)  # lookup's draft: no draft steps to pay
         if best_m:
             self.probe_interval = self.probe_after  # drafting pays: probe promptly if it stops paying
             self._t_last = self.clock()

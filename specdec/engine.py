@@ -124,8 +124,8 @@ def generate(
     stats.prefill_s = time.perf_counter() - start
 
     tokens = list(prompt)  # committed: prompt + output
-    long_match = getattr(drafter, "long_match", None) if params.greedy else None  # eagle-tree's (see AdaptiveK.plan)
-    match = functools.partial(long_match, tokens) if long_match else None
+    long_match = getattr(drafter, "long_match", None) if adaptive and params.greedy else None
+    match = functools.partial(long_match, tokens) if long_match else None  # eagle-tree's, see AdaptiveK.plan
     out: list[int] = []
     while not stats.stop_reason:
         budget, room = max_new_tokens - len(out), n_ctx - len(tokens)
