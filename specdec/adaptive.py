@@ -22,7 +22,7 @@ Estimates, all learned online while generating:
   j > 1, the estimate at j - 1, lifted halfway toward 1 for drafts that are not shadow-verified:
   acceptance runs in streaks, and such a draft's deep positions are seen only when the policy
   drafts them); when the drafter reports its confidence in each token (its probability for it),
-  acceptance per confidence bin.
+  acceptance per confidence bin (decayed, like a position's, only in rounds that reach it).
 
 A drafter that proposes all at once and cheaply (prompt lookup, suffix matching) is asked for a
 full draft every round, which is then cut to its best length, maybe 0. Such a draft is
@@ -197,8 +197,8 @@ _CONTROLLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft
 class AdaptiveK:
     """The per-round draft-length policy of `generate(..., k="auto")` for one (drafter, target).
 
-    k_max: the longest draft of a round (>= 1). decay: weight kept by a draft position's old
-    acceptance counts each time a draft reaches it (0.9: about the last 10 such drafts). prior:
+    k_max: the longest draft of a round (>= 1). decay: weight kept by a draft position's (or a
+    confidence bin's) old acceptance counts each time a draft reaches it (0.9: about the last 10 such drafts). prior:
     acceptance assumed before any round, worth prior_weight rounds. probe_after: plain rounds
     before a one-token probe (one depth of a tree); it doubles after each probe, up to probe_max,
     and resets when the policy chooses to draft again. margin: the part of V(1) any verify of
@@ -483,13 +483,7 @@ class AdaptiveK:
             self.draft_token_ms = self._ema(self.draft_token_ms, draft_ms / requested)
         if n_verified and not self.shadowing:  # a shadowed draft is learned from in resolve()
             self._learn(match_class(match_length), min(depth, n_accepted + 1), n_accepted)
-            self.bin_reached = [x * self.decay for x in self.bin_reached]
-            self.bin_accepted = [x * self.decay for x in self.bin_accepted]
-            for j in range(min(depth, n_accepted + 1)):
-                if j < len(self.confidence):
-                    b = _bin(self.confidence[j])
-                    self.bin_reached[b] += 1
-                    self.bin_accepted[b] += j < n_accepted
+            self._learn_bins(self.confidence[: min(depth, n_accepted + 1)], n_accepted)
             if self.probing:  # an accepted probe need not make drafting pay (costs): back off until plan() drafts
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max)
             self.plain_streak = 0
@@ -504,6 +498,23 @@ class AdaptiveK:
             i = min(j, self.k_max - 1)
             self.reached[cls][i] = self.reached[cls][i] * self.decay + 1
             self.accepted[cls][i] = self.accepted[cls][i] * self.decay + (j < accepted)
+
+    def _learn_bins(self, confidences: list[float], accepted: int) -> None:
+        """One draft's checked tokens, by the drafter's confidence in each: the first `accepted` were
+        accepted. As for draft positions (_learn), a bin's counts decay only in rounds that reach
+        it: decayed every round, a rarely seen bin (the low-confidence tokens of a good draft model)
+        faded back to its prior, the confidence itself, and the policy stopped drafting at tokens
+        the target accepted far more often than that. Bins decaying only when reached lifted the
+        Qwen pair (2.5-Coder 1.5B fp32 target on the lean backend, 0.5B bf16 draft, 2-core EPYC,
+        Spec-Bench dev, 4 prompts x 128 tokens per category, replayed) on translation from 0.96x to
+        1.03x the best fixed k, and on qa from 0.99x to 1.01x."""
+        for b in {_bin(c) for c in confidences}:
+            self.bin_reached[b] *= self.decay
+            self.bin_accepted[b] *= self.decay
+        for j, confidence in enumerate(confidences):
+            b = _bin(confidence)
+            self.bin_reached[b] += 1
+            self.bin_accepted[b] += j < accepted
 
     def resolve(self, sequence: list[int], final: bool = False) -> None:
         """Shadow verification: check the pending free drafts against the committed `sequence`

@@ -306,6 +306,26 @@ def test_draft_model_stops_at_low_confidence_and_cuts_a_greedy_draft():
     assert ctl.cut([4, 5, 6], deterministic=False) == 3  # a sampled draft is never cut by its contents
 
 
+def test_a_rarely_reached_confidence_bin_keeps_its_estimate():
+    """A good draft model's low-confidence tokens are rare: their bin's counts must not fade back to
+    the prior (the confidence itself) through the many rounds that never reach it, or the policy
+    stops drafting at tokens the target mostly accepts (the Qwen pair on Spec-Bench translation)."""
+    ctl = controller({n: 10.0 for n in range(1, 10)}, [0.9] * 8)
+    for _ in range(10):  # tokens the draft gave 10% are accepted
+        ctl.confidence = [0.99, 0.1]
+        ctl.observe(2, 2, 10.0, 2.0, 0.0, 2, incremental=True)
+    for _ in range(60):  # then many confident drafts, all accepted
+        ctl.confidence = [0.99] * 3
+        ctl.observe(3, 3, 10.0, 3.0, 0.0, 3, incremental=True)
+    assert ctl.confident_acceptance(0.1) > 0.85
+    ctl.confidence = [0.99, 0.1]
+    ctl.observe(2, 1, 10.0, 2.0, 0.0, 2, incremental=True)  # one rejection moves it by a tenth
+    assert 0.7 < ctl.confident_acceptance(0.1) < 0.85
+    ctl.draft_first_ms = ctl.draft_step_ms = 1.0
+    assert ctl.plan(8, incremental=True) == 8
+    assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.1)  # so a 10% token is drafted past
+
+
 def test_a_draft_not_worth_verifying_is_not_drafted_deeper():
     """Going on drafting must beat what stopping now is worth, a plain round included: a first
     token the drafter barely believes (its one extra verified token costs 3 ms) is not worth
