@@ -504,7 +504,7 @@ class AdaptiveK:
         accepted. As for draft positions (_learn), a bin's counts decay only in rounds that reach
         it: decayed every round, a rarely seen bin (the low-confidence tokens of a good draft model)
         faded back to its prior, the confidence itself, and the policy stopped drafting at tokens
-        the target accepted far more often than that. Bins decaying only when reached lifted the
+        the target accepted more often than that. Bins decaying only when reached lifted the
         Qwen pair (2.5-Coder 1.5B fp32 target on the lean backend, 0.5B bf16 draft, 2-core EPYC,
         Spec-Bench dev, 4 prompts x 128 tokens per category, replayed) on translation from 0.96x to
         1.03x the best fixed k, and on qa from 0.99x to 1.01x."""
