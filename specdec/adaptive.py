@@ -198,8 +198,8 @@ class AdaptiveK:
     """The per-round draft-length policy of `generate(..., k="auto")` for one (drafter, target).
 
     k_max: the longest draft of a round (>= 1). decay: weight kept by a draft position's (or a
-    confidence bin's) old acceptance counts each time a draft reaches it (0.9: about the last 10 such drafts). prior:
-    acceptance assumed before any round, worth prior_weight rounds. probe_after: plain rounds
+    confidence bin's) old acceptance counts each time a draft reaches it (0.9: about the last 10
+    such drafts). prior: acceptance assumed before any round, worth prior_weight rounds. probe_after: plain rounds
     before a one-token probe (one depth of a tree); it doubles after each probe, up to probe_max,
     and resets when the policy chooses to draft again. margin: the part of V(1) any verify of
     drafted tokens is taken to cost beyond the measured curve (see _extra_verify_ms). lift: how far
