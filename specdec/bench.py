@@ -4,8 +4,8 @@ with the cost model's predictions and peers, measured in one run.
 For each pair (target, drafter) the bench
   1. measures the costs: V(n), one target forward over n = 1..max(k)+1 new tokens at a realistic
      KV length, and one drafter proposal of k tokens (medians after warm-up);
-  2. runs, prompt by prompt and interleaved, plain decoding (k = 0) and speculative decoding for
-     every k, checking greedy outputs token for token against plain decoding;
+  2. runs, prompt by prompt, plain decoding (k = 0) and speculative decoding for every k together,
+     round by round (run_all), checking greedy outputs token for token against plain decoding;
   3. runs the peers on the same model and prompt;
   4. fits: per k, alpha, tau, acceptance by position, the median per-prompt speed-up, and both
      predictions (specdec.costmodel) with their errors.
@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import Generator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from . import costmodel, gemv
 from .cache import new_cache
 from .drafters import Drafter, make_drafter
 from .drafters.suffix import load_corpus
-from .engine import AUTO_K_MAX, Generation, generate
+from .engine import AUTO_K_MAX, Generation, generate, stepwise
 from .exactness import first_divergence
 from .models import Model, load_model, resolve_device, synchronize
 from .peers import hf_generate, llama_cpp_generate
@@ -177,24 +178,30 @@ def _encode(model: Model, prompt: Prompt) -> list[int]:
 def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens: int, temperature: float,
                peers: list[str], workload: str, peer_k: int = 4, progress: bool = True,
                bandwidth_gbs: float | None = None, draft_dtype: torch.dtype | None = None, repeats: int = 1,
-               replay: bool = True, **load_kwargs) -> dict:
+               replay: bool = True, interleave: bool = True, **load_kwargs) -> dict:
     """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
     bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward.
     replay: when greedy and the drafter allows it (specdec.replay), also replay every config on
-    each prompt's plain output under the measured costs: speeds without the machine's noise."""
+    each prompt's plain output under the measured costs: speeds without the machine's noise.
+    interleave: run a repeat's configs together, round by round (run_all), each with a drafter of its
+    own; else one after another."""
     target = load_model(pair.target, **load_kwargs)
     draft_model = None
     if pair.draft and pair.drafter == "model":
         draft_model = load_model(pair.draft, **{**load_kwargs, "dtype": draft_dtype or load_kwargs.get("dtype", torch.float32)})
-    if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
-        drafter = make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
-    elif pair.drafter in ("eagle", "eagle-tree"):  # its third part is a head file (default: the target's stored head)
-        drafter = make_drafter(pair.drafter, head=pair.draft, cache=load_kwargs.get("cache"))
-    elif pair.drafter in ("suffix", "suffix-tree") and pair.draft:  # its third part is a corpus file
-        drafter = make_drafter(pair.drafter, corpus=load_corpus(pair.draft))
-    else:
-        drafter = make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
+    corpus = load_corpus(pair.draft) if pair.drafter in ("suffix", "suffix-tree") and pair.draft else None
+
+    def new_drafter() -> Drafter:  # one per config, for interleaved generations: drafters keep per-generation state
+        if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
+            return make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
+        if pair.drafter in ("eagle", "eagle-tree"):  # its third part is a head file (default: the target's stored head)
+            return make_drafter(pair.drafter, head=pair.draft, cache=load_kwargs.get("cache"))
+        if corpus is not None:  # suffix drafters: the third part is a corpus file
+            return make_drafter(pair.drafter, corpus=corpus)
+        return make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
+
+    drafter = new_drafter()
     encoded = [_encode(target, p) for p in prompts]
     run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
     # The costs are measured for every fixed k, and for k = "auto" over the lengths it chooses from.
@@ -207,6 +214,10 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     longest = max(encoded, key=len)
     context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
     costs = measure_costs(target, drafter, context, cost_ks, greedy=temperature == 0)
+    own = {k: new_drafter() if interleave else drafter for k in ks}  # auto's keeps its policy across prompts
+    if interleave:
+        for d in own.values():  # at a fixed k: warm it without starting auto's policy
+            generate(target, encoded[0], d, k=max(cost_ks), **{**run, "max_new_tokens": 8})
     if bandwidth_gbs:
         costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=temperature == 0)
 
@@ -217,9 +228,11 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         timed: dict[str, list] = {}  # per config, its `repeats` generations, interleaved in time
         configs = [0, *ks]  # 0: plain decoding
         for r in range(repeats):  # each repeat rotates the order, so no config always runs first
-            for k in configs[r % len(configs):] + configs[: r % len(configs)]:
-                spec = generate(target, ids, drafter if k else None, k=k, k_max=AUTO_K_MAX, **run)
-                timed.setdefault(str(k) if k else "plain", []).append(spec)
+            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            steps = {str(k) if k else "plain": stepwise(target, ids, own[k] if k else None, k=k, k_max=AUTO_K_MAX, **run)
+                     for k in order}
+            for name, spec in run_all(steps, interleave).items():
+                timed.setdefault(name, []).append(spec)
         plain = _median_run(timed["plain"])
         outputs.append(plain.tokens)
         bar.update()
@@ -290,6 +303,24 @@ def _padded_rows(model) -> dict[str, int] | None:
     if model is None or model.backend != "lean":
         return None
     return {str(n): m for n, m in model.lean().rows.items()}
+
+
+def run_all(steps: dict[str, Generator[int, None, Generation]], interleave: bool = True) -> dict[str, Generation]:
+    """Run generations (specdec.engine.stepwise, by name) to their end and return their results.
+    interleave: round by round, always stepping the one with the fewest new tokens so far (ties: in
+    the order given), so that they pass through the output together and a slow spell of a shared
+    host falls on each alike (each one's stats leave out the time it waited); else one after
+    another, in the order given."""
+    made: dict[str, int] = dict.fromkeys(steps, 0)
+    done: dict[str, Generation] = {}
+    while len(done) < len(steps):
+        todo = [name for name in steps if name not in done]
+        name = min(todo, key=made.__getitem__) if interleave else todo[0]
+        try:
+            made[name] = next(steps[name])
+        except StopIteration as end:
+            done[name] = end.value
+    return done
 
 
 def _median_run(generations: list[Generation]) -> Generation:
@@ -416,14 +447,16 @@ def _auto_versus_fixed(auto: dict, fixed: dict) -> dict:
 def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[int], max_new_tokens: int,
               temperature: float = 0.0, peers: list[str] = (), quick: bool = False, peer_k: int = 4,
               categories: list[str] | None = None, limit: int | None = None, progress: bool = True,
-              repeats: int = 1, replay: bool = True, **load_kwargs) -> dict:
+              repeats: int = 1, replay: bool = True, interleave: bool = True, **load_kwargs) -> dict:
     """The whole results dict (schema specdec.bench/1) for the given pairs and prompts.
 
-    repeats: how many times each prompt is generated per config (plain, each k), interleaved
-    (plain, k1, k2, ..., then k1, k2, ..., plain: each repeat rotates the order); a prompt's
-    speed per config is its median run's. More repeats narrow the noise of a shared machine (a
-    speed-up of one 128-token run varies by about 5-10% here). replay: also replay every config
-    without noise where that is possible (see bench_pair). Raises ValueError on bad ks,
+    repeats: how many times each prompt is generated per config (plain, each k); a prompt's speed
+    per config is its median run's. More repeats narrow the noise of a shared machine. interleave:
+    a repeat runs its configs together, round by round (run_all), so that the host's slow spells
+    fall on all of them alike; else one after another (plain, k1, k2, ..., then k1, k2, ..., plain:
+    each repeat rotates the order; a speed-up of one 128-token run so varies by about 5-10% on a
+    shared 2-core host). replay: also replay every config without noise where that is possible
+    (see bench_pair). Raises ValueError on bad ks,
     repeats < 1 or an empty selection."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
@@ -439,9 +472,9 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
         "settings": {"workload": workload, "categories": sorted({p.category for p in prompts}),
                      "limit": limit, "max_new_tokens": max_new_tokens, "temperature": temperature,
                      "ks": ks, "quick": quick, "repeats": repeats, "peers": list(peers), "peer_k": peer_k,
-                     "replay": replay},
+                     "replay": replay, "interleave": interleave},
         "pairs": [bench_pair(pair, prompts, ks, max_new_tokens, temperature, list(peers), workload,
                              peer_k=peer_k, progress=progress, bandwidth_gbs=bandwidth, repeats=repeats, replay=replay,
-                             **load_kwargs)
+                             interleave=interleave, **load_kwargs)
                   for pair in pairs],
     }

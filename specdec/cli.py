@@ -122,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="5 categories x 1 prompt, k 1,2,4, 48 tokens: about 3 minutes on 2 cores")
     b.add_argument("--out", type=Path, default=Path("specdec-bench"), help="folder for results.json, report.md and plots")
     b.add_argument("--repeats", type=int, default=1,
-                   help="runs of each prompt per config, interleaved; its median run counts (default 1)")
+                   help="runs of each prompt per config; its median run counts (default 1)")
+    b.add_argument("--no-interleave", dest="interleave", action="store_false",
+                   help="run each prompt's configs one after another, not together round by round")
     b.add_argument("--no-replay", dest="replay", action="store_false",
                    help="skip replaying each config on the plain output under the measured costs (specdec.replay)")
     b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -335,7 +337,7 @@ def _bench(args) -> int:
     print(f"# bench: {len(pairs)} pair(s), {len(prompts)} prompts of {workload.name}, k {ks}, "
           f"{max_new} new tokens, temperature {args.temperature}", file=sys.stderr)
     res = run_bench(pairs, prompts, workload.name, ks, max_new, args.temperature, peers, args.quick, args.peer_k,
-                    categories, limit, repeats=args.repeats, replay=args.replay, draft_dtype=DTYPES[args.draft_dtype or args.dtype],
+                    categories, limit, repeats=args.repeats, replay=args.replay, interleave=args.interleave, draft_dtype=DTYPES[args.draft_dtype or args.dtype],
                     **_load_kwargs(args))
     path = results.save(res, args.out / "results.json")
     report = markdown_report(res)

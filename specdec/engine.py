@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -75,6 +75,36 @@ def generate(
     no room in the target's context, TokenizerMismatchError from a draft model that does not share
     the target's tokenizer.
     """
+    rounds = stepwise(target, input_ids, drafter, k, k_max, max_new_tokens, temperature, top_k, top_p, seed, stop, stream)
+    while True:
+        try:
+            next(rounds)
+        except StopIteration as done:
+            return done.value
+
+
+def stepwise(
+    target: Model,
+    input_ids: Sequence[int] | torch.Tensor,
+    drafter: Drafter | str | None = None,
+    k: int | str = "auto",
+    k_max: int = AUTO_K_MAX,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stream: Callable[[list[int]], None] | None = None,
+) -> Generator[int, None, Generation]:
+    """generate(), one round at a time: a generator that yields the number of new tokens committed
+    so far after the prefill (0) and after every round, and returns the Generation. The time it
+    spends suspended does not count in its stats, so that several generations can be run
+    interleaved, round by round, and each still timed alone (specdec.bench measures its configs
+    so: the host's slow spells then fall on all of them alike). Parameters and errors: generate();
+    the errors are raised at the first next().
+    """
+    paused = 0.0  # seconds suspended at a yield
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise ValueError(f"k (draft length) must be an integer >= 0 or 'auto', got {k!r}")
     if max_new_tokens < 0:
@@ -122,6 +152,7 @@ def generate(
         adaptive.verify.calibrate(kv, prompt, k_max + 1, ahead=max_new_tokens)
     synchronize(device)
     stats.prefill_s = time.perf_counter() - start
+    paused += yield from _suspend(0)
 
     tokens = list(prompt)  # committed: prompt + output
     long_match = getattr(drafter, "long_match", None) if adaptive and params.greedy else None
@@ -202,14 +233,22 @@ def generate(
             adaptive.resolve(tokens)
         if stream is not None:
             stream(committed)
+        paused += yield from _suspend(len(out))
 
     if adaptive:
         adaptive.resolve(tokens, final=True)
     stats.new_tokens = len(out)
-    stats.total_s = time.perf_counter() - start
+    stats.total_s = time.perf_counter() - start - paused
     text = target.tokenizer.decode(out, skip_special_tokens=True)
     cut = _stop_at(text, stop)
     return Generation(out, text if cut < 0 else text[:cut], stats)
+
+
+def _suspend(n_out: int) -> Generator[int, None, float]:
+    """Yield n_out; return the seconds until the caller resumed."""
+    t = time.perf_counter()
+    yield n_out
+    return time.perf_counter() - t
 
 
 def _stop_at(text: str, stop: Sequence[str]) -> int:

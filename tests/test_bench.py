@@ -10,10 +10,14 @@ from pathlib import Path
 import pytest
 
 from specdec import costmodel, gemv, results
-from specdec.bench import Pair, _auto_summary, fit, git_commit, run_bench
+from specdec.bench import Pair, _auto_summary, fit, git_commit, run_all, run_bench
 from specdec.cli import main
+from specdec.drafters import ModelDrafter, make_drafter
+from specdec.engine import generate, stepwise
 from specdec.stats import RunStats
 from specdec.workloads import load_workload
+
+from .conftest import prompt_ids
 
 
 COSTS = {"context_tokens": 100, "verify_ms": {"1": 10.0, "2": 24.0, "3": 25.0}, "draft_ms": {"2": 1.0}, "overhead_ms": 2.0}
@@ -94,6 +98,43 @@ def test_auto_is_compared_with_each_categorys_best_fixed_k_measured_and_replayed
     assert again["vs_best_fixed_by_category"] == pytest.approx({"a": 1.0, "b": 1.0})
     del configs[0]["replayed"]  # not every config replayed: no replayed summary
     assert _auto_summary(configs)["replayed"] is None
+
+
+def _rounds(name, per_round, total, log):
+    """A stand-in for engine.stepwise: logs its name at every step, commits per_round tokens a round."""
+    log.append(name)
+    made = 0
+    yield made
+    while made < total:
+        log.append(name)
+        made += per_round
+        yield made
+    log.append(name)
+    return name.upper()
+
+
+def test_run_all_steps_the_generation_furthest_behind():
+    log = []
+    done = run_all({"a": _rounds("a", 3, 6, log), "b": _rounds("b", 1, 3, log)})
+    assert done == {"a": "A", "b": "B"}
+    # a's prefill and first round (ties go in order), b's prefill and rounds up to a's 3 tokens,
+    # a's second round (a tie at 3), b past its end (3 < 6), a's end
+    assert log == ["a", "a", "b", "b", "b", "b", "a", "b", "a"]
+    log.clear()
+    assert run_all({"a": _rounds("a", 3, 6, log), "b": _rounds("b", 1, 3, log)}, interleave=False) == done
+    assert log == ["a"] * 4 + ["b"] * 5
+
+
+def test_interleaved_generations_are_each_what_it_makes_alone(target, draft_model):
+    prompt, run = prompt_ids(), dict(max_new_tokens=24, seed=0)
+    configs = {"plain": (None, 0), "2": (ModelDrafter(draft_model), 2), "auto": (ModelDrafter(draft_model), "auto"),
+               "lookup": (make_drafter("prompt-lookup"), 3)}
+    alone = {name: generate(target, prompt, d, k=k, **run) for name, (d, k) in configs.items()}
+    together = run_all({name: stepwise(target, prompt, d, k=k, **run) for name, (d, k) in configs.items()})
+    for name, gen in together.items():
+        assert gen.tokens == alone[name].tokens == alone["plain"].tokens, name
+        if name != "auto":  # auto's policy has learned from its first run: its rounds may differ
+            assert gen.stats.k_per_round == alone[name].stats.k_per_round, name
 
 
 def test_pair_parsing():

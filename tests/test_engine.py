@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from specdec import ContextLengthError, TokenizerMismatchError, generate, make_drafter
 from specdec.cache import new_cache
 from specdec.drafters import Draft, ModelDrafter
+from specdec.engine import stepwise
 
 from .conftest import N_CTX, VOCAB, make_model, make_tokenizer, prompt_ids
 
@@ -77,6 +79,25 @@ def test_stats_count_rounds_and_positions(target):
     assert s.total_s >= s.prefill_s + s.draft_s + s.verify_s > 0
     wrong = generate(target, prompt, Oracle(prompt + base.tokens, wrong=True), k=3, max_new_tokens=N_NEW).stats
     assert wrong.alpha == 0.0 and wrong.tau == 1.0 and wrong.acceptance_per_position == [0.0, 0.0, 0.0]
+
+
+def test_stepwise_yields_progress_and_leaves_its_suspended_time_out(target):
+    prompt = prompt_ids()
+    base = plain(target, prompt, n=12)
+    rounds = stepwise(target, prompt, Oracle(prompt + base.tokens), k=3, max_new_tokens=12)
+    made, slept, start = [], 0.0, time.perf_counter()
+    while True:
+        try:
+            made.append(next(rounds))
+        except StopIteration as end:
+            got = end.value
+            break
+        time.sleep(0.1)  # suspended: another generation's round would run here
+        slept += 0.1
+    wall = time.perf_counter() - start
+    assert made == [0, 4, 8, 12]  # after the prefill, then after each round of 3 accepted + 1
+    assert got.tokens == base.tokens and got.stats.rounds == 3
+    assert got.stats.total_s < wall - 0.9 * slept  # the 0.4 s asleep is not the generation's time
 
 
 def test_crop_then_reforward_equals_fresh_forward(target):
