@@ -15,6 +15,7 @@ Then results.json (specdec.results) and a markdown report are written; plots are
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -285,6 +286,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
               "device": str(target.device),
               "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None, "workload": workload,
               "costs": costs, "prompts": records, "peers": peer_rows,
+              "ratio_noise": ratio_noise(records),
               "padded_rows": _padded_rows(target), "draft_padded_rows": _padded_rows(draft_model),
               "products": gemv.status() if target.backend == "lean" and target.device.type == "cpu"
               and target.hf.dtype == torch.float32 else None}
@@ -321,6 +323,20 @@ def run_all(steps: dict[str, Generator[int, None, Generation]], interleave: bool
         except StopIteration as end:
             done[name] = end.value
     return done
+
+
+def ratio_noise(records: list[dict]) -> float | None:
+    """A run's timing noise: the standard deviation between repeats of log(speed of config a / speed
+    of config b) on one prompt, pooled over prompts and pairs of fixed configs (plain decoding and
+    each fixed k: runs that repeat exactly, so the spread is the host's); about the relative spread
+    of one repeat's speed-up (0.03: 3%). records: bench_pair's `prompts`. None under 2 repeats."""
+    variances = []
+    for rec in records:
+        fixed = [rec["plain"]] + [run for k, run in rec["runs"].items() if k != "auto"]
+        for a, b in itertools.combinations([run["decode_tokens_per_s_repeats"] for run in fixed], 2):
+            if len(a) > 1:
+                variances.append(statistics.variance([math.log(x / y) for x, y in zip(a, b)]))
+    return math.sqrt(statistics.fmean(variances)) if variances else None
 
 
 def _median_run(generations: list[Generation]) -> Generation:

@@ -80,10 +80,12 @@ def _header(results: dict) -> list[str]:
     ]
     if "repeats" in st:
         rows.append(["repeats", st["repeats"]])
+    if "interleave" in st:
+        rows.append(["a prompt's configs", "together, round by round" if st["interleave"] else "one after another"])
     out += _table(["", ""], rows, "ll")
     out += ["", "Speeds are decode-only tokens/s (prefill excluded); a speed-up is the median over prompts of "
-                "speculative / plain tokens/s measured in the same run (with repeats, each prompt's runs are "
-                "interleaved and its median run per config counts). α = accepted / drafted tokens; τ = new "
+                "speculative / plain tokens/s measured in the same run (with repeats, each prompt's median run "
+                "per config counts). α = accepted / drafted tokens; τ = new "
                 "tokens per round, the recovered or bonus token included. A prediction is made per "
                 "prompt from that run's acceptance; its error is (predicted - measured) / measured for each prompt, "
                 "and the table gives the median of those errors beside the median prediction."]
@@ -142,6 +144,9 @@ def _configs(pair: dict) -> list[str]:
                    "textbook", "textbook error", "ours", "ours error"], rows, "rrrlrrrrrr")
     best = pair["best_k"]
     out += ["", f"Best fixed k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}."]
+    if pair.get("ratio_noise") is not None:
+        out += ["", f"Timing noise of this run: {pair['ratio_noise'] * 100:.1f}% (the spread between repeats of one "
+                "prompt's speed ratio of two fixed configs, which repeat exactly; sd, pooled; specdec.bench.ratio_noise)."]
     auto = pair.get("auto")
     if auto:
         out += ["", f"k = auto (chosen every round, {AUTO_NOTE}): {_x(auto['vs_best_fixed'])} the speed-up of the "

@@ -11,13 +11,17 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                       "memory_bandwidth_gbs": float},   # measured at the start of the run;
                       # git_commit ends in "-dirty" when specdec's files differ from it
       "settings": {"workload": str, "categories": [str], "limit": int, "max_new_tokens": int,
-                   "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int, "replay": bool},
+                   "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int, "replay": bool,
+                   "interleave": bool},   # a repeat's configs ran together, round by round
+                   # (specdec.bench.run_all); absent in older files, whose configs ran one after another
       "pairs": [{
         "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
         "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
         "device": str,                  # where they ran: "cpu", "cuda:0" (absent in files before it)
         "draft_dtype": str | null,      # a draft model's dtype
         "products": str | null,         # lean on CPU: which kernels ran the fp32 products (specdec.gemv)
+        "ratio_noise": float | null,    # timing noise (specdec.bench.ratio_noise); null under 2 repeats
+                                        # (absent in older files)
         "costs": {                      # medians after warm-up, ms
           "context_tokens": int,        # KV length the curve was measured at
           "verify_ms": {"1": float, "2": float, ...},   # V(n): one target forward over n new tokens

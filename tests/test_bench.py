@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdec import costmodel, gemv, results
-from specdec.bench import Pair, _auto_summary, fit, git_commit, run_all, run_bench
+from specdec.bench import Pair, _auto_summary, fit, git_commit, ratio_noise, run_all, run_bench
 from specdec.cli import main
 from specdec.drafters import ModelDrafter, make_drafter
 from specdec.engine import generate, stepwise
@@ -137,6 +137,20 @@ def test_interleaved_generations_are_each_what_it_makes_alone(target, draft_mode
             assert gen.stats.k_per_round == alone[name].stats.k_per_round, name
 
 
+def test_ratio_noise_is_the_spread_of_fixed_configs_speed_ratios_between_repeats():
+    def rec(plain, runs):
+        return {"plain": {"decode_tokens_per_s_repeats": plain},
+                "runs": {k: {"decode_tokens_per_s_repeats": v} for k, v in runs.items()}}
+    # plain and k=2 move together (a slow spell of the host): no noise in their ratio
+    assert ratio_noise([rec([10.0, 5.0], {"2": [20.0, 10.0]})]) == pytest.approx(0.0)
+    # a ratio of 2 then 1: log ratios 0 and ln 2, sd ln 2 / sqrt(2); auto's runs (not repeated exactly) are left out
+    assert ratio_noise([rec([10.0, 10.0], {"2": [20.0, 10.0], "auto": [1.0, 99.0]})]) == pytest.approx(math.log(2) / math.sqrt(2))
+    # pooled over prompts: the mean of the variances
+    both = ratio_noise([rec([10.0, 10.0], {"2": [20.0, 10.0]}), rec([10.0, 10.0], {"2": [10.0, 10.0]})])
+    assert both == pytest.approx(math.log(2) / 2)
+    assert ratio_noise([rec([10.0], {"2": [20.0]})]) is None  # one repeat: no spread to see
+
+
 def test_pair_parsing():
     assert Pair.parse("a") == Pair("a", "prompt-lookup", None)
     assert Pair.parse("a:model:b") == Pair("a", "model", "b")
@@ -198,7 +212,8 @@ def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path
     # auto against the best fixed k, measured and replayed, on the median row of the replay table
     ratios = [line for line in report.splitlines() if line.startswith("| all (median)")][0].split("|")[-3:-1]
     assert all(cell.strip().endswith("x") for cell in ratios), ratios
-    assert res["settings"]["repeats"] == 3
+    assert res["settings"]["repeats"] == 3 and res["settings"]["interleave"] is True
+    assert res["pairs"][0]["ratio_noise"] >= 0 and "Timing noise of this run" in report
     for rec in res["pairs"][0]["prompts"]:
         for run in [rec["plain"], *rec["runs"].values()]:  # each config's speed is its median run's
             assert len(run["decode_tokens_per_s_repeats"]) == 3
