@@ -8,7 +8,7 @@
 """
 
 from .drafters import DRAFTERS, Draft, Drafter, make_drafter
-from .engine import Generation, generate
+from .engine import Generation, generate, stepwise
 from .errors import (
     ChecksumError,
     ContextLengthError,
@@ -27,5 +27,5 @@ __all__ = [
     "DRAFTERS", "ChecksumError", "ContextLengthError", "Divergence", "Draft", "Drafter", "Generation",
     "Model", "ModelNotFoundError", "PullError", "RunStats", "SamplingParams", "SpecdecError",
     "TokenizerMismatchError", "check_same_tokenizer", "first_divergence", "generate", "load_model",
-    "make_drafter", "pull",
+    "make_drafter", "pull", "stepwise",
 ]
