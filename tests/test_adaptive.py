@@ -235,6 +235,26 @@ def test_a_long_match_is_judged_by_its_own_class_and_looked_for_only_when_the_he
     assert hopeless.plan(2, incremental=True, match=match) == 2 and looked == [12]
     assert controller(v, [0.9] * 8).plan(2, incremental=True, match=match) == 2 and looked == [12]
 
+def test_a_long_match_class_seen_little_starts_from_the_next_shorter_ones_estimate():
+    """Long lookup matches are rare, so their class has few rounds of its own: unseen, it reads as
+    the class below it (not the flat prior, which cut a 17-token match's draft of 8 to 5), and one
+    rejection at its first position leaves its deeper positions where the shorter match has them
+    (not at 0.25 everywhere, which cut 12-token matches' drafts to 1 token)."""
+    v = {n: 10.0 + 0.5 * n for n in range(1, 10)}
+    ctl = controller(v)
+    for _ in range(40):  # 6-9-token matches: all 8 tokens right
+        ctl._learn(match_class(7), 8, 8)
+    seven = ctl.acceptances(8, match_class(7))
+    assert min(seven) > 0.9
+    assert ctl.acceptances(8, match_class(20)) == pytest.approx(seven)  # 16+: never seen
+    ctl._learn(match_class(12), 1, 0)  # one 12-token match rejected at once
+    twelve = ctl.acceptances(8, match_class(12))
+    assert twelve[0] == pytest.approx(seven[0] / 2)  # its own outcome beside the prior, equally weighted
+    assert twelve[1:] == pytest.approx(seven[1:])  # positions it never reached: the shorter class's
+    ctl.rho = 1 / 15.5  # plain decoding's rate on this curve
+    assert ctl.cut(list(range(8)), deterministic=True, match_length=12) == 8  # (was 1)
+
+
 def test_an_uncertain_first_position_is_given_the_benefit_of_the_doubt():
     """Near break-even, an estimate from a few drafted rounds is read optimistically (UCB): the
     same 0.25 acceptance drafts when it rests on 3 rounds and not when it rests on 1000, and a
