@@ -23,9 +23,9 @@ import statistics
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Generator
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Generator
 
 import torch
 from tqdm import tqdm
@@ -472,8 +472,7 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
     fall on all of them alike; else one after another (plain, k1, k2, ..., then k1, k2, ..., plain:
     each repeat rotates the order; a speed-up of one 128-token run so varies by about 5-10% on a
     shared 2-core host). replay: also replay every config without noise where that is possible
-    (see bench_pair). Raises ValueError on bad ks,
-    repeats < 1 or an empty selection."""
+    (see bench_pair). Raises ValueError on bad ks, repeats < 1 or an empty selection."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if not ks or any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):
