@@ -292,7 +292,7 @@ class AdaptiveK:
         longer match is at least as good a sign. With the fixed prior, two 17- and 23-token matches, a
         class not seen yet, read 0.5 at every position and were cut to 5 of 8 tokens, and one
         rejection left a 10-15-token class at 0.25 everywhere, so 12- and 14-token matches were cut
-        to 1 (SmolLM2-135M fp32, prompt lookup, Spec-Bench dev extraction, 128 tokens, replayed
+        to 1 (SmolLM2-135M fp32 lean, prompt lookup, Spec-Bench dev extraction, 128 tokens, replayed
         under costs measured on a 2-core Xeon: auto 0.88x the speed of k = 8)."""
         lift = 0.0 if self.shadowing else self.lift
         shorter = self.acceptances(n, cls - 1) if cls >= 2 else None  # the next shorter match's class
