@@ -193,7 +193,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         draft_model = load_model(pair.draft, **{**load_kwargs, "dtype": draft_dtype or load_kwargs.get("dtype", torch.float32)})
     corpus = load_corpus(pair.draft) if pair.drafter in ("suffix", "suffix-tree") and pair.draft else None
 
-    def new_drafter() -> Drafter:  # one per config, for interleaved generations: drafters keep per-generation state
+    def new_drafter() -> Drafter:  # one per config when interleaved: drafters keep per-generation state
         if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
             return make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
         if pair.drafter in ("eagle", "eagle-tree"):  # its third part is a head file (default: the target's stored head)
