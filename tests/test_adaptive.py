@@ -235,6 +235,7 @@ def test_a_long_match_is_judged_by_its_own_class_and_looked_for_only_when_the_he
     assert hopeless.plan(2, incremental=True, match=match) == 2 and looked == [12]
     assert controller(v, [0.9] * 8).plan(2, incremental=True, match=match) == 2 and looked == [12]
 
+
 def test_a_long_match_class_seen_little_starts_from_the_next_shorter_ones_estimate():
     """Long lookup matches are rare, so their class has few rounds of its own: unseen, it reads as
     the class below it (not the flat prior, which cut a 17-token match's draft of 8 to 5), and one
