@@ -1,0 +1,94 @@
+"""The README's headline table (specdec.bench.headline): exact rows from tiny results files, the
+newest run of a (pair, workload) winning, and --check failing on a stale README only."""
+
+import json
+
+from specdec.bench import headline
+
+
+def _prompt(category: str, plain_tps: float) -> dict:
+    return {"id": category, "category": category, "prompt_tokens": 10,
+            "plain": {"decode_tokens_per_s": plain_tps}, "runs": {}}
+
+
+def _config(k, speedup: float, identical: list[int]) -> dict:
+    return {"k": k, "speedup": {"median": speedup}, "identical": identical}
+
+
+def _run(created: str, cpu: str, workload: str, max_new_tokens: int, pairs: list[dict]) -> dict:
+    return {
+        "schema": "specdec.bench/1",
+        "created": created,
+        "environment": {"cpu": cpu, "gpu": None, "threads": 2},
+        "settings": {"workload": workload, "max_new_tokens": max_new_tokens},
+        "pairs": pairs,
+    }
+
+
+def _write(tmp_path):
+    lookup_old = {
+        "target": "tiny", "drafter": "prompt-lookup", "draft": None, "dtype": "float32",
+        "backend": "lean", "device": "cpu", "workload": "spec_bench_dev.jsonl",
+        "prompts": [_prompt("qa", 10.0), _prompt("rag", 20.0)],
+        "configs": [_config("auto", 1.1, [2, 2]), _config(2, 1.2, [2, 2])],
+        "best_k": {"measured": 2},
+    }
+    lookup_new = dict(lookup_old, prompts=[_prompt("qa", 30.0), _prompt("rag", 50.0)],
+                      configs=[_config("auto", 1.5, [2, 2]), _config(2, 1.25, [2, 2]),
+                               _config(4, 1.4, [1, 2])],
+                      best_k={"measured": 4})
+    model = {
+        "target": "big", "drafter": "model", "draft": "~/drafts/small", "dtype": "float32",
+        "draft_dtype": "bfloat16", "backend": "lean", "device": "cpu",
+        "workload": "humaneval_dev.jsonl",
+        "prompts": [_prompt("humaneval", tps) for tps in (4.0, 5.0, 9.0)],
+        "configs": [_config(3, 2.0, [3, 3])],
+        "best_k": {"measured": 3},
+    }
+    runs = {
+        "a_old": _run("2026-01-01T00:00:00+00:00", "AMD EPYC, 2 cores", "spec_bench_dev.jsonl", 64,
+                      [lookup_old]),
+        "b_new": _run("2026-01-02T00:00:00+00:00", "Intel(R) Xeon(R) Processor, 2 cores",
+                      "spec_bench_dev.jsonl", 64, [lookup_new, model]),
+    }
+    for name, run in runs.items():
+        (tmp_path / "results" / name).mkdir(parents=True)
+        (tmp_path / "results" / name / "results.json").write_text(json.dumps(run))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{headline.BEGIN}\nold table\n{headline.END}\n\nafter\n")
+    return readme
+
+
+def test_rows_are_the_newest_run_of_each_pair_and_workload(tmp_path):
+    _write(tmp_path)
+    rows = headline.table(tmp_path / "results", tmp_path).splitlines()[4:]
+    assert rows == [
+        "| [tiny + prompt-lookup](results/b_new/) | Spec-Bench dev (2 categories): 2 x 64 "
+        "| fp32, lean | Intel Xeon Processor, 2 cores | 40.0 | k = 4: 1.40x | 1.50x | 5/6 |",
+        "| [big + small draft](results/b_new/) | HumanEval dev: 3 x 64 "
+        "| fp32 (draft bf16), lean | Intel Xeon Processor, 2 cores | 5.0 | k = 3: 2.00x | - "
+        "| 3/3 |",
+    ]
+
+
+def test_check_fails_on_a_stale_readme_and_passes_on_a_fresh_one(tmp_path):
+    readme = _write(tmp_path)
+    args = ["--results", str(tmp_path / "results"), "--readme", str(readme)]
+    assert headline.main([*args, "--check"]) == 1
+    assert "old table" in readme.read_text()  # --check writes nothing
+
+    assert headline.main(args) == 0
+    text = readme.read_text()
+    assert text.startswith(f"# title\n\n{headline.BEGIN}\n{headline.NOTE}\n")
+    assert text.endswith(f"{headline.END}\n\nafter\n")
+    assert headline.main([*args, "--check"]) == 0
+
+    readme.write_text(text.replace("1.50x", "1.49x"))
+    assert headline.main([*args, "--check"]) == 1
+
+
+def test_a_readme_without_markers_is_an_error(tmp_path):
+    _write(tmp_path)
+    (tmp_path / "README.md").write_text("no markers\n")
+    args = ["--results", str(tmp_path / "results"), "--readme", str(tmp_path / "README.md")]
+    assert headline.main([*args, "--check"]) == 2
