@@ -63,7 +63,7 @@ def test_rows_are_the_newest_run_of_each_pair_and_workload(tmp_path):
     _write(tmp_path)
     rows = headline.table(tmp_path / "results", tmp_path).splitlines()[4:]
     assert rows == [
-        "| [tiny + prompt-lookup](results/b_new/) | Spec-Bench dev (2 categories): 2 x 64 "
+        "| [tiny + prompt-lookup](results/b_new/) | Spec-Bench dev: 2 x 64 "
         "| fp32, lean | Intel Xeon Processor, 2 cores | 40.0 | k = 4: 1.40x | 1.50x | 5/6 |",
         "| [big + small draft](results/b_new/) | HumanEval dev: 3 x 64 "
         "| fp32 (draft bf16), lean | Intel Xeon Processor, 2 cores | 5.0 | k = 3: 2.00x | - "
