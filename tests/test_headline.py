@@ -7,8 +7,13 @@ from specdec.bench import headline
 
 
 def _prompt(category: str, plain_tps: float) -> dict:
-    return {"id": category, "category": category, "prompt_tokens": 10,
-            "plain": {"decode_tokens_per_s": plain_tps}, "runs": {}}
+    return {
+        "id": category,
+        "category": category,
+        "prompt_tokens": 10,
+        "plain": {"decode_tokens_per_s": plain_tps},
+        "runs": {},
+    }
 
 
 def _config(k, speedup: float, identical: list[int]) -> dict:
@@ -27,29 +32,51 @@ def _run(created: str, cpu: str, workload: str, max_new_tokens: int, pairs: list
 
 def _write(tmp_path):
     lookup_old = {
-        "target": "tiny", "drafter": "prompt-lookup", "draft": None, "dtype": "float32",
-        "backend": "lean", "device": "cpu", "workload": "spec_bench_dev.jsonl",
+        "target": "tiny",
+        "drafter": "prompt-lookup",
+        "draft": None,
+        "dtype": "float32",
+        "backend": "lean",
+        "device": "cpu",
+        "workload": "spec_bench_dev.jsonl",
         "prompts": [_prompt("qa", 10.0), _prompt("rag", 20.0)],
         "configs": [_config("auto", 1.1, [2, 2]), _config(2, 1.2, [2, 2])],
         "best_k": {"measured": 2},
     }
-    lookup_new = dict(lookup_old, prompts=[_prompt("qa", 30.0), _prompt("rag", 50.0)],
-                      configs=[_config("auto", 1.5, [2, 2]), _config(2, 1.25, [2, 2]),
-                               _config(4, 1.4, [1, 2])],
-                      best_k={"measured": 4})
+    lookup_new = dict(
+        lookup_old,
+        prompts=[_prompt("qa", 30.0), _prompt("rag", 50.0)],
+        configs=[_config("auto", 1.5, [2, 2]), _config(2, 1.25, [2, 2]), _config(4, 1.4, [1, 2])],
+        best_k={"measured": 4},
+    )
     model = {
-        "target": "big", "drafter": "model", "draft": "~/drafts/small", "dtype": "float32",
-        "draft_dtype": "bfloat16", "backend": "lean", "device": "cpu",
+        "target": "big",
+        "drafter": "model",
+        "draft": "~/drafts/small",
+        "dtype": "float32",
+        "draft_dtype": "bfloat16",
+        "backend": "lean",
+        "device": "cpu",
         "workload": "humaneval_dev.jsonl",
         "prompts": [_prompt("humaneval", tps) for tps in (4.0, 5.0, 9.0)],
         "configs": [_config(3, 2.0, [3, 3])],
         "best_k": {"measured": 3},
     }
     runs = {
-        "a_old": _run("2026-01-01T00:00:00+00:00", "AMD EPYC, 2 cores", "spec_bench_dev.jsonl", 64,
-                      [lookup_old]),
-        "b_new": _run("2026-01-02T00:00:00+00:00", "Intel(R) Xeon(R) Processor, 2 cores",
-                      "spec_bench_dev.jsonl", 64, [lookup_new, model]),
+        "a_old": _run(
+            "2026-01-01T00:00:00+00:00",
+            "AMD EPYC, 2 cores",
+            "spec_bench_dev.jsonl",
+            64,
+            [lookup_old],
+        ),
+        "b_new": _run(
+            "2026-01-02T00:00:00+00:00",
+            "Intel(R) Xeon(R) Processor, 2 cores",
+            "spec_bench_dev.jsonl",
+            64,
+            [lookup_new, model],
+        ),
     }
     for name, run in runs.items():
         (tmp_path / "results" / name).mkdir(parents=True)
@@ -62,13 +89,15 @@ def _write(tmp_path):
 def test_rows_are_the_newest_run_of_each_pair_and_workload(tmp_path):
     _write(tmp_path)
     rows = headline.table(tmp_path / "results", tmp_path).splitlines()[4:]
-    assert rows == [
+    newest_lookup = (
         "| [tiny + prompt-lookup](results/b_new/) | Spec-Bench dev: 2 x 64 "
-        "| fp32, lean | Intel Xeon Processor, 2 cores | 40.0 | k = 4: 1.40x | 1.50x | 5/6 |",
+        "| fp32, lean | Intel Xeon Processor, 2 cores | 40.0 | k = 4: 1.40x | 1.50x | 5/6 |"
+    )
+    model_pair = (
         "| [big + small draft](results/b_new/) | HumanEval dev: 3 x 64 "
-        "| fp32 (draft bf16), lean | Intel Xeon Processor, 2 cores | 5.0 | k = 3: 2.00x | - "
-        "| 3/3 |",
-    ]
+        "| fp32 (draft bf16), lean | Intel Xeon Processor, 2 cores | 5.0 | k = 3: 2.00x | - | 3/3 |"
+    )
+    assert rows == [newest_lookup, model_pair]
 
 
 def test_check_fails_on_a_stale_readme_and_passes_on_a_fresh_one(tmp_path):

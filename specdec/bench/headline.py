@@ -33,8 +33,10 @@ WORKLOADS = {"spec_bench_dev.jsonl": "Spec-Bench dev", "humaneval_dev.jsonl": "H
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 HEADER = (
-    "| target + drafter | workload: prompts x tokens | precision, backend | machine "
-    "| plain tokens/s | best fixed k | k = auto | identical |",
+    (
+        "| target + drafter | workload: prompts x tokens | precision, backend | machine "
+        "| plain tokens/s | best fixed k | k = auto | identical |"
+    ),
     "|---|---|---|---|---:|---:|---:|---:|",
 )
 NOTE = (
