@@ -7,9 +7,9 @@
     print(result.text, result.stats.summary())
 """
 
-from .drafters import DRAFTERS, Draft, Drafter, make_drafter
-from .engine import Generation, generate, stepwise
-from .errors import (
+from specdec.drafters import DRAFTERS, Draft, Drafter, make_drafter
+from specdec.engine import Generation, generate, stepwise
+from specdec.errors import (
     ChecksumError,
     ContextLengthError,
     ModelNotFoundError,
@@ -17,11 +17,11 @@ from .errors import (
     SpecdecError,
     TokenizerMismatchError,
 )
-from .exactness import Divergence, first_divergence
-from .models import Model, check_same_tokenizer, load_model
-from .weights import pull
-from .sampling import SamplingParams
-from .stats import RunStats
+from specdec.exactness import Divergence, first_divergence
+from specdec.models.load import Model, check_same_tokenizer, load_model
+from specdec.models.weights import pull
+from specdec.sampling import SamplingParams
+from specdec.stats import RunStats
 
 __all__ = [
     "DRAFTERS", "ChecksumError", "ContextLengthError", "Divergence", "Draft", "Drafter", "Generation",

@@ -1,5 +1,5 @@
 """A model's KV cache together with the tokens it holds, and rollback; on the transformers path
-(DynamicCache) or on the lean path (specdec.lean: preallocated, position-indexed).
+(DynamicCache) or on the lean path (specdec.backends.lean: preallocated, position-indexed).
 
 One invariant, kept by the engine for the target and by a model drafter for the draft: at the
 start of a round the cache holds exactly the committed tokens except the last one (the last is
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .errors import ContextLengthError
-from .lean import tree_layout
-from .models import Model
+from specdec.errors import ContextLengthError
+from specdec.backends.lean import tree_layout
+from specdec.models.load import Model
 
 
 def grown(old: torch.Tensor, capacity: int, keep: int, dim: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def new_cache(model: Model) -> "KVCache":
 class KVCache:
     """The KV cache of one sequence on one model (transformers' DynamicCache), and the token ids
     it holds. argmax_only: set it for greedy decoding, where only each row's argmax of the logits
-    is read; the lean backend then screens its output layer in bf16 (specdec.screen) and the other
+    is read; the lean backend then screens its output layer in bf16 (specdec.backends.screen) and the other
     entries may be approximations. The transformers backend ignores it."""
 
     argmax_only = False
@@ -94,13 +94,13 @@ class KVCache:
 
 
 class LeanKVCache(KVCache):
-    """The KV cache of one sequence on the lean path (specdec.lean.LeanModel).
+    """The KV cache of one sequence on the lean path (specdec.backends.lean.LeanModel).
 
     Keys and values live in per-layer tensors (n_kv_heads, capacity, head_dim), preallocated and
     doubled when full, never past the context length; `features` (capacity, hidden x (1 +
     len(taps))) holds each cached position's final-normed hidden state, then its hidden states
     after the decoder layers `taps` (none unless asked for), for a feature-level draft head
-    (specdec.head). Rollback moves the length back; the rows past it are overwritten by the next
+    (specdec.train.head). Rollback moves the length back; the rows past it are overwritten by the next
     forward.
     """
 
@@ -131,7 +131,7 @@ class LeanKVCache(KVCache):
 
     def extend(self, tokens: list[int], all_logits: bool = True, parents: list[int] | None = None) -> torch.Tensor:
         """As KVCache.extend. With parents, `tokens` is a token tree, not a sequence (see
-        specdec.lean.tree_layout: parents[i] is node i's parent, -1 for node 0): every node is
+        specdec.backends.lean.tree_layout: parents[i] is node i's parent, -1 for node 0): every node is
         scored in one forward, seeing the cached tokens and its ancestors, and row i of the logits
         scores the token after node i; call keep_path() next. Raises ContextLengthError past the
         model's context length, ValueError for parents that are not a tree."""

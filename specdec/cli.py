@@ -9,18 +9,18 @@ from pathlib import Path
 
 import torch
 
-from .drafters import DRAFTERS, make_drafter
-from .drafters.suffix import load_corpus
-from .engine import AUTO_K_MAX, generate
-from .errors import SpecdecError
-from .exactness import first_divergence
-from .models import BACKENDS, DEVICES, load_model
-from .textstream import TextDeltas
-from .weights import cache_dir, converted_path, gguf_path, is_pulled, pull
-from .registry import REGISTRY
-from .sampling import SamplingParams
-from .workloads import default_workload, load_workload
-from .bench import Pair
+from specdec.drafters import DRAFTERS, make_drafter
+from specdec.drafters.suffix import load_corpus
+from specdec.engine import AUTO_K_MAX, generate
+from specdec.errors import SpecdecError
+from specdec.exactness import first_divergence
+from specdec.models.load import BACKENDS, DEVICES, load_model
+from specdec.textstream import TextDeltas
+from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
+from specdec.models.registry import REGISTRY
+from specdec.sampling import SamplingParams
+from specdec.bench.workloads import PACKAGED, default_workload, load_workload, workload_path
+from specdec.bench.run import Pair
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and compare speed and tokens")
-    g.add_argument("--workload", type=Path, help="take the prompt from a workload .jsonl (Spec-Bench or HumanEval)")
+    g.add_argument("--workload", type=_workload,
+                   help=f"take the prompt from a workload: a packaged one ({', '.join(PACKAGED)}) or a .jsonl file")
     g.add_argument("--category", help="with --workload: only rows of this category")
     g.add_argument("--row", type=int, default=0, help="with --workload: which (filtered) row, from 0")
     _loading_options(g)
@@ -111,7 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="sweep k over a workload: exactness, acceptance, costs, speed-up, cost model, peers")
     b.add_argument("--pair", action="append", type=Pair.parse, metavar="TARGET[:DRAFTER[:DRAFT]]",
                    help="repeatable; default smollm2-135m:prompt-lookup")
-    b.add_argument("--workload", type=Path, help="a .jsonl of Spec-Bench or HumanEval rows (default ../shared/workloads/spec_bench_dev.jsonl)")
+    b.add_argument("--workload", type=_workload,
+                   help=f"a packaged workload ({', '.join(PACKAGED)}; default spec-bench) or a .jsonl of "
+                        "Spec-Bench or HumanEval rows")
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="prompts per category (default 2; --quick: 1)")
     b.add_argument("--k", dest="ks", help="comma-separated draft lengths, `auto` included (default auto,1,2,3,4,6,8; --quick: auto,1,2,4)")
@@ -126,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-interleave", dest="interleave", action="store_false",
                    help="run each prompt's configs one after another, not together round by round")
     b.add_argument("--no-replay", dest="replay", action="store_false",
-                   help="skip replaying each config on the plain output under the measured costs (specdec.replay)")
+                   help="skip replaying each config on the plain output under the measured costs (specdec.bench.replay)")
     b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     _loading_options(b)
     b.set_defaults(run=_bench)
@@ -220,6 +223,14 @@ def k_arg(text: str) -> int | str:
     return k
 
 
+def _workload(name_or_path: str) -> Path:
+    """--workload's type: a packaged name or a file (argparse shows the ValueError's message)."""
+    try:
+        return workload_path(name_or_path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def workload_prompt(path: Path, category: str | None, row: int) -> str:
     """The text of row `row` (from 0) of a workload file, within `category` if given."""
     prompts = load_workload(path, [category] if category else None)
@@ -241,7 +252,7 @@ def _generate(args) -> int:
     if args.workload:
         prompt = workload_prompt(args.workload, args.category, args.row)
     elif args.prompt is None:
-        raise ValueError("give a PROMPT or --workload FILE")
+        raise ValueError("give a PROMPT or --workload NAME|FILE")
     else:
         prompt = args.prompt
     from transformers.utils import logging as hf_logging
@@ -318,10 +329,10 @@ class TextStreamer:
 def _bench(args) -> int:
     from transformers.utils import logging as hf_logging
 
-    from . import results
-    from .bench import QUICK_CATEGORIES, run_bench
-    from .plot import plot_results
-    from .report import markdown_report
+    from specdec.bench import results
+    from specdec.bench.run import QUICK_CATEGORIES, run_bench
+    from specdec.bench.plot import plot_results
+    from specdec.bench.report import markdown_report
 
     hf_logging.disable_progress_bar()
     if args.threads:
@@ -351,7 +362,7 @@ def _bench(args) -> int:
 def _serve(args) -> int:
     from transformers.utils import logging as hf_logging
 
-    from .serve import create_app, run_server
+    from specdec.serve.app import create_app, run_server
 
     k = k_arg(args.k)
     if args.max_queue < 1 or args.max_tokens < 0:
@@ -375,7 +386,7 @@ def _serve(args) -> int:
 def _calibrate_skip(args) -> int:
     from transformers.utils import logging as hf_logging
 
-    from .calibrate import calibrate_skip, save_skip_layers
+    from specdec.train.calibrate import calibrate_skip, save_skip_layers
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
@@ -391,8 +402,8 @@ def _calibrate_skip(args) -> int:
 def _train(args) -> int:
     from transformers.utils import logging as hf_logging
 
-    from .head import DraftHead
-    from .train import train_head
+    from specdec.train.head import DraftHead
+    from specdec.train.train import train_head
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
@@ -417,7 +428,7 @@ def _train(args) -> int:
 def _distill(args) -> int:
     from transformers.utils import logging as hf_logging
 
-    from .distill import distill
+    from specdec.train.distill import distill
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
@@ -432,8 +443,8 @@ def _distill(args) -> int:
 
 
 def _plot(args) -> int:
-    from . import results
-    from .plot import plot_results
+    from specdec.bench import results
+    from specdec.bench.plot import plot_results
 
     for png in plot_results(results.load(args.results), args.out or args.results.parent):
         print(png)
@@ -441,8 +452,8 @@ def _plot(args) -> int:
 
 
 def _report(args) -> int:
-    from . import results
-    from .report import markdown_report
+    from specdec.bench import results
+    from specdec.bench.report import markdown_report
 
     print(markdown_report(results.load(args.results)))
     return 0

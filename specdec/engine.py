@@ -1,36 +1,30 @@
-"""The speculative decoding loop. With k = 0 (or no drafter) it is plain autoregressive decoding,
-the baseline every comparison in specdec uses.
+"""generate() and stepwise(): speculative decoding of one prompt. With k = 0 (or no drafter) it is
+plain autoregressive decoding, the baseline every comparison in specdec uses.
 
-One round, as in gpt-fast and Leviathan et al. 2023:
-  1. propose: the drafter proposes up to k tokens after the committed ones;
-  2. verify: the target scores the last committed token plus the k drafted ones, k+1 positions,
-     in ONE forward over its KV cache; the verifier keeps a prefix and adds one target token
-     (a drafter may offer a token tree instead of a chain: greedy runs on the lean backend score
-     every node in the same one forward under a tree attention mask and keep the longest path
-     the target agrees with; elsewhere only the tree's main chain is verified);
-  3. roll back: the target cache is cropped to the committed tokens minus the last (a model
-     drafter rolls its own cache back at its next proposal);
-  4. commit: tokens are committed one at a time, stopping exactly at EOS, a stop string or the
-     budget.
+The set-up (prefill, the adaptive policy's verify-cost curve) and the loop live here; one round
+(plan, propose, verify, roll back, learn) is specdec.round's, which the bench's replay runs too.
+Tokens are committed one at a time, stopping exactly at EOS, a stop string or the budget.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from typing import Callable, Generator, Sequence
 
 import torch
 
-from .adaptive import AdaptiveK
-from .cache import new_cache
-from .drafters import Draft, Drafter, make_drafter, steerable
-from .errors import ContextLengthError
-from .models import Model, synchronize
-from .sampling import Sampler, SamplingParams, processed_probs
-from .stats import RunStats
-from .verify import verify_greedy, verify_sampling, verify_tree_greedy
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.cache import new_cache
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft import Draft
+from specdec.drafters.factory import make_drafter
+from specdec.errors import ContextLengthError
+from specdec.models.load import Model, synchronize
+from specdec.round import Speculation, speculative_round
+from specdec.sampling import Sampler, SamplingParams, processed_probs
+from specdec.stats import RunStats
+from specdec.verify import verify_greedy, verify_sampling, verify_tree_greedy
 
 AUTO_K_MAX = 8  # the longest draft k = "auto" chooses by default
 
@@ -58,6 +52,7 @@ def generate(
     seed: int | None = None,
     stop: Sequence[str] = (),
     stream: Callable[[list[int]], None] | None = None,
+    policy: AdaptiveK | None = None,
 ) -> Generation:
     """Generate up to max_new_tokens tokens after input_ids, speculatively when a drafter is given.
 
@@ -65,7 +60,10 @@ def generate(
     (`prompt-lookup`), or None for plain decoding. k: draft length per round (0 = plain decoding),
     or "auto" (the default): chosen every round, 0..k_max, from the costs and acceptance measured
     while generating (specdec.adaptive); each round it is clamped to the budget and the context
-    left. temperature 0 is greedy, and then
+    left. policy: with k="auto", the AdaptiveK to use and update (its k_max replaces k_max), so that
+    what it learnt carries over to the next generation; default: a new one over the target's
+    verify-cost curve as calibrated on this machine (cached on disk, specdec.adaptive.costs).
+    temperature 0 is greedy, and then
     the output is token-for-token plain greedy decoding of the target; otherwise speculative
     sampling keeps the target's distribution exactly. seed: seeds the run's one torch.Generator
     (None: a random seed). stop: strings that end the text. stream: called after every round with
@@ -75,7 +73,8 @@ def generate(
     no room in the target's context, TokenizerMismatchError from a draft model that does not share
     the target's tokenizer.
     """
-    rounds = stepwise(target, input_ids, drafter, k, k_max, max_new_tokens, temperature, top_k, top_p, seed, stop, stream)
+    rounds = stepwise(target, input_ids, drafter, k, k_max, max_new_tokens, temperature, top_k, top_p, seed, stop, stream,
+                      policy)
     while True:
         try:
             next(rounds)
@@ -96,11 +95,12 @@ def stepwise(
     seed: int | None = None,
     stop: Sequence[str] = (),
     stream: Callable[[list[int]], None] | None = None,
+    policy: AdaptiveK | None = None,
 ) -> Generator[int, None, Generation]:
     """generate(), one round at a time: a generator that yields the number of new tokens committed
     so far after the prefill (0) and after every round, and returns the Generation. The time it
     spends suspended does not count in its stats, so that several generations can be run
-    interleaved, round by round, and each still timed alone (specdec.bench measures its configs
+    interleaved, round by round, and each still timed alone (specdec.bench.run measures its configs
     so: the host's slow spells then fall on all of them alike). Parameters and errors: generate();
     the errors are raised at the first next().
     """
@@ -121,12 +121,15 @@ def stepwise(
         )
     if isinstance(drafter, str):
         drafter = make_drafter(drafter)
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must be a specdec Drafter (subclass specdec.Drafter) or a name, got {type(drafter).__name__}")
     if drafter is None:
         k = 0
-    adaptive = AdaptiveK.for_pair(target, drafter, k_max) if k == "auto" else None
-    if adaptive:
-        adaptive.begin()
-    incremental = adaptive is not None and steerable(drafter)
+    if k == "auto":
+        policy = policy or AdaptiveK(VerifyCosts.for_model(target), k_max=k_max)
+        policy.begin()
+    else:
+        policy = None
     generator = torch.Generator()
     if seed is None:
         seed = generator.seed()
@@ -134,8 +137,6 @@ def stepwise(
         generator.manual_seed(seed)
     sampler = Sampler(params, generator)
     eos = target.eos_token_ids
-    vocab = target.vocab_size
-    device = target.device
 
     stats = RunStats(k=k, prompt_tokens=len(prompt))
     start = time.perf_counter()
@@ -143,83 +144,32 @@ def stepwise(
         drafter.prepare(target)
     kv = new_cache(target)
     kv.argmax_only = params.greedy  # greedy reads only the argmax: the lean output layer is screened in bf16
-    if drafter is not None and hasattr(drafter, "attach"):
-        drafter.attach(kv)  # a feature-level drafter reads the target's cache
+    if drafter is not None and drafter.reads_target_cache:
+        drafter.attach(kv)
     if len(prompt) > 1:
         kv.extend(prompt[:-1], all_logits=False)  # the cache holds all committed tokens but the last
-    if adaptive:
-        # once per target and context length: the verify-cost curve, here and where the output ends
-        adaptive.verify.calibrate(kv, prompt, k_max + 1, ahead=max_new_tokens)
-    synchronize(device)
+    if policy:
+        # once per target, context range and machine: the verify-cost curve, here and where the output ends
+        policy.verify.calibrate(kv, prompt, policy.k_max + 1, ahead=max_new_tokens)
+    synchronize(target.device)
     stats.prefill_s = time.perf_counter() - start
     paused += yield from _suspend(0)
 
+    def clock() -> float:
+        synchronize(target.device)  # on a GPU: queued work counts where it was queued
+        return time.perf_counter()
+
+    spec = Speculation(drafter, 0 if policy else k, policy.k_max if policy else 0, policy, sampler, target.vocab_size, clock)
+    verifier = TargetVerifier(kv, sampler)
     tokens = list(prompt)  # committed: prompt + output
-    long_match = getattr(drafter, "long_match", None) if adaptive and params.greedy else None
-    match = functools.partial(long_match, tokens) if long_match else None  # eagle-tree's, see AdaptiveK.plan
     out: list[int] = []
     while not stats.stop_reason:
-        budget, room = max_new_tokens - len(out), n_ctx - len(tokens)
+        budget, room = max_new_tokens - len(out), target.n_ctx - len(tokens)
         if budget <= 0 or room <= 0:
             stats.stop_reason = "length" if budget <= 0 else "context"
             break
-        # A round commits at most k+1 tokens and its forward reaches position len(tokens) - 1 + k.
-        t_round = time.perf_counter()
-        kk = min(k_max if adaptive else k, budget - 1, room - 1)
-        if adaptive:
-            adaptive.verify.at(len(tokens))
-            kk = adaptive.plan(kk, incremental, match)
-        t0 = time.perf_counter()
-        if kk <= 0:
-            draft = Draft([])
-        elif incremental:
-            draft = drafter.propose(tokens, kk, sampler, keep_going=adaptive.keep_going)
-        else:
-            draft = drafter.propose(tokens, kk, sampler)
-        synchronize(device)  # on a GPU: the draft's queued work counts as drafting
-        t1 = time.perf_counter()
-        tree = draft.parents is not None
-        if tree and not (params.greedy and hasattr(kv, "keep_path")):
-            draft, tree = draft.chain(), False  # tree verification: greedy, lean backend
-        chain = _usable((draft.chain() if tree else draft).tokens[:kk], vocab)
-        cut_at = len(chain)
-        if adaptive:  # a tree is cut by depth, as its main chain would be
-            deterministic = params.greedy or draft.probs is None
-            cut_at = adaptive.cut(chain, deterministic, len(tokens), draft.match_length)
-        if tree:
-            draft = draft.pruned(cut_at, vocab, kk)
-            nodes = [tokens[-1]] + draft.tokens  # node 0, the root: the last committed token
-            parents = [-1] + [p + 1 for p in draft.parents]
-            logits = kv.extend(nodes, parents=parents)  # (len(nodes), V)
-        else:
-            drafted = chain[:cut_at]
-            logits = kv.extend([tokens[-1]] + drafted)  # (len(drafted) + 1, V)
-        synchronize(device)
-        t2 = time.perf_counter()
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-
-        if tree:
-            verdict, path = verify_tree_greedy(nodes, parents, logits)
-            kv.keep_path(len(tokens) - 1, path)
-            accepted, n_verified = [nodes[i] for i in path[1:]], len(draft.tokens)
-            depth = max(draft.depths(), default=0)
-        else:
-            if params.greedy:
-                verdict = verify_greedy(drafted, logits)
-            else:
-                q = None if draft.probs is None else _match_vocab(draft.probs[: len(drafted)], vocab)
-                verdict = verify_sampling(drafted, q, processed_probs(logits, params), generator)
-            accepted, n_verified, depth = drafted[: verdict.n_accepted], len(drafted), len(drafted)
-        kv.rollback(len(tokens) + verdict.n_accepted)
-        stats.record_round(n_verified, verdict.n_accepted, depth)
-        if adaptive:
-            adaptive.observe(n_verified, verdict.n_accepted, (t2 - t1) * 1e3, (t1 - t0) * 1e3,
-                             (time.perf_counter() - t_round - (t2 - t0)) * 1e3, kk, incremental, depth,
-                             draft.match_length)
-
         committed = []
-        for t in accepted + [verdict.token]:
+        for t in speculative_round(spec, tokens, budget, room, verifier, stats).committed:
             committed.append(t)
             if t in eos:
                 stats.stop_reason = "eos"
@@ -229,19 +179,52 @@ def stepwise(
                 break
         tokens += committed
         out += committed
-        if adaptive:
-            adaptive.resolve(tokens)
+        if policy:
+            policy.resolve(tokens)
         if stream is not None:
             stream(committed)
         paused += yield from _suspend(len(out))
 
-    if adaptive:
-        adaptive.resolve(tokens, final=True)
+    if policy:
+        policy.resolve(tokens, final=True)
     stats.new_tokens = len(out)
     stats.total_s = time.perf_counter() - start - paused
     text = target.tokenizer.decode(out, skip_special_tokens=True)
     cut = _stop_at(text, stop)
     return Generation(out, text if cut < 0 else text[:cut], stats)
+
+
+class TargetVerifier:
+    """The engine's Verifier (specdec.round): the target's forward over its KV cache.
+
+    A token tree is verified in the same one forward under a tree attention mask where the cache
+    can keep a path of it (the lean backend) and decoding is greedy; elsewhere its main chain is."""
+
+    def __init__(self, kv, sampler: Sampler):
+        self.kv, self.sampler = kv, sampler
+        self.verifies_trees = sampler.params.greedy and hasattr(kv, "keep_path")
+
+    def score(self, tokens: list[int], draft: Draft) -> torch.Tensor:
+        """Logits (1 + len(draft.tokens), V): node 0 is the last committed token."""
+        if draft.parents is None:
+            return self.kv.extend([tokens[-1]] + draft.tokens)
+        return self.kv.extend([tokens[-1]] + draft.tokens, parents=[-1] + [p + 1 for p in draft.parents])
+
+    def judge(self, logits: torch.Tensor, tokens: list[int], draft: Draft) -> tuple[list[int], int]:
+        if draft.parents is not None:
+            nodes = [tokens[-1]] + draft.tokens
+            verdict, path = verify_tree_greedy(nodes, [-1] + [p + 1 for p in draft.parents], logits)
+            self.kv.keep_path(len(tokens) - 1, path)
+            return [nodes[i] for i in path[1:]], verdict.token
+        if self.sampler.params.greedy:
+            verdict = verify_greedy(draft.tokens, logits)
+        else:
+            q = None if draft.probs is None else _match_vocab(draft.probs, logits.shape[-1])
+            verdict = verify_sampling(draft.tokens, q, processed_probs(logits, self.sampler.params), self.sampler.generator)
+        return draft.tokens[: verdict.n_accepted], verdict.token
+
+    def rollback(self, n: int) -> None:
+        self.kv.rollback(n)
 
 
 def _suspend(n_out: int) -> Generator[int, None, float]:
@@ -255,14 +238,6 @@ def _stop_at(text: str, stop: Sequence[str]) -> int:
     """Index where the earliest stop string starts in text, or -1."""
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else -1
-
-
-def _usable(tokens: list[int], vocab: int) -> list[int]:
-    """The draft up to its first id the target cannot score (a draft with a wider vocabulary)."""
-    for i, t in enumerate(tokens):
-        if not 0 <= t < vocab:
-            return tokens[:i]
-    return tokens
 
 
 def _match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import Model
-from .results import near_tie
+from specdec.models.load import Model
+from specdec.bench.results import near_tie
 
 
 @dataclass(frozen=True)

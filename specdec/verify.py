@@ -94,7 +94,7 @@ def verify_tree_greedy(tree_tokens: list[int], parents: list[int], target_logits
     follow the target's argmax from the root while some child of the current node holds it.
 
     tree_tokens: n node ids, node 0 the last committed token (the root), the others drafted;
-    parents: (n,) each node's parent index, -1 for the root (specdec.lean.tree_layout);
+    parents: (n,) each node's parent index, -1 for the root (specdec.backends.lean.tree_layout);
     target_logits: (n, V), row i scoring the token after node i. Returns the verdict (n_accepted =
     drafted nodes kept, one per depth; bonus=True when the path ends at a leaf) and the kept
     path, root first. Plain greedy decoding would produce exactly the path's tokens and then the

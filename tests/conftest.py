@@ -15,7 +15,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdec.models import Model
+from specdec.models.load import Model
 
 VOCAB = 64  # tokenizer size; ids 0..2 are <unk> <s> </s>
 N_CTX = 96

@@ -1,4 +1,4 @@
-"""k = "auto": the per-round draft-length policy (specdec.adaptive) and its use by the engine."""
+"""k = "auto": the per-round draft-length policy (specdec.adaptive.policy) and its use by the engine."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec import adaptive, generate
-from specdec.adaptive import AdaptiveK, VerifyCosts, match_class
+from specdec import generate
+from specdec.adaptive import policy as adaptive
+from specdec.adaptive.policy import AdaptiveK, VerifyCosts, match_class
 from specdec.cache import new_cache
 from specdec.drafters import ModelDrafter, PromptLookup
 
@@ -370,13 +371,16 @@ def test_a_draft_not_worth_verifying_is_not_drafted_deeper():
     assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.99)  # a draft that pays goes on
 
 
-def test_controller_is_shared_per_drafter_and_verify_costs_per_target():
-    a, b = make_model("llama", seed=1), make_model("llama", seed=2)
-    d1, d2 = object.__new__(ModelDrafter), object.__new__(ModelDrafter)
-    assert AdaptiveK.for_pair(a, d1) is AdaptiveK.for_pair(a, d1)
-    assert AdaptiveK.for_pair(a, d1) is not AdaptiveK.for_pair(a, d2)
-    assert AdaptiveK.for_pair(a, d1).verify is AdaptiveK.for_pair(a, d2).verify
-    assert AdaptiveK.for_pair(b, d1).verify is not AdaptiveK.for_pair(a, d2).verify
+def test_the_policy_passed_to_generate_is_the_one_that_learns_and_carries_over():
+    target = make_model("llama", seed=1)
+    prompt = prompt_ids()
+    policy = AdaptiveK(VerifyCosts(), k_max=4)
+    first = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=12, policy=policy)
+    assert policy.verify.shapes and set(range(1, 6)) <= set(policy.verify.ms)  # calibrated up to k_max + 1
+    learnt = sum(map(sum, policy.reached))
+    assert learnt > 0  # shadow-verified lookup drafts were counted
+    again = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=12, policy=policy)
+    assert again.tokens == first.tokens and sum(map(sum, policy.reached)) > learnt  # the same policy went on learning
     with pytest.raises(ValueError, match="k_max"):
         AdaptiveK(VerifyCosts(), k_max=0)
 
@@ -398,12 +402,13 @@ def test_a_generations_first_draft_step_is_not_taken_for_a_step_cost():
 def test_verify_curve_is_timed_once_per_target_at_first_use():
     target = make_model("llama", seed=5)
     prompt = prompt_ids()
-    first = generate(target, prompt, "prompt-lookup", k="auto", k_max=5, max_new_tokens=4)
-    costs = adaptive._VERIFY_COSTS[target]
+    policy = AdaptiveK(VerifyCosts(), k_max=5)
+    first = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=4, policy=policy)
+    costs = policy.verify
     assert costs.shapes and set(range(1, 7)) <= set(costs.ms) and all(v > 0 for v in costs.ms.values())
     assert set(costs.shape) == set(range(1, 7)) and costs.shape[1] == 1.0
     costs.shape = {n: 1000.0 * n for n in costs.shape}  # a sentinel a second calibration would overwrite
-    again = generate(target, prompt, "prompt-lookup", k="auto", k_max=5, max_new_tokens=4)
+    again = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=4, policy=policy)
     assert again.tokens == first.tokens  # the calibration left the cache as it found it
     assert costs.shape[6] == 6000.0  # not re-timed
     assert costs.ms[6] == pytest.approx(6000.0 * costs.ms[1] / 1000.0)  # rounds moved the level, not the shape
@@ -455,8 +460,7 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
     with torch.no_grad():
         p = target.hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
     drafter = ModelDrafter(draft_model)
-    adaptive._VERIFY_COSTS[target] = SteepCosts()
-    ctl = AdaptiveK.for_pair(target, drafter)
+    ctl = AdaptiveK(SteepCosts())
 
     def always_draft(cap: int, incremental: bool, match=None) -> int:
         ctl.confidence, ctl.probing, ctl.cap, ctl.rho = [], False, cap, 0.1  # rho: plain decoding's tokens/ms
@@ -466,7 +470,7 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
     n = 1500
     counts = collections.Counter()
     for seed in range(n):
-        got = generate(target, prompt, drafter, k="auto", max_new_tokens=2, temperature=1.0, seed=seed)
+        got = generate(target, prompt, drafter, k="auto", max_new_tokens=2, temperature=1.0, seed=seed, policy=ctl)
         assert got.stats.k_per_round[0] == 1  # the first token went through the draft and the rejection rule
         counts[got.tokens[0]] += 1
     assert ctl.cut([5], deterministic=True) == 0 or ctl.confident_acceptance(ctl.confidence[0]) >= 0.8

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from specdec import costmodel, gemv, results
-from specdec.bench import Pair, _auto_summary, fit, git_commit, ratio_noise, run_all, run_bench
+from specdec.bench import costmodel
+from specdec.backends import gemv
+from specdec.bench import results
+from specdec.bench.run import Pair, _auto_summary, fit, git_commit, ratio_noise, run_all, run_bench
 from specdec.cli import main
 from specdec.drafters import ModelDrafter, make_drafter
 from specdec.engine import generate, stepwise
 from specdec.stats import RunStats
-from specdec.workloads import load_workload
+from specdec.bench.workloads import load_workload
 
 from .conftest import prompt_ids
 

@@ -14,14 +14,15 @@ import json
 import pytest
 import torch
 
-from specdec import generate, results
-from specdec.bench import Pair, run_bench
+from specdec import generate
+from specdec.bench import results
+from specdec.bench.run import Pair, run_bench
 from specdec.cache import KVCache, LeanKVCache
 from specdec.cli import main
 from specdec.drafters import EagleDrafter, make_drafter
-from specdec.head import DraftHead
-from specdec.models import Model, load_model, resolve_device
-from specdec.workloads import load_workload
+from specdec.train.head import DraftHead
+from specdec.models.load import Model, load_model, resolve_device
+from specdec.bench.workloads import load_workload
 
 from .conftest import make_model, prompt_ids
 

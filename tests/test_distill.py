@@ -9,11 +9,11 @@ import torch
 
 from specdec import generate
 from specdec.cli import main
-from specdec.distill import distill, spaced_layers, student_from_target
+from specdec.train.distill import distill, spaced_layers, student_from_target
 from specdec.drafters import make_drafter
-from specdec.models import check_same_tokenizer, load_model
+from specdec.models.load import check_same_tokenizer, load_model
 
-from specdec.train import training_prompts
+from specdec.train.train import training_prompts
 
 from .conftest import make_model, make_tokenizer, prompt_ids
 

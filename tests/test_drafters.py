@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import generate, make_drafter
-from specdec.calibrate import (_run_from, calibrate_skip, load_skip_layers, save_skip_layers,
+from specdec.train.calibrate import (_run_from, calibrate_skip, load_skip_layers, save_skip_layers,
                                simulated_tau, skip_file)
 from specdec.cli import main
-from specdec.drafters.layerskip import LayerSkipDrafter, parse_layers, skip_view
+from specdec.drafters.layerskip import LayerSkipDrafter
+from specdec.models.skip import parse_layers, skip_view
 from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter, load_corpus
 from specdec.sampling import Sampler, SamplingParams
 

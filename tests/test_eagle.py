@@ -1,4 +1,4 @@
-"""The feature-level draft head (specdec.head), its drafter and `specdec train`, on tiny models."""
+"""The feature-level draft head (specdec.train.head), its drafter and `specdec train`, on tiny models."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from specdec import generate
-from specdec.adaptive import AdaptiveK, match_class
-from specdec.bench import measure_costs
+from specdec.adaptive import AdaptiveK, VerifyCosts, match_class
+from specdec.bench.run import measure_costs
 from specdec.cache import LeanKVCache
 from specdec.drafters import EagleDrafter
-from specdec.head import DraftHead, HeadCache, HeadError, load_head, save_head
+from specdec.train.head import DraftHead, HeadCache, HeadError, load_head, save_head
 from specdec.sampling import Sampler, SamplingParams
-from specdec.train import train_head, training_prompts
+from specdec.train.train import train_head, training_prompts
 
 from .conftest import make_model, prompt_ids
 
@@ -312,13 +312,13 @@ def test_auto_proposes_a_long_lookup_match_even_when_the_heads_trees_do_not_pay(
     drafter.prepare(target)
     assert drafter.long_match(prompt) >= EagleDrafter.LONG_MATCH
     assert EagleDrafter(head, alternatives=1).long_match(prompt) is None  # no lookup: no match
-    generate(target, prompt, drafter, k="auto", max_new_tokens=2)  # times the verify curve
-    ctl = AdaptiveK.for_pair(target, drafter, 8)
+    ctl = AdaptiveK(VerifyCosts(), k_max=8)
+    generate(target, prompt, drafter, k="auto", max_new_tokens=2, policy=ctl)  # times the verify curve
     ctl.reached = [[0.0] * 8 for _ in ctl.reached]  # nothing known of lookup's matches
     ctl.accepted = [[0.0] * 8 for _ in ctl.accepted]
     ctl.reached[0] = [1000.0] * 8  # the head's trees (class 0): never right in 1000 rounds
     ctl.probe_interval = ctl.probe_max  # and its probes backed off
-    out = generate(target, prompt, drafter, k="auto", max_new_tokens=20)
+    out = generate(target, prompt, drafter, k="auto", max_new_tokens=20, policy=ctl)
     assert out.tokens == plain
     long = range(match_class(EagleDrafter.LONG_MATCH), len(ctl.reached))
     assert out.stats.drafted > 0 and sum(ctl.reached[c][0] for c in long) > 0  # learned under its class

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from specdec.drafters.base import Drafter
 from specdec import ContextLengthError, TokenizerMismatchError, generate, make_drafter
 from specdec.cache import new_cache
 from specdec.drafters import Draft, ModelDrafter
@@ -18,7 +19,7 @@ from .conftest import N_CTX, VOCAB, make_model, make_tokenizer, prompt_ids
 N_NEW = 40
 
 
-class Oracle:
+class Oracle(Drafter):
     """Proposes the true continuation (always right) or, with wrong=True, a token that differs
     from it at every position (always wrong)."""
 

@@ -10,7 +10,7 @@ import torch
 
 from specdec import generate
 from specdec.exactness import Divergence, first_divergence, ulp
-from specdec.report import _divergences
+from specdec.bench.report import _divergences
 
 from .conftest import make_model, prompt_ids
 

@@ -1,6 +1,6 @@
-"""The one- and two-row fp32 product kernel (specdec.gemv): it builds where a compiler is present,
+"""The one- and two-row fp32 product kernel (specdec.backends.gemv): it builds where a compiler is present,
 computes x W^T (+ b) to fp32 rounding over weights given in parts, gives a row the same bits
-whether it comes alone or with a second, and specdec.lean routes only one- and two-row fp32
+whether it comes alone or with a second, and specdec.backends.lean routes only one- and two-row fp32
 products on CPU to it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from specdec import gemv
-from specdec.lean import Linear
+from specdec.backends import gemv
+from specdec.backends.linear import Linear
 
 
 def test_the_kernel_builds_where_a_compiler_is_present():

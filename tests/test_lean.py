@@ -1,4 +1,4 @@
-"""The lean decode path (specdec.lean) against transformers' own forward on the same weights."""
+"""The lean decode path (specdec.backends.lean) against transformers' own forward on the same weights."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from specdec import ContextLengthError, generate
 from specdec.cache import KVCache, LeanKVCache, new_cache
-from specdec.drafters.layerskip import skip_view
-from specdec.models import Model
-from specdec.rows import choose_rows
+from specdec.models.skip import skip_view
+from specdec.models.load import Model
+from specdec.backends.rows import choose_rows
 
 from .conftest import N_CTX, make_model, prompt_ids
 
@@ -95,7 +95,8 @@ def test_backend_choice():
 
 
 def test_weight_bytes_counts_what_a_forward_reads():
-    from specdec.roofline import roofline, weight_bytes
+    from specdec.backends.lean import weight_bytes
+    from specdec.bench.roofline import roofline
 
     model = make_model("llama")
     hf = model.hf
@@ -111,7 +112,7 @@ def test_weight_bytes_counts_what_a_forward_reads():
 
 
 def test_padded_rows_give_the_unpadded_results(pair):
-    """With a row table (specdec.rows) a short forward runs more rows, filler after the real
+    """With a row table (specdec.backends.rows) a short forward runs more rows, filler after the real
     tokens: the real rows' logits, the cache, and greedy output stay those of transformers."""
     lean, hf = pair
     padded = dataclasses.replace(lean, _lean=None)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specdec import ChecksumError, ModelNotFoundError, generate, load_model
-import specdec.weights as weights
-from specdec.registry import REGISTRY, Entry, Part
+import specdec.models.weights as weights
+from specdec.models.registry import REGISTRY, Entry, Part
 
 from .conftest import make_model, prompt_ids
 

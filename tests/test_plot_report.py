@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec import results as results_mod
-from specdec.plot import plot_results
-from specdec.report import markdown_report
+from specdec.bench import results as results_mod
+from specdec.bench.plot import plot_results
+from specdec.bench.report import markdown_report
 from specdec.stats import RunStats
 
 DATA = Path(__file__).parent / "data" / "small_results.json"

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from specdec import first_divergence, generate, load_model, make_drafter
-from specdec.weights import cache_dir, is_pulled
+from specdec.bench.workloads import workload_path
+from specdec.models.weights import cache_dir, is_pulled
 
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "spec_bench_dev.jsonl"
+WORKLOAD = workload_path("spec-bench")
 FALLBACK = ("Summarize: The committee met on Tuesday. The committee approved the budget. "
             "The committee will meet again on Tuesday to approve the budget for the next year.")
 
@@ -42,7 +43,7 @@ def test_eagle_head_drafting_on_the_real_model_is_exact(smollm2):
     must not depend on the head being any good): greedy output identical to plain greedy."""
     import torch
 
-    from specdec.head import DraftHead
+    from specdec.train.head import DraftHead
 
     torch.manual_seed(0)
     head = DraftHead.for_target(smollm2, torch.arange(8192))
@@ -56,7 +57,7 @@ def test_eagle_head_drafting_on_the_real_model_is_exact(smollm2):
 def test_the_shipped_head_is_trained_and_its_drafters_are_exact(smollm2):
     """The head that ships for SmolLM2 (specdec/data/heads) loads, keeps greedy output identical
     with both head drafters, and is trained: an untrained head gets almost no draft accepted."""
-    from specdec.head import PACKAGED, load_head
+    from specdec.train.head import PACKAGED, load_head
 
     path = PACKAGED / "smollm2-135m.safetensors"
     head, meta = load_head(path, smollm2.lean().hidden_size)

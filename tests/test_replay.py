@@ -1,12 +1,13 @@
-"""Replay (specdec.replay): the rounds of a real greedy run, without its target forwards or its clock."""
+"""Replay (specdec.bench.replay): the rounds of a real greedy run, without its target forwards or its clock."""
 
 from __future__ import annotations
 
 import pytest
 
+from specdec.drafters.base import Drafter
 from specdec.drafters import Draft, make_drafter
 from specdec.engine import generate
-from specdec.replay import controller, replay
+from specdec.bench.replay import controller, replay
 
 from .conftest import make_model, prompt_ids
 
@@ -48,7 +49,7 @@ def test_replayed_time_is_the_measured_costs_of_the_rounds(run):
     assert stats.total_s * 1e3 == pytest.approx(ms)
 
 
-class Oracle:
+class Oracle(Drafter):
     """Proposes the target's own continuation: a free drafter that is always right."""
 
     def __init__(self, prompt: list[int], output: list[int]):

@@ -10,7 +10,7 @@ import torch
 
 from specdec import generate
 from specdec.cache import LeanKVCache
-from specdec.screen import ScreenedHead, screening_pays
+from specdec.backends.screen import ScreenedHead, screening_pays
 
 from .conftest import make_model, prompt_ids
 

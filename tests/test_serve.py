@@ -21,13 +21,14 @@ import torch
 import uvicorn
 from openai import AsyncOpenAI, OpenAI
 
+from specdec.drafters.base import Drafter
 from specdec import cli
 from specdec.cli import TextStreamer, main
 from specdec.drafters import Draft, PromptLookup
 from specdec.engine import generate
 from specdec.errors import TokenizerMismatchError
-from specdec.models import load_model
-from specdec.serve import create_app
+from specdec.models.load import load_model
+from specdec.serve.app import create_app
 
 from .conftest import VOCAB, make_model, make_tokenizer
 
@@ -234,7 +235,7 @@ def test_50_concurrent_streams_each_equal_their_solo_greedy_output(served, tiny)
 
 # ---- the queue: 429 and cancellation ----------------------------------------------------------
 
-class GateDrafter:
+class GateDrafter(Drafter):
     """Blocks in propose() until released, so the worker stays busy for as long as a test needs."""
 
     def __init__(self):
@@ -249,7 +250,7 @@ class GateDrafter:
         return Draft([])
 
 
-class SlowDrafter:
+class SlowDrafter(Drafter):
     """Proposes nothing, slowly: a full 80-token run takes about 4 s."""
 
     def __init__(self):

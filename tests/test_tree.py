@@ -11,11 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.drafters.base import Drafter
 from specdec import generate
 from specdec.cache import LeanKVCache
 from specdec.drafters import Draft, SuffixDrafter
 from specdec.drafters.suffix import SuffixAutomaton
-from specdec.lean import tree_layout
+from specdec.backends.lean import tree_layout
 from specdec.verify import verify_tree_greedy
 
 from .conftest import VOCAB, make_model, prompt_ids
@@ -166,7 +167,7 @@ def test_grafted_is_a_tree_holding_the_guess_and_the_trees_best_nodes(seq, chain
     assert covered >= min(len(chain), n // 2)
 
 
-class OracleTree:
+class OracleTree(Drafter):
     """A tree drafter that knows the target's greedy output: each round its first branch is a
     decoy and its second the truth, so every accepted token comes off the main chain."""
 

@@ -1,5 +1,5 @@
 """Drafting with a feature-level head over the target's own features (EAGLE, Li et al. 2024);
-the head is specdec.head.DraftHead, trained by `specdec train`."""
+the head is specdec.train.head.DraftHead, trained by `specdec train`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ from typing import Callable
 
 import torch
 
-from ..cache import common_prefix
-from ..head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
-from ..lean import Linear
-from ..models import Model
-from ..sampling import Sampler
-from .base import Draft
-from .lookup import PromptLookup
+from specdec.cache import common_prefix
+from specdec.train.head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
+from specdec.backends.linear import Linear
+from specdec.models.load import Model
+from specdec.sampling import Sampler
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft import Draft
+from specdec.drafters.lookup import PromptLookup
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts token by token with a DraftHead that reads the target's features.
 
     head: a DraftHead, a path to a head file, or None for the target's stored head (head.find_head).
@@ -38,6 +39,9 @@ class EagleDrafter:
     prepare() raises ValueError for a target on the transformers backend, HeadError for a missing
     head or one trained for another target.
     """
+
+    incremental = True
+    reads_target_cache = True
 
     LONG_MATCH = 6  # lookup match length (tokens) from which lookup's draft is proposed alone
 

@@ -4,9 +4,10 @@ followed them there. No model, no probabilities."""
 
 from __future__ import annotations
 
-from ..models import Model
-from ..sampling import Sampler
-from .base import Draft
+from specdec.models.load import Model
+from specdec.sampling import Sampler
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft import Draft
 
 MAX_MATCH = 32  # how far back a match's length is measured
 
@@ -22,7 +23,7 @@ def continuation(context: list[int], at: int, k: int) -> list[int]:
     return out
 
 
-class PromptLookup:
+class PromptLookup(Drafter):
     """n-gram match over prompt + output so far.
 
     Tries the longest n-gram first (max_ngram down to min_ngram) and, for each n, the most recent

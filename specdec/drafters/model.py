@@ -7,13 +7,14 @@ from typing import Callable
 
 import torch
 
-from ..cache import new_cache
-from ..models import Model, check_same_tokenizer, load_model
-from ..sampling import Sampler
-from .base import Draft
+from specdec.cache import new_cache
+from specdec.models.load import Model, check_same_tokenizer, load_model
+from specdec.sampling import Sampler
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft import Draft
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """k autoregressive steps of a draft model over its own KV cache.
 
     draft: a loaded Model, or anything load_model accepts. Before each proposal the draft cache is
@@ -21,6 +22,8 @@ class ModelDrafter:
     committed tokens only. prepare() raises TokenizerMismatchError when the draft's tokenizer
     differs from the target's.
     """
+
+    incremental = True
 
     def __init__(self, draft: Model | str, **load_kwargs):
         self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
@@ -37,7 +40,7 @@ class ModelDrafter:
                 keep_going: Callable[[int, float], bool] | None = None) -> Draft:
         """Up to k tokens; with keep_going, after each drafted token keep_going(n drafted so far,
         the draft's probability for the last token) decides whether to draft another (the
-        adaptive policy of specdec.adaptive), and the Draft carries those confidences."""
+        adaptive policy of specdec.adaptive.policy), and the Draft carries those confidences."""
         k = min(k, self.draft.n_ctx - len(context) + 1)  # positions left in the draft's context
         if k <= 0:
             return Draft([])

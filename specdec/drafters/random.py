@@ -2,18 +2,19 @@
 
 Running the bench with it measures what speculation costs when nothing pays: the verify forward
 over k+1 tokens instead of 1, and the round's bookkeeping. It is how `k="auto"` is checked to fall
-back to plain decoding (specdec.adaptive)."""
+back to plain decoding (specdec.adaptive.policy)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..models import Model
-from ..sampling import Sampler
-from .base import Draft
+from specdec.models.load import Model
+from specdec.sampling import Sampler
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft import Draft
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     """Proposes k token ids drawn uniformly from the target's vocabulary, from its own generator
     (seeded with `seed`), so that the run's sampling draws are not disturbed."""
 

@@ -21,10 +21,11 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..models import Model
-from ..sampling import Sampler
-from .base import Draft
-from .lookup import PromptLookup
+from specdec.models.load import Model
+from specdec.sampling import Sampler
+from specdec.drafters.base import Drafter
+from specdec.drafters.draft import Draft
+from specdec.drafters.lookup import PromptLookup
 
 
 class SuffixAutomaton:
@@ -225,7 +226,7 @@ def load_corpus(path) -> list[list[int]]:
     return data
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Proposes what followed the longest earlier occurrence of the context's suffix.
 
     Sources: the context itself (prompt + output so far, in a suffix automaton extended by the

@@ -51,11 +51,10 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 
-from .costmodel import interpolate
-from .models import Model, synchronize
+from specdec.bench.costmodel import interpolate
+from specdec.models.load import Model, synchronize
 
 BIN_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.97)  # confidence bins: [0, .2), [.2, .4), ..., [.97, 1]
 MATCH_EDGES = (1, 2, 3, 4, 6, 10, 16)  # match-length classes: unknown, 1, 2, 3, 4-5, 6-9, 10-15, 16+
@@ -93,6 +92,11 @@ class VerifyCosts:
     shapes: dict[int, dict[int, float]] = field(default_factory=dict)  # context length -> shape timed there
     step: int = 16  # at() redoes the interpolation after the context moved this many tokens
     _at: tuple[int, int] = (-1 << 30, 0)  # (context, number of shapes) of the last interpolation
+
+    @classmethod
+    def for_model(cls, model) -> "VerifyCosts":
+        """The verify-cost curve of `model` on this machine: empty until calibrate() times it."""
+        return cls()
 
     def observe(self, n: int, ms: float) -> None:
         if n in self.shape:
@@ -190,8 +194,6 @@ def _repeated(tokens: list[int], n: int) -> list[int]:
     return (tokens * (n // max(len(tokens), 1) + 1))[:n]
 
 
-_VERIFY_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target Model -> VerifyCosts
-_CONTROLLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> AdaptiveK
 
 
 class AdaptiveK:
@@ -206,9 +208,9 @@ class AdaptiveK:
     the prior of a deeper position moves from the estimate at the position before toward 1 (see
     acceptances). explore: standard errors added to each position's estimate when deciding how
     deep to draft (see acceptances). clock: seconds, read to time a draft model's steps
-    (specdec.replay runs the policy on a simulated one).
+    (specdec.bench.replay runs the policy on a simulated one).
 
-    Use for_pair() to get the shared instance; raises ValueError for k_max < 1.
+    Raises ValueError for k_max < 1.
     """
 
     def __init__(self, costs: VerifyCosts, k_max: int = 8, decay: float = 0.9, prior: float = 0.5,
@@ -245,16 +247,6 @@ class AdaptiveK:
         self.cap = k_max
         self.confidence: list[float] = []
         self._t_last = 0.0  # when the last draft step ended
-
-    @classmethod
-    def for_pair(cls, target: Model, drafter, k_max: int = 8) -> "AdaptiveK":
-        """The controller of this drafter with this target, created on first use and kept (weakly)
-        for later generations; the verify costs are shared by every drafter of the target."""
-        costs = _VERIFY_COSTS.setdefault(target, VerifyCosts())
-        ctl = _CONTROLLERS.get(drafter)
-        if ctl is None or ctl.verify is not costs or ctl.k_max != k_max:
-            ctl = _CONTROLLERS[drafter] = cls(costs, k_max=k_max)
-        return ctl
 
     # ---- estimates ----------------------------------------------------------------------------
     def acceptances(self, n: int, cls: int = 0, optimistic: bool = False) -> list[float]:
@@ -336,7 +328,7 @@ class AdaptiveK:
         measured V(n + 1) - V(1) at the current context, n = _nodes(m) (m for a chain, more for a
         tree), plus `margin` x V(1) (for the noise of a curve timed once per context range).
         It may be negative: where oneDNN's kernel for n + 1 rows beats its one-row kernel (2-core
-        EPYC, lean, fp32, 64 tokens of context: SmolLM2 V(4) = 0.94 V(1) before specdec.gemv,
+        EPYC, lean, fp32, 64 tokens of context: SmolLM2 V(4) = 0.94 V(1) before specdec.backends.gemv,
         Qwen2.5-Coder-1.5B 0.73), verifying even a useless draft is faster than a plain step, and a
         fixed k = 2 with a random drafter gained 4% from it while auto, refusing junk, did not."""
         return self.verify(self._nodes(m) + 1) - self.verify(1) + self.margin * self.verify(1)

@@ -22,10 +22,28 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from . import gemv, rows
-from .roofline import weight_bytes
+from specdec.backends import rows
+from specdec.backends.linear import Linear, fused
+from specdec.backends.screen import ScreenedHead, screening_pays
 
 SUPPORTED = ("llama", "qwen2")
+
+
+def weight_bytes(hf: torch.nn.Module) -> int:
+    """Bytes of weights one forward of the transformers model `hf` reads: every parameter except
+    the input embedding table (a forward gathers only its n rows), which counts when the output
+    layer reads it (tied weights). Parameters shared between modules count once."""
+    embed = hf.get_input_embeddings().weight
+    head = hf.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
+    seen, total = set(), 0
+    for p in hf.parameters():
+        if p.data_ptr() in seen or (p.data_ptr() == embed.data_ptr() and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
 
 
 def unsupported_reason(hf) -> str | None:
@@ -122,49 +140,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     return out[0].transpose(0, 1).reshape(n, heads * head_dim)
 
 
-def _packs(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-
-
-class Linear:
-    """y = x W^T + b over a weight (out, in): on CPU, one- and two-row fp32 products run the
-    specdec.gemv kernel over `parts` (the weights whose concatenation is W, shared with the
-    transformers model: no copy), longer ones oneDNN over W reordered once; F.linear elsewhere.
-    x: (n, in) -> (n, out)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: list[torch.Tensor] | None = None):
-        self.out_features = weight.shape[0]
-        self.packed = _packs(weight.dtype, weight.device)
-        self.parts = [p.contiguous() for p in (parts or [weight])] if gemv.usable(weight) else None
-        self.gemv = gemv.kernel().gemv if self.parts is not None else None
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()) if self.packed else weight
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parts is not None and x.shape[0] <= gemv.MAX_ROWS:
-            return self.gemv(x, self.parts, self.bias)
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
-def _fused(*linears: torch.nn.Linear) -> Linear:
-    parts = [m.weight.detach() for m in linears]
-    weight = torch.cat(parts)
-    biases = [m.bias for m in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device)
-         for m, b in zip(linears, biases)])
-    return Linear(weight, bias, parts=parts)
-
-
 class _Layer:
     def __init__(self, layer):
         a, m = layer.self_attn, layer.mlp
-        self.qkv = _fused(a.q_proj, a.k_proj, a.v_proj)
-        self.o = _fused(a.o_proj)
-        self.gate_up = _fused(m.gate_proj, m.up_proj)
-        self.down = _fused(m.down_proj)
+        self.qkv = fused(a.q_proj, a.k_proj, a.v_proj)
+        self.o = fused(a.o_proj)
+        self.gate_up = fused(m.gate_proj, m.up_proj)
+        self.down = fused(m.down_proj)
         self.norm_in = layer.input_layernorm.weight.detach()
         self.norm_post = layer.post_attention_layernorm.weight.detach()
 
@@ -189,17 +171,15 @@ class LeanModel:
         self.hidden_size = c.hidden_size
         self.dtype, self.device = hf.dtype, hf.device
         self.inv_freq = rope_inv_freq(theta, self.head_dim, self.device)
-        from .screen import ScreenedHead, screening_pays  # here: screen builds on this module's Linear
-
         with torch.no_grad():
             self.embed = hf.get_input_embeddings().weight.detach()
             self.layers = [_Layer(layer) for layer in hf.model.layers]
             self.norm = hf.model.norm.weight.detach()
             out = hf.get_output_embeddings()
             self.lm_head = Linear(out.weight.detach())
-            # greedy steps read the output layer in bf16 and recompute only the possible argmaxes (specdec.screen)
+            # greedy steps read the output layer in bf16 and recompute only the possible argmaxes (specdec.backends.screen)
             self.screen = ScreenedHead(out.weight.detach()) if out.bias is None and screening_pays(out.weight) else None
-        self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.rows); absent: n
+        self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.backends.rows); absent: n
         if self.device.type == "cpu" and weight_bytes(hf) >= rows.TUNE_MIN_BYTES:
             self.rows = rows.tune_rows(self)
 
@@ -224,13 +204,13 @@ class LeanModel:
         keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); features: (capacity,
         hidden x (1 + len(taps))). Rows start..start+n-1 are written: keys, values, and in
         features the final-normed hidden states (what the output layer reads; a feature-level
-        draft head, specdec.head, reads them too), followed by the hidden states after each
+        draft head, specdec.train.head, reads them too), followed by the hidden states after each
         decoder layer in `taps` (0-based; EAGLE-3's low and middle features). tree: (positions,
         mask) of tree_layout() when ids are a token tree rather than a sequence. Returns logits
         (keep, V) for the last `keep` positions (n for all of them); with argmax_only, logits
         whose argmax per row is exact but whose other entries may be bf16 approximations (the
-        output layer screened in bf16, specdec.screen; for greedy decoding). A sequence of n is
-        run as rows[n] rows where that table (specdec.rows) says it is faster."""
+        output layer screened in bf16, specdec.backends.screen; for greedy decoding). A sequence of n is
+        run as rows[n] rows where that table (specdec.backends.rows) says it is faster."""
         n, hd = ids.shape[0], self.head_dim
         real = n
         if tree is None and self.rows.get(n, n) > n and start + self.rows[n] <= features.shape[0]:

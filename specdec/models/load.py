@@ -12,9 +12,9 @@ from urllib.parse import urlparse
 
 import torch
 
-from .errors import ModelNotFoundError, TokenizerMismatchError
-from .weights import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
-from .registry import REGISTRY
+from specdec.errors import ModelNotFoundError, TokenizerMismatchError
+from specdec.models.weights import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
+from specdec.models.registry import REGISTRY
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../x" are paths
 
@@ -53,7 +53,7 @@ class Model:
     """A causal LM (a transformers `PreTrainedModel`) with its tokenizer.
 
     `name` is what it was loaded from. The KV cache lives outside, in `specdec.cache`, so one model
-    can serve several runs. backend: how forwards run. "lean" is specdec.lean's forward over
+    can serve several runs. backend: how forwards run. "lean" is specdec.backends.lean's forward over
     prepacked weights and a preallocated cache (Llama and Qwen2 models; built at first use, about
     one more copy of the linear weights); "hf" is the transformers model itself; "auto" (default)
     picks lean where it can run the model. Raises ValueError for backend="lean" on a model it
@@ -68,7 +68,7 @@ class Model:
     _lean: object = field(default=None, repr=False)
 
     def __post_init__(self):
-        from .lean import unsupported_reason
+        from specdec.backends.lean import unsupported_reason
 
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
@@ -79,9 +79,9 @@ class Model:
             self.backend = "hf" if reason else "lean"
 
     def lean(self):
-        """The specdec.lean.LeanModel of this model, built at the first call."""
+        """The specdec.backends.lean.LeanModel of this model, built at the first call."""
         if self._lean is None:
-            from .lean import LeanModel
+            from specdec.backends.lean import LeanModel
 
             self._lean = LeanModel(self.hf)
         return self._lean

@@ -13,7 +13,7 @@ The table is timed once per model when its lean form is built (tune_rows), at a 
 a length is padded only when that saves a clear `gain` (default 15%), since the attention over a
 long context adds per-row cost the short timing does not see (SmolLM2-135M fp32's one-token step
 would gain 7% as 4-6 rows at 64 tokens and lose 3% at 768: it is left unpadded, while its slow
-two-row forward, 1.15 V(1), was padded until specdec.gemv made one and two rows its fastest
+two-row forward, 1.15 V(1), was padded until specdec.backends.gemv made one and two rows its fastest
 forwards; its table is now empty).
 """
 
@@ -28,7 +28,7 @@ TUNE_MIN_BYTES = 100e6  # models whose forward reads fewer bytes of weights are 
 
 
 def tune_rows(lean, n_max: int = 9, context: int = 32, gain: float = 0.15, repeats: int = 3) -> dict[int, int]:
-    """Time one forward of n = 1..n_max rows of `lean` (a specdec.lean.LeanModel, its own rows
+    """Time one forward of n = 1..n_max rows of `lean` (a specdec.backends.lean.LeanModel, its own rows
     table unset) after `context` cached tokens, the fastest of `repeats` passes each, and return
     {n: m} for each n that runs faster as m > n rows: m minimises V(m) over n..n_max and
     V(m) <= (1 - gain) V(n). Costs about 3 x n_max one-token forwards; the scratch cache is freed."""

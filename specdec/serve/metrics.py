@@ -10,7 +10,7 @@ import math
 import threading
 from typing import Callable
 
-from .stats import RunStats
+from specdec.stats import RunStats
 
 OUTCOMES = ("completed", "cancelled", "rejected", "invalid", "failed")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # seconds

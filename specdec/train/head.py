@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import grown
-from .errors import SpecdecError
-from .lean import Linear, attention_shape, cached_attention, causal_mask, rope, rope_inv_freq, rotate
-from .weights import atomic_write, cache_dir
+from specdec.cache import grown
+from specdec.errors import SpecdecError
+from specdec.backends.linear import Linear
+from specdec.backends.lean import attention_shape, cached_attention, causal_mask, rope, rope_inv_freq, rotate
+from specdec.models.weights import atomic_write, cache_dir
 
-PACKAGED = Path(__file__).resolve().parent / "data" / "heads"  # heads that ship with specdec
+PACKAGED = Path(__file__).resolve().parents[1] / "data" / "heads"  # heads that ship with specdec
 
 
 class HeadError(SpecdecError, ValueError):
@@ -100,7 +101,7 @@ class DraftHead(nn.Module):
 
     def packed(self, device: torch.device | None = None) -> "DraftHead":
         """A copy for drafting, on `device` (default: where this head is), whose projections run as
-        specdec.lean.Linear (weights reordered once for oneDNN on CPU; one draft step's products are
+        specdec.backends.lean.Linear (weights reordered once for oneDNN on CPU; one draft step's products are
         memory-bound, and MKL's path for a single row reads them several times slower). Inference
         only: no gradients."""
         packed = copy.deepcopy(self).eval().to(device)

@@ -36,11 +36,11 @@ from typing import Callable
 
 import torch
 
-from .cache import new_cache
-from .drafters.layerskip import _build_view, decoder_layers, parse_layers
-from .engine import generate
-from .models import Model
-from .weights import atomic_write, cache_dir
+from specdec.cache import new_cache
+from specdec.models.skip import build_view, decoder_layers, parse_layers
+from specdec.engine import generate
+from specdec.models.load import Model
+from specdec.models.weights import atomic_write, cache_dir
 
 SCHEMA = "specdec.layer-skip/1"
 
@@ -123,7 +123,7 @@ def verify_cost_ratio(target: Model, k: int, context: list[int], repeats: int = 
     """v: the target's time to score k+1 tokens over its time for one, on a KV cache holding
     `context` (medians, the two timed alternately)."""
     kv = new_cache(target)
-    kv.argmax_only = True  # greedy decoding's forward (specdec.screen)
+    kv.argmax_only = True  # greedy decoding's forward (specdec.backends.screen)
     kv.extend(context, all_logits=False)
     n = len(kv)
     times: dict[int, list[float]] = {1: [], k + 1: []}
@@ -195,7 +195,7 @@ def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, 
     path = [point(kept, tau_of([[True] * len(out) for _, out in seqs]))]
     with torch.inference_mode():  # per prompt: the hidden state entering each kept layer
         embed = target.hf.get_input_embeddings()
-        inputs = [_run_from(_build_view(target, kept), embed(ids), 1)[1] for ids, _ in seqs]
+        inputs = [_run_from(build_view(target, kept), embed(ids), 1)[1] for ids, _ in seqs]
     last_tau: dict[int, float] = {}  # layer -> τ when it was last tried for removal
     best_est, stale = float("-inf"), 0  # best estimate within max_keep, steps since it improved
     while len(kept) > 1 and stale < patience:
@@ -203,7 +203,7 @@ def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, 
         best = None
         for j in tried:
             i = kept.index(j)
-            rest = _build_view(target, kept[i + 1:])  # the layers after j, fed the state entering j
+            rest = build_view(target, kept[i + 1:])  # the layers after j, fed the state entering j
             runs = [_run_from(rest, hs[i], len(out)) for hs, (_, out) in zip(inputs, seqs)]
             last_tau[j] = tau_of([(pred == out).tolist() for (pred, _), (_, out) in zip(runs, seqs)])
             if best is None or last_tau[j] > last_tau[best[0]]:

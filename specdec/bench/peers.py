@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import Model, synchronize
+from specdec.models.load import Model, synchronize
 
 
 @dataclass

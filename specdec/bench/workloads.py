@@ -52,10 +52,23 @@ def load_workload(path: str | Path, categories: list[str] | None = None, limit: 
     return prompts
 
 
-def default_workload(name: str = "spec_bench_dev.jsonl") -> Path:
-    """../shared/workloads/<name> next to the current folder or next to the source checkout."""
-    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        candidate = base.parent / "shared" / "workloads" / name
-        if candidate.is_file():
-            return candidate
-    raise ValueError(f"cannot find ../shared/workloads/{name}; pass --workload FILE")
+PACKAGED = {"spec-bench": "spec_bench_dev.jsonl", "humaneval": "humaneval_dev.jsonl"}  # specdec/data/workloads
+WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "data" / "workloads"
+
+
+def workload_path(name_or_path: str | Path) -> Path:
+    """A packaged workload by name (`spec-bench`: Spec-Bench dev rows, `humaneval`: HumanEval dev
+    rows; licences in specdec/data/workloads/README.md) or a .jsonl file by path. Raises ValueError
+    when it is neither, naming the packaged ones."""
+    if str(name_or_path) in PACKAGED:
+        return WORKLOADS_DIR / PACKAGED[str(name_or_path)]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"no workload {str(name_or_path)!r}: give a .jsonl file or a packaged name "
+                         f"({', '.join(PACKAGED)})")
+    return path
+
+
+def default_workload() -> Path:
+    """The packaged Spec-Bench dev rows."""
+    return workload_path("spec-bench")

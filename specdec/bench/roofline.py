@@ -10,23 +10,8 @@ import time
 
 import torch
 
-from .models import Model, synchronize
-
-
-def weight_bytes(hf: torch.nn.Module) -> int:
-    """Bytes of weights one forward of the transformers model `hf` reads: every parameter except
-    the input embedding table (a forward gathers only its n rows), which counts when the output
-    layer reads it (tied weights). Parameters shared between modules count once."""
-    embed = hf.get_input_embeddings().weight
-    head = hf.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
-    seen, total = set(), 0
-    for p in hf.parameters():
-        if p.data_ptr() in seen or (p.data_ptr() == embed.data_ptr() and not tied):
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
+from specdec.backends.lean import weight_bytes
+from specdec.models.load import Model, synchronize
 
 
 def memory_bandwidth_gbs(device: torch.device = torch.device("cpu"), size_mb: int = 256, repeats: int = 5) -> float:
@@ -50,7 +35,7 @@ def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float, g
 
     forward_ms: measured ms of one forward over n new tokens, by str(n) (the bench's verify_ms).
     greedy: the forwards were greedy ones, which read a lean model's output layer in bf16 where it
-    is screened (specdec.screen). Returns {"weight_mb", "bandwidth_gbs", "floor_ms", "fraction":
+    is screened (specdec.backends.screen). Returns {"weight_mb", "bandwidth_gbs", "floor_ms", "fraction":
     {n: floor_ms / forward_ms[n]}, "screened_output_layer"} (1.0 would be reading the weights at
     full bandwidth and nothing else)."""
     screen = model.lean().screen if greedy and model.backend == "lean" else None

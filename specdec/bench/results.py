@@ -13,14 +13,14 @@ read only this file and never run a model. Schema `specdec.bench/1`:
       "settings": {"workload": str, "categories": [str], "limit": int, "max_new_tokens": int,
                    "temperature": float, "ks": [int | "auto"], "quick": bool, "repeats": int, "replay": bool,
                    "interleave": bool},   # a repeat's configs ran together, round by round
-                   # (specdec.bench.run_all); absent in older files, whose configs ran one after another
+                   # (specdec.bench.run.run_all); absent in older files, whose configs ran one after another
       "pairs": [{
         "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
         "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
         "device": str,                  # where they ran: "cpu", "cuda:0" (absent in files before it)
         "draft_dtype": str | null,      # a draft model's dtype
-        "products": str | null,         # lean on CPU: which kernels ran the fp32 products (specdec.gemv)
-        "ratio_noise": float | null,    # timing noise (specdec.bench.ratio_noise); null under 2 repeats
+        "products": str | null,         # lean on CPU: which kernels ran the fp32 products (specdec.backends.gemv)
+        "ratio_noise": float | null,    # timing noise (specdec.bench.run.ratio_noise); null under 2 repeats
                                         # (absent in older files)
         "costs": {                      # medians after warm-up, ms
           "context_tokens": int,        # KV length the curve was measured at
@@ -28,9 +28,9 @@ read only this file and never run a model. Schema `specdec.bench/1`:
           "draft_ms": {"1": float, ...}, # one drafter proposal of k tokens, by k (drafter 1 token behind)
           "draft_catchup_ms": {"1": float, ...}, # the same, 2 tokens behind (after a fully accepted round)
           "overhead_ms": float,         # per round, outside draft and verify (sampling, bookkeeping)
-          "roofline": {"weight_mb": float, "bandwidth_gbs": float, "floor_ms": float,  # specdec.roofline
+          "roofline": {"weight_mb": float, "bandwidth_gbs": float, "floor_ms": float,  # specdec.bench.roofline
                        "fraction": {"1": float, ...},   # floor_ms / V(n)
-                       "screened_output_layer": bool}   # greedy read the output layer in bf16 (specdec.screen)
+                       "screened_output_layer": bool}   # greedy read the output layer in bf16 (specdec.backends.screen)
         },
         "prompts": [{                   # raw measurements, one per prompt
           "id": str, "category": str, "prompt_tokens": int,
@@ -42,7 +42,7 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                                                    "logit_gap": float,
                                                    "logit_ulp": float}}},  # absent in older files
           "replay": {"plain" | "<k>": {"decode_tokens_per_s": float, "rounds": int, "drafted": int,
-                     "accepted": int, "tau": float, "mean_k": float}}   # specdec.replay: simulated
+                     "accepted": int, "tau": float, "mean_k": float}}   # specdec.bench.replay: simulated
                      # speeds; absent when not greedy, for a drafter that reads the target's cache,
                      # with --no-replay, and in older files
         }],
@@ -79,7 +79,7 @@ import json
 import os
 from pathlib import Path
 
-from .weights import atomic_write
+from specdec.models.weights import atomic_write
 
 SCHEMA = "specdec.bench/1"
 

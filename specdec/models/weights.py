@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import ChecksumError, PullError
-from .registry import REGISTRY, Entry
+from specdec.errors import ChecksumError, PullError
+from specdec.models.registry import REGISTRY, Entry
 
 CHUNK = 1 << 20  # bytes per read while copying and hashing
 

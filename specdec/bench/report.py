@@ -1,16 +1,16 @@
-"""A markdown report of a bench results file (see specdec.results); it reads only the file.
+"""A markdown report of a bench results file (see specdec.bench.results); it reads only the file.
 
 Up front the environment and the settings, then per (target, drafter) pair: the measured costs,
 one row per draft length k (alpha, tau, acceptance by position, measured speed-up, exactness,
 both predictions and their errors), the best k three ways, speed-up by category, the replayed
-speed-ups (specdec.replay), peers, and any divergence from plain greedy decoding.
+speed-ups (specdec.bench.replay), peers, and any divergence from plain greedy decoding.
 """
 
 from __future__ import annotations
 
 import math
 
-from .results import k_order, near_tie
+from specdec.bench.results import k_order, near_tie
 
 AUTO_NOTE = "0..8 tokens, from the costs and acceptance measured while generating"
 
@@ -122,7 +122,7 @@ def _costs(pair: dict) -> list[str]:
     for key, who in (("padded_rows", "target"), ("draft_padded_rows", "draft")):
         table = pair.get(key)
         if table:
-            out += ["", f"Row padding ({who}, specdec.rows): a forward of n new tokens runs as more rows where "
+            out += ["", f"Row padding ({who}, specdec.backends.rows): a forward of n new tokens runs as more rows where "
                     "oneDNN's kernel for them was timed faster: " + ", ".join(f"{n} -> {m}" for n, m in table.items()) + "."]
     return out
 
@@ -146,7 +146,7 @@ def _configs(pair: dict) -> list[str]:
     out += ["", f"Best fixed k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}."]
     if pair.get("ratio_noise") is not None:
         out += ["", f"Timing noise of this run: {pair['ratio_noise'] * 100:.1f}% (the spread between repeats of one "
-                "prompt's speed ratio of two fixed configs, which repeat exactly; sd, pooled; specdec.bench.ratio_noise)."]
+                "prompt's speed ratio of two fixed configs, which repeat exactly; sd, pooled; specdec.bench.run.ratio_noise)."]
     auto = pair.get("auto")
     if auto:
         out += ["", f"k = auto (chosen every round, {AUTO_NOTE}): {_x(auto['vs_best_fixed'])} the speed-up of the "
@@ -155,7 +155,7 @@ def _configs(pair: dict) -> list[str]:
         again = auto.get("replayed")
         if again:
             out += ["", f"Replayed (the same policies on each prompt's plain output, timed by the costs above, "
-                    f"no timing noise; specdec.replay): auto {_x(again['vs_best_fixed'])} the speed-up of the best "
+                    f"no timing noise; specdec.bench.replay): auto {_x(again['vs_best_fixed'])} the speed-up of the best "
                     f"fixed k ({again['best_fixed_k']}); on its worst category ({again['worst_category']}) "
                     f"{_x(again['worst_category_vs_plain'])} plain decoding."]
     return out
@@ -179,7 +179,7 @@ def _replayed(pair: dict) -> list[str]:
         ["auto / best fixed k, measured", "auto / best fixed k, replayed"] if auto else [])
     return ["### Replayed speed-up by category", "",
             "Each config replayed on the prompt's plain greedy output: the rounds a real run makes (the drafter "
-            "runs), timed by the measured costs instead of the clock (specdec.replay). The best fixed k is "
+            "runs), timed by the measured costs instead of the clock (specdec.bench.replay). The best fixed k is "
             "each category's own.", ""] + _table(header, rows)
 
 

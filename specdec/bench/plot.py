@@ -1,4 +1,4 @@
-"""Figures from a bench results file (see specdec.results): PNGs drawn with matplotlib's Agg
+"""Figures from a bench results file (see specdec.bench.results): PNGs drawn with matplotlib's Agg
 backend, without running any model. Five figures per (target, drafter) pair:
 
 - `<slug>_acceptance_vs_k.png`: acceptance rate alpha and mean accepted length tau vs k;
@@ -14,8 +14,8 @@ import math
 import re
 from pathlib import Path
 
-from .results import k_order
-from .weights import atomic_write
+from specdec.bench.results import k_order
+from specdec.models.weights import atomic_write
 
 FIGURES = ("acceptance_vs_k", "speedup_vs_k", "acceptance_by_position", "verify_cost", "speedup_by_category")
 
@@ -40,7 +40,7 @@ def _title(pair: dict, what: str) -> str:
 
 
 def _save(fig, path: Path) -> Path:
-    """Write the figure as PNG, atomically (specdec.weights.atomic_write)."""
+    """Write the figure as PNG, atomically (specdec.models.weights.atomic_write)."""
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .lean import Linear
+from specdec.backends.linear import Linear
 
 REL = 2.0**-6  # bound: REL * ||h|| * ||w_v|| + OUT * |bf16 logit|
 OUT = 2.0**-7

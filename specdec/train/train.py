@@ -1,4 +1,4 @@
-"""`specdec train`: fit a feature-level draft head (specdec.head, after EAGLE) to a target on
+"""`specdec train`: fit a feature-level draft head (specdec.train.head, after EAGLE) to a target on
 self-distilled data.
 
 1. prompts: generated here from templates and topics (`training_prompts`), and optionally
@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .cache import LeanKVCache
-from .head import DraftHead, head_file, save_head
-from .models import Model
-from .weights import atomic_write
+from specdec.cache import LeanKVCache
+from specdec.train.head import DraftHead, head_file, save_head
+from specdec.models.load import Model
+from specdec.models.weights import atomic_write
 
 TOPICS = [
     "the ocean", "a small village", "climate change", "machine learning", "the Roman Empire", "coffee",

@@ -8,7 +8,7 @@ final norm and output layer; so it has the target's tokenizer by construction, a
 training it is a layer-skip draft (specdec.drafters.layerskip). The embedding and output layer
 stay frozen; the kept layers and the final norm are trained with cross-entropy against the
 target's greedy next token at every answer position of the self-distilled data
-(specdec.train.training_rows: the target's greedy answers to generated prompts, never the
+(specdec.train.train.training_rows: the target's greedy answers to generated prompts, never the
 workloads), which is exactly the choice greedy verification accepts.
 
 AdamW with a cosine schedule over padded batches; a checkpoint of the trained weights after every
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .models import Model
-from .train import plot_loss, training_rows
-from .weights import atomic_write, cache_dir
+from specdec.models.load import Model
+from specdec.train.train import plot_loss, training_rows
+from specdec.models.weights import atomic_write, cache_dir
 
 
 def spaced_layers(n_layers: int, n: int) -> list[int]:

@@ -33,15 +33,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .drafters import DRAFTERS, Drafter, ModelDrafter, PromptLookup, make_drafter
-from .engine import Generation, generate
-from .metrics import Metrics
-from .models import Model, check_same_tokenizer
-from .sampling import SamplingParams
-from .stats import RunStats
-from .textstream import TextDeltas
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.drafters import DRAFTERS, Drafter, ModelDrafter, PromptLookup, make_drafter
+from specdec.engine import Generation, generate
+from specdec.serve.metrics import Metrics
+from specdec.models.load import Model, check_same_tokenizer
+from specdec.sampling import SamplingParams
+from specdec.stats import RunStats
+from specdec.textstream import TextDeltas
 
-log = logging.getLogger("specdec.serve")
+log = logging.getLogger("specdec.serve.app")
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send "temperature": 0 for greedy decoding
@@ -196,6 +197,9 @@ class Server:
     def __init__(self, target: Model, drafters: Mapping[str, Drafter], drafter: str, k: int | str,
                  model_name: str, max_queue: int, max_tokens: int):
         self.target, self.drafters, self.drafter, self.k = target, dict(drafters), drafter, k
+        # k = "auto": one policy per drafter, kept across requests, over one verify-cost curve
+        costs = VerifyCosts.for_model(target)
+        self.policies = {name: AdaptiveK(costs) for name in self.drafters}
         self.model_name, self.max_queue, self.max_tokens = model_name, max_queue, max_tokens
         self.created = int(time.time())
         self.queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
@@ -332,7 +336,7 @@ class Server:
         k = self.k if req.k is None else req.k
         if isinstance(k, str) and k.strip().isdigit():
             k = int(k)
-        run = dict(k=k,
+        run = dict(k=k, policy=self.policies.get(name) if k == "auto" else None,
                    max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
                    temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed, stop=stop)
         return _Job(ids, drafter, name, run, req.stream, asyncio.get_running_loop(), arrived)

@@ -8,8 +8,8 @@ For each pair (target, drafter) the bench
      round by round (run_all), checking greedy outputs token for token against plain decoding;
   3. runs the peers on the same model and prompt;
   4. fits: per k, alpha, tau, acceptance by position, the median per-prompt speed-up, and both
-     predictions (specdec.costmodel) with their errors.
-Then results.json (specdec.results) and a markdown report are written; plots are a separate stage
+     predictions (specdec.bench.costmodel) with their errors.
+Then results.json (specdec.bench.results) and a markdown report are written; plots are a separate stage
 (`specdec plot`).
 """
 
@@ -30,21 +30,23 @@ from typing import Generator
 import torch
 from tqdm import tqdm
 
-from . import costmodel, gemv
-from .cache import new_cache
-from .drafters import Drafter, make_drafter
-from .drafters.suffix import load_corpus
-from .engine import AUTO_K_MAX, Generation, generate, stepwise
-from .exactness import first_divergence
-from .models import Model, load_model, resolve_device, synchronize
-from .peers import hf_generate, llama_cpp_generate
-from .registry import REGISTRY
-from .replay import controller, replayable, replay as replay_run
-from .results import SCHEMA
-from .roofline import memory_bandwidth_gbs, roofline
-from .sampling import Sampler, SamplingParams
-from .weights import cache_dir, gguf_path
-from .workloads import Prompt
+from specdec.bench import costmodel
+from specdec.backends import gemv
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.cache import new_cache
+from specdec.drafters import Drafter, make_drafter
+from specdec.drafters.suffix import load_corpus
+from specdec.engine import AUTO_K_MAX, Generation, generate, stepwise
+from specdec.exactness import first_divergence
+from specdec.models.load import Model, load_model, resolve_device, synchronize
+from specdec.bench.peers import hf_generate, llama_cpp_generate
+from specdec.models.registry import REGISTRY
+from specdec.bench.replay import controller, replayable, replay as replay_run
+from specdec.bench.results import SCHEMA
+from specdec.bench.roofline import memory_bandwidth_gbs, roofline
+from specdec.sampling import Sampler, SamplingParams
+from specdec.models.weights import cache_dir, gguf_path
+from specdec.bench.workloads import Prompt
 
 QUICK_CATEGORIES = ["summarization", "translation", "qa", "math_reasoning", "writing"]
 
@@ -140,7 +142,7 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
     kv = new_cache(target)
     kv.argmax_only = greedy  # as the engine's cache: the output layer screened when greedy
     drafter.prepare(target)
-    if hasattr(drafter, "attach"):
+    if drafter.reads_target_cache:
         drafter.attach(kv)  # before the first forward: a head with taps has the cache keep them
     kv.extend(context[:-1], all_logits=False)
     n_keep = len(kv)
@@ -180,10 +182,10 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
                peers: list[str], workload: str, peer_k: int = 4, progress: bool = True,
                bandwidth_gbs: float | None = None, draft_dtype: torch.dtype | None = None, repeats: int = 1,
                replay: bool = True, interleave: bool = True, **load_kwargs) -> dict:
-    """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.results).
+    """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.bench.results).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
     bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward.
-    replay: when greedy and the drafter allows it (specdec.replay), also replay every config on
+    replay: when greedy and the drafter allows it (specdec.bench.replay), also replay every config on
     each prompt's plain output under the measured costs: speeds without the machine's noise.
     interleave: run a repeat's configs together, round by round (run_all), each with a drafter of its
     own; else one after another."""
@@ -215,7 +217,8 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     longest = max(encoded, key=len)
     context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
     costs = measure_costs(target, drafter, context, cost_ks, greedy=temperature == 0)
-    own = {k: new_drafter() if interleave else drafter for k in ks}  # auto's keeps its policy across prompts
+    own = {k: new_drafter() if interleave else drafter for k in ks}
+    policy = AdaptiveK(VerifyCosts.for_model(target), k_max=AUTO_K_MAX)  # auto's, carried across prompts
     if interleave:
         for d in own.values():  # at a fixed k: warm it without starting auto's policy
             generate(target, encoded[0], d, k=max(cost_ks), **{**run, "max_new_tokens": 8})
@@ -230,7 +233,8 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         configs = [0, *ks]  # 0: plain decoding
         for r in range(repeats):  # each repeat rotates the order, so no config always runs first
             order = configs[r % len(configs):] + configs[: r % len(configs)]
-            steps = {str(k) if k else "plain": stepwise(target, ids, own[k] if k else None, k=k, k_max=AUTO_K_MAX, **run)
+            steps = {str(k) if k else "plain": stepwise(target, ids, own[k] if k else None, k=k,
+                                                        policy=policy if k == "auto" else None, **run)
                      for k in order}
             for name, spec in run_all(steps, interleave).items():
                 timed.setdefault(name, []).append(spec)
@@ -276,7 +280,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
                  for r in [rec["plain"], *rec["runs"].values()] if r["rounds"]]
     costs["overhead_ms"] = statistics.median(per_round)
     if replay and temperature == 0 and replayable(drafter):
-        policy = controller(costs) if "auto" in ks else None  # carried across prompts, as the engine's
+        policy = controller(costs) if "auto" in ks else None  # carried across prompts, as in the measured runs
         for rec, ids, out in tqdm(list(zip(records, encoded, outputs)), desc=f"replay {pair.target} / {pair.drafter}",
                                   disable=not progress):
             rec["replay"] = {str(k) if k else "plain": _brief(replay_run(target, ids, out, drafter, k, costs, policy=policy))
@@ -295,13 +299,13 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
 
 
 def _brief(stats) -> dict:
-    """What results.json keeps of a replayed run (specdec.replay): simulated speed, rounds, tokens."""
+    """What results.json keeps of a replayed run (specdec.bench.replay): simulated speed, rounds, tokens."""
     return {"decode_tokens_per_s": stats.decode_tokens_per_s, "rounds": stats.rounds, "drafted": stats.drafted,
             "accepted": stats.accepted, "tau": stats.tau, "mean_k": stats.mean_k}
 
 
 def _padded_rows(model) -> dict[str, int] | None:
-    """The lean backend's row table of a model (specdec.rows): {n: rows a forward of n runs as}."""
+    """The lean backend's row table of a model (specdec.backends.rows): {n: rows a forward of n runs as}."""
     if model is None or model.backend != "lean":
         return None
     return {str(n): m for n, m in model.lean().rows.items()}
@@ -396,7 +400,7 @@ def fit(pair: dict, ks: list[int]) -> dict:
                       for name, values in (("textbook", textbook), ("ours", ours))},
             "by_category": by_category,
         })
-        if records and all("replay" in rec for rec in records):  # the same runs replayed (specdec.replay)
+        if records and all("replay" in rec for rec in records):  # the same runs replayed (specdec.bench.replay)
             sim = [rec["replay"][str(k)]["decode_tokens_per_s"] / rec["replay"]["plain"]["decode_tokens_per_s"]
                    for rec in records]
             configs[-1]["replayed"] = {"speedup": _quartiles(sim),
@@ -436,7 +440,7 @@ def _categories(records: list[dict]) -> dict[str, list[int]]:
 
 def _auto_summary(configs: list[dict]) -> dict | None:
     """How k = "auto" did (issue 5's test), from the measured speed-ups and, under "replayed", from
-    the replayed ones when every config has them (specdec.replay); see _auto_versus_fixed."""
+    the replayed ones when every config has them (specdec.bench.replay); see _auto_versus_fixed."""
     auto = next((c for c in configs if c["k"] == "auto"), None)
     if auto is None:
         return None
