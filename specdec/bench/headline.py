@@ -165,12 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         description="write the README's headline results table from results/*/results.json",
     )
     parser.add_argument("--results", default="results", help="folder of runs (default: results)")
-    parser.add_argument(
-        "--readme", default="README.md", help="file with the markers (default: README.md)"
-    )
-    parser.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 if the table is stale"
-    )
+    parser.add_argument("--readme", default="README.md", help="file with the markers (default: README.md)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the table is stale")
     args = parser.parse_args(argv)
     readme = Path(args.readme)
     try:
