@@ -7,22 +7,29 @@ import math
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from torch.utils import cpp_extension
 
-from specdec.bench import costmodel
 from specdec.backends import gemv
-from specdec.bench import results
+from specdec.bench import costmodel, results
+from specdec.bench.report import markdown_report
 from specdec.bench.run import Pair, _auto_summary, fit, git_commit, ratio_noise, run_all, run_bench
+from specdec.bench.workloads import load_workload
 from specdec.cli import main
 from specdec.drafters import ModelDrafter, make_drafter
 from specdec.engine import generate, stepwise
 from specdec.stats import RunStats
-from specdec.bench.workloads import load_workload
 
 from .conftest import prompt_ids
 
-
-COSTS = {"context_tokens": 100, "verify_ms": {"1": 10.0, "2": 24.0, "3": 25.0}, "draft_ms": {"2": 1.0}, "overhead_ms": 2.0}
+COSTS = {
+    "context_tokens": 100,
+    "verify_ms": {"1": 10.0, "2": 24.0, "3": 25.0},
+    "draft_ms": {"2": 1.0},
+    "overhead_ms": 2.0,
+}
 
 
 def test_textbook_formula():
@@ -55,7 +62,9 @@ def simulated_run(k: int, accept: list[list[int]], costs: dict) -> dict:
         s.new_tokens += n_acc + 1
         s.draft_s += costs["draft_ms"].get(str(k), 0.0) / 1e3
         s.verify_s += costmodel.verify_ms(costs, len(a) + 1) / 1e3
-        s.total_s += (costs["draft_ms"].get(str(k), 0.0) + costmodel.verify_ms(costs, len(a) + 1) + costs["overhead_ms"]) / 1e3
+        s.total_s += (
+            costs["draft_ms"].get(str(k), 0.0) + costmodel.verify_ms(costs, len(a) + 1) + costs["overhead_ms"]
+        ) / 1e3
     return s.to_dict()
 
 
@@ -88,9 +97,11 @@ def test_auto_is_compared_with_each_categorys_best_fixed_k_measured_and_replayed
             c["replayed"] = config(k, *replayed)
         return c
 
-    configs = [config(2, 1.3, {"a": 1.1, "b": 1.5}, (1.2, {"a": 1.2, "b": 1.2})),
-               config(4, 1.2, {"a": 0.9, "b": 2.2}, (1.25, {"a": 1.0, "b": 1.5})),
-               config("auto", 1.4, {"a": 1.0, "b": 2.0}, (1.3, {"a": 1.2, "b": 1.5}))]
+    configs = [
+        config(2, 1.3, {"a": 1.1, "b": 1.5}, (1.2, {"a": 1.2, "b": 1.2})),
+        config(4, 1.2, {"a": 0.9, "b": 2.2}, (1.25, {"a": 1.0, "b": 1.5})),
+        config("auto", 1.4, {"a": 1.0, "b": 2.0}, (1.3, {"a": 1.2, "b": 1.5})),
+    ]
     summary = _auto_summary(configs)
     assert summary["best_fixed_k"] == 2 and summary["vs_best_fixed"] == pytest.approx(1.4 / 1.3)
     assert summary["worst_category"] == "a" and summary["worst_category_vs_plain"] == 1.0
@@ -129,8 +140,12 @@ def test_run_all_steps_the_generation_furthest_behind():
 
 def test_interleaved_generations_are_each_what_it_makes_alone(target, draft_model):
     prompt, run = prompt_ids(), dict(max_new_tokens=24, seed=0)
-    configs = {"plain": (None, 0), "2": (ModelDrafter(draft_model), 2), "auto": (ModelDrafter(draft_model), "auto"),
-               "lookup": (make_drafter("prompt-lookup"), 3)}
+    configs = {
+        "plain": (None, 0),
+        "2": (ModelDrafter(draft_model), 2),
+        "auto": (ModelDrafter(draft_model), "auto"),
+        "lookup": (make_drafter("prompt-lookup"), 3),
+    }
     alone = {name: generate(target, prompt, d, k=k, **run) for name, (d, k) in configs.items()}
     together = run_all({name: stepwise(target, prompt, d, k=k, **run) for name, (d, k) in configs.items()})
     for name, gen in together.items():
@@ -139,18 +154,95 @@ def test_interleaved_generations_are_each_what_it_makes_alone(target, draft_mode
             assert gen.stats.k_per_round == alone[name].stats.k_per_round, name
 
 
+def rec(plain: list[float], runs: dict[str, list[float]]) -> dict:
+    """A bench record of one prompt with only its repeats' decode speeds: plain's, and each k's."""
+    return {
+        "plain": {"decode_tokens_per_s_repeats": plain},
+        "runs": {k: {"decode_tokens_per_s_repeats": v} for k, v in runs.items()},
+    }
+
+
 def test_ratio_noise_is_the_spread_of_fixed_configs_speed_ratios_between_repeats():
-    def rec(plain, runs):
-        return {"plain": {"decode_tokens_per_s_repeats": plain},
-                "runs": {k: {"decode_tokens_per_s_repeats": v} for k, v in runs.items()}}
     # plain and k=2 move together (a slow spell of the host): no noise in their ratio
     assert ratio_noise([rec([10.0, 5.0], {"2": [20.0, 10.0]})]) == pytest.approx(0.0)
     # a ratio of 2 then 1: log ratios 0 and ln 2, sd ln 2 / sqrt(2); auto's runs (not repeated exactly) are left out
-    assert ratio_noise([rec([10.0, 10.0], {"2": [20.0, 10.0], "auto": [1.0, 99.0]})]) == pytest.approx(math.log(2) / math.sqrt(2))
+    assert ratio_noise([rec([10.0, 10.0], {"2": [20.0, 10.0], "auto": [1.0, 99.0]})]) == pytest.approx(
+        math.log(2) / math.sqrt(2)
+    )
     # pooled over prompts: the mean of the variances
     both = ratio_noise([rec([10.0, 10.0], {"2": [20.0, 10.0]}), rec([10.0, 10.0], {"2": [10.0, 10.0]})])
     assert both == pytest.approx(math.log(2) / 2)
     assert ratio_noise([rec([10.0], {"2": [20.0]})]) is None  # one repeat: no spread to see
+
+
+def spread_of_log_ratios(records: list[dict]) -> float:
+    """ratio_noise written out another way: for each prompt, each pair of fixed configs (plain, and
+    every k but auto) gives one log speed ratio per repeat; their sample variances, averaged over
+    prompts and pairs, square-rooted."""
+    variances = []
+    for rec in records:
+        fixed = [rec["plain"]["decode_tokens_per_s_repeats"]]
+        fixed += [run["decode_tokens_per_s_repeats"] for k, run in rec["runs"].items() if k != "auto"]
+        for i, a in enumerate(fixed):
+            for b in fixed[i + 1 :]:
+                logs = np.log(np.array(a) / np.array(b))
+                variances.append(logs.var(ddof=1))
+    return float(np.sqrt(np.mean(variances)))
+
+
+def test_ratio_noise_by_hand_over_three_configs_and_two_prompts():
+    e = math.e
+    # prompt 1: plain [1, 1], k=1 [e, 1], k=2 [1, 1]: log ratios (1, 0), (0, 0), (-1, 0): variances 1/2, 0, 1/2
+    # prompt 2: plain [1, 1, 1], k=1 [1, 1, e**3], k=2 [1, 1, 1]: variances 3, 0, 3 (log ratios 0, 0, +-3)
+    records = [
+        rec([1.0, 1.0], {"1": [e, 1.0], "2": [1.0, 1.0], "auto": [5.0, 1.0]}),
+        rec([1.0, 1.0, 1.0], {"1": [1.0, 1.0, e**3], "2": [1.0, 1.0, 1.0]}),
+    ]
+    expected = math.sqrt((0.5 + 0 + 0.5 + 3 + 0 + 3) / 6)
+    assert ratio_noise(records) == pytest.approx(expected) == spread_of_log_ratios(records)
+
+
+def test_report_prints_the_timing_noise_as_a_percentage():
+    stored = results.load(Path(__file__).parent / "data" / "quick_results.json")
+    stored["pairs"][0]["ratio_noise"] = 0.034
+    assert "Timing noise of this run: 3.4% (the spread between repeats" in markdown_report(stored)
+    stored["pairs"][0]["ratio_noise"] = None  # a single repeat: nothing to say
+    assert "Timing noise" not in markdown_report(stored)
+
+
+def test_gemv_status_says_which_kernels_run_and_why(monkeypatch):
+    """specdec.backends.gemv.status(), the bench's "products" line, in each of its three states;
+    the loader is a stand-in, so this runs with or without a compiler."""
+
+    def fresh(env: str, load) -> None:
+        monkeypatch.setenv("SPECDEC_GEMV", env)
+        monkeypatch.setattr(gemv, "_kernel", None)
+        monkeypatch.setattr(gemv, "_status", "not built yet")
+        monkeypatch.setattr(cpp_extension, "load", load)
+
+    builds = []
+
+    def broken(*args, **kwargs):
+        builds.append(args)
+        raise RuntimeError("Error building extension 'specdec_gemv'\nc++: not found")
+
+    fresh("0", broken)
+    assert gemv.status() == "not built yet"
+    assert gemv.kernel() is None and not builds
+    assert gemv.status() == "off (SPECDEC_GEMV=0): oneDNN for every product"
+
+    fresh("1", broken)
+    assert gemv.kernel() is None and gemv.kernel() is None and len(builds) == 1  # tried once per process
+    assert gemv.status() == (
+        "oneDNN for every product (the gemv kernel could not be built: Error building extension 'specdec_gemv')"
+    )
+    assert not gemv.usable(torch.zeros(2, 2))
+
+    built = object()
+    fresh("1", lambda name, sources, **kwargs: builds.append(name) or built)
+    assert gemv.kernel() is built and gemv.kernel() is built and builds[1:] == ["specdec_gemv"]
+    assert gemv.status() == "specdec gemv for 1-2 rows, oneDNN for more"
+    assert gemv.usable(torch.zeros(2, 2)) and not gemv.usable(torch.zeros(2, 2, dtype=torch.bfloat16))
 
 
 def test_pair_parsing():
@@ -163,17 +255,28 @@ def test_pair_parsing():
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
     path = tmp_path_factory.mktemp("wl") / "mini.jsonl"
-    rows = [{"question_id": i, "category": cat, "turns": [" ".join(f"w{(3 * i + j) % 50 + 3}" for j in range(12)) * 2]}
-            for i, cat in enumerate(["qa", "qa", "summarization", "summarization"])]
+    rows = [
+        {"question_id": i, "category": cat, "turns": [" ".join(f"w{(3 * i + j) % 50 + 3}" for j in range(12)) * 2]}
+        for i, cat in enumerate(["qa", "qa", "summarization", "summarization"])
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
 
 
-def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
+def test_bench_end_to_end_on_a_tiny_model(model_dir, workload, monkeypatch):
+    # which kernels ran the fp32 products is gemv's to say (its status is pinned below); the bench records it
+    monkeypatch.setattr(gemv, "status", lambda: "kernels named by a stand-in")
     prompts = load_workload(workload, limit=1)
     assert [p.category for p in prompts] == ["qa", "summarization"]
-    res = run_bench([Pair(str(model_dir)), Pair(str(model_dir), "model", str(model_dir))], prompts,
-                    workload.name, [1, 3], 10, peers=["hf", "hf-lookup"], progress=False)
+    res = run_bench(
+        [Pair(str(model_dir)), Pair(str(model_dir), "model", str(model_dir))],
+        prompts,
+        workload.name,
+        [1, 3],
+        10,
+        peers=["hf", "hf-lookup"],
+        progress=False,
+    )
     results.validate(res)
     lookup, model = res["pairs"]
     for pair in (lookup, model):
@@ -193,7 +296,8 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
             assert set(config["replayed"]["by_category"]) == {"qa", "summarization"}
             assert config["replayed"]["speedup"]["median"] > 0
     assert lookup["backend"] == "lean" and model["draft_dtype"] == "float32"
-    assert lookup["products"] == gemv.status() and ("specdec gemv" in gemv.status() or "oneDNN" in gemv.status())
+    assert lookup["products"] == model["products"] == "kernels named by a stand-in"
+    assert "Matrix products (fp32, CPU): kernels named by a stand-in." in markdown_report(res)
     roof = lookup["costs"]["roofline"]
     assert roof["bandwidth_gbs"] == res["environment"]["memory_bandwidth_gbs"] > 0
     for n, frac in roof["fraction"].items():
@@ -204,8 +308,27 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload):
 
 def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["bench", "--pair", str(model_dir), "--workload", str(workload), "--limit", "1", "--k", "1,2,auto",
-            "--max-new-tokens", "6", "--peers", "none", "--out", str(out), "--backend", "hf", "--repeats", "3"]
+    args = [
+        "bench",
+        "--pair",
+        str(model_dir),
+        "--workload",
+        str(workload),
+        "--limit",
+        "1",
+        "--k",
+        "1,2,auto",
+        "--max-new-tokens",
+        "6",
+        "--peers",
+        "none",
+        "--out",
+        str(out),
+        "--backend",
+        "hf",
+        "--repeats",
+        "3",
+    ]
     assert main(args) == 0
     assert "identical" in capsys.readouterr().out
     res = results.load(out / "results.json")
@@ -215,7 +338,9 @@ def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path
     ratios = [line for line in report.splitlines() if line.startswith("| all (median)")][0].split("|")[-3:-1]
     assert all(cell.strip().endswith("x") for cell in ratios), ratios
     assert res["settings"]["repeats"] == 3 and res["settings"]["interleave"] is True
-    assert res["pairs"][0]["ratio_noise"] >= 0 and "Timing noise of this run" in report
+    noise = spread_of_log_ratios(res["pairs"][0]["prompts"])
+    assert res["pairs"][0]["ratio_noise"] == pytest.approx(noise, rel=1e-9)
+    assert f"Timing noise of this run: {noise * 100:.1f}%" in report
     for rec in res["pairs"][0]["prompts"]:
         for run in [rec["plain"], *rec["runs"].values()]:  # each config's speed is its median run's
             assert len(run["decode_tokens_per_s_repeats"]) == 3
