@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafters import DRAFTERS, make_drafter
-from specdec.drafters.suffix import load_corpus
+from specdec.drafters.factory import DRAFTERS, check_options, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, generate
 from specdec.errors import SpecdecError
 from specdec.exactness import first_divergence
@@ -65,6 +64,15 @@ def _training_data_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampled-prompts", type=int, default=0,
                    help="more training prompts, written by the target itself (sampled user turns; default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
+
+
+def _drafter_options(args) -> dict:
+    """The options of `generate`'s drafter from its flags, those it takes (options_for): the
+    flags of other drafters are not read. The draft is still a spec here: load it to build."""
+    flags = dict(draft=args.draft, layers=args.layers, head=args.head, corpus=args.corpus,
+                 cache=args.cache_dir, max_ngram=args.max_ngram, min_ngram=args.min_ngram,
+                 min_match=args.min_match)
+    return options_for(args.drafter, flags)
 
 
 def _load_kwargs(args, draft: bool = False) -> dict:
@@ -247,8 +255,8 @@ def _generate(args) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     SamplingParams(args.temperature, args.top_k, args.top_p)
-    if args.drafter == "model" and not args.draft:
-        raise ValueError("--drafter model needs --draft MODEL (e.g. --draft qwen2.5-coder-0.5b)")
+    options = _drafter_options(args)
+    check_options(args.drafter, **options)
     if args.workload:
         prompt = workload_prompt(args.workload, args.category, args.row)
     elif args.prompt is None:
@@ -259,19 +267,9 @@ def _generate(args) -> int:
 
     hf_logging.disable_progress_bar()  # transformers' per-load "Loading weights" bars
     target = load_model(args.target, **_load_kwargs(args))
-    if args.drafter == "model":
-        drafter = make_drafter("model", draft=load_model(args.draft, **_load_kwargs(args, draft=True)))
-    elif args.drafter == "prompt-lookup":
-        drafter = make_drafter(args.drafter, max_ngram=args.max_ngram, min_ngram=args.min_ngram)
-    elif args.drafter in ("suffix", "suffix-tree"):
-        corpus = load_corpus(args.corpus) if args.corpus else ()
-        drafter = make_drafter(args.drafter, min_match=args.min_match, corpus=corpus)
-    elif args.drafter == "layer-skip":
-        drafter = make_drafter("layer-skip", layers=args.layers, cache=args.cache_dir)
-    elif args.drafter in ("eagle", "eagle-tree"):
-        drafter = make_drafter(args.drafter, head=args.head, cache=args.cache_dir)
-    else:
-        drafter = make_drafter(args.drafter)
+    if "draft" in options:
+        options["draft"] = load_model(args.draft, **_load_kwargs(args, draft=True))
+    drafter = drafter_from_options(args.drafter, **options)
     ids = target.encode(prompt, chat=args.chat)
     run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, stop=args.stop)
@@ -369,8 +367,8 @@ def _serve(args) -> int:
         raise ValueError("--max-queue must be >= 1 and --max-tokens >= 0")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.drafter == "model" and not args.draft:
-        raise ValueError("--drafter model needs --draft MODEL (e.g. --draft qwen2.5-coder-0.5b)")
+    if args.drafter != "none":  # the model drafter needs --draft; the others take no flag to check
+        check_options(args.drafter, **options_for(args.drafter, {"draft": args.draft}))
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
     draft = load_model(args.draft, **_load_kwargs(args, draft=True)) if args.draft else None

@@ -7,7 +7,10 @@ import json
 
 import pytest
 
+import specdec.cli
 from specdec.cli import TextStreamer, main, workload_prompt
+from specdec.drafters import (EagleDrafter, LayerSkipDrafter, ModelDrafter, PromptLookup, RandomDrafter,
+                              SuffixDrafter)
 
 from .conftest import make_tokenizer
 
@@ -36,7 +39,10 @@ def test_bad_input_is_one_clear_line(model_dir, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: k (draft length) must be >= 0") and "Traceback" not in err
     assert main(["generate", "w1", "--target", str(model_dir), "--drafter", "model"]) == 2
-    assert "needs --draft" in capsys.readouterr().err
+    assert "the model drafter needs a draft model: pass --draft MODEL" in capsys.readouterr().err
+    # serve checks it before loading the target
+    assert main(["serve", "--target", "no/such-model-offline", "--drafter", "model"]) == 2
+    assert "the model drafter needs a draft model: pass --draft MODEL" in capsys.readouterr().err
     assert main(["generate", "hi", "--target", "no/such-model-offline", "--cache-dir", "/nonexistent"]) == 2
 
 
@@ -69,3 +75,51 @@ def test_streamer_holds_back_a_stop_string_prefix():
     assert out.getvalue() == "w1 w2 "  # "w5" could start the stop string: held back
     s(tok("w7")["input_ids"])
     assert out.getvalue() == "w1 w2 w5 w7"
+
+
+class _Built(Exception):
+    """Raised by the spy below once the CLI has built its drafter: nothing is generated."""
+
+
+@pytest.mark.parametrize("flags, kind, expect", [
+    ([], PromptLookup, dict(max_ngram=3, min_ngram=1)),
+    (["--max-ngram", "4", "--min-ngram", "2", "--min-match", "3"], PromptLookup,
+     dict(max_ngram=4, min_ngram=2)),
+    (["--drafter", "model", "--draft", "MODEL_DIR"], ModelDrafter, {}),
+    (["--drafter", "random"], RandomDrafter, {}),
+    (["--drafter", "suffix", "--min-match", "2", "--corpus", "CORPUS", "--max-ngram", "5"],
+     SuffixDrafter, dict(min_match=2, tree=False, corpus_read=True)),
+    (["--drafter", "suffix-tree"], SuffixDrafter, dict(min_match=1, tree=True, corpus_read=False)),
+    (["--drafter", "layer-skip", "--layers", "0-1", "--cache-dir", "CACHE"], LayerSkipDrafter,
+     dict(layers=[0, 1], cache="CACHE")),
+    (["--drafter", "layer-skip"], LayerSkipDrafter, dict(layers=None, cache=None)),
+    (["--drafter", "eagle", "--head", "h.safetensors", "--cache-dir", "CACHE"], EagleDrafter,
+     dict(spec="h.safetensors", cache="CACHE", alternatives=0)),
+    (["--drafter", "eagle-tree"], EagleDrafter, dict(spec=None, alternatives=1)),
+])
+def test_generate_builds_the_drafter_its_flags_name(model_dir, tmp_path, monkeypatch, flags, kind,
+                                                    expect):
+    """`specdec generate` builds each drafter from its own flags (drafter_from_options); the flags
+    of other drafters are not read (--min-match with prompt lookup, --max-ngram with suffix)."""
+    corpus = tmp_path / "corpus.json"
+    corpus.write_text(json.dumps([[5, 6], [7, 8]]))
+    subst = {"MODEL_DIR": str(model_dir), "CORPUS": str(corpus), "CACHE": str(tmp_path)}
+    build, built = specdec.cli.drafter_from_options, []
+
+    def spy(name, **options):
+        built.append(build(name, **options))
+        raise _Built
+
+    monkeypatch.setattr(specdec.cli, "drafter_from_options", spy)
+    with pytest.raises(_Built):
+        main(["generate", "w1 w2", "--target", str(model_dir), *[subst.get(f, f) for f in flags]])
+    (drafter,) = built
+    assert type(drafter) is kind
+    if kind is ModelDrafter:
+        assert drafter.draft.name == str(model_dir)
+    for attr, value in expect.items():
+        if attr == "corpus_read":
+            assert (len(drafter.corpus) > 0) == value
+        else:
+            want = subst.get(value, value) if isinstance(value, str) else value
+            assert getattr(drafter, attr) == want, attr

@@ -1,5 +1,6 @@
 """The suffix drafter (a suffix automaton over the context and a corpus) and the layer-skip drafter
-(the target with some decoder layers skipped), and its calibration."""
+(the target with some decoder layers skipped), and its calibration; the factory that builds every
+drafter from options (cli, bench and serve)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from specdec import generate, make_drafter
 from specdec.train.calibrate import (_run_from, calibrate_skip, load_skip_layers, save_skip_layers,
                                simulated_tau, skip_file)
 from specdec.cli import main
+from specdec.drafters import EagleDrafter, ModelDrafter, PromptLookup, RandomDrafter
+from specdec.drafters.factory import (DRAFTERS, MAIN_OPTION, OPTIONS, REQUIRED, check_options,
+                                      drafter_from_options, options_for)
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.models.skip import parse_layers, skip_view
 from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter, load_corpus
@@ -308,10 +312,93 @@ def test_cli_suffix_layer_skip_and_calibrate(model_dir, tmp_path, capsys):
     assert "identical to plain greedy: yes" in capsys.readouterr().out
     assert main(base + ["--drafter", "layer-skip", "--layers", "1"]) == 0
     assert "identical to plain greedy: yes" in capsys.readouterr().out
-    assert main(base + ["--drafter", "layer-skip", "--cache-dir", str(tmp_path)]) == 2
-    assert "calibrate-skip" in capsys.readouterr().err
     assert main(["calibrate-skip", "--target", str(model_dir), "--max-new-tokens", "8", "--verify-ratio", "1.2",
                  "--cache-dir", str(tmp_path)]) == 0
     assert "keep 1 of 2 layers" in capsys.readouterr().out
     assert main(base + ["--drafter", "layer-skip", "--cache-dir", str(tmp_path)]) == 0
     assert "identical to plain greedy: yes" in capsys.readouterr().out
+
+
+# ---- the factory from options -------------------------------------------------------------------
+
+# Every registered drafter with a value for each option it takes, and what it then is.
+def _examples(draft_model, corpus_file, cache) -> dict:
+    return {
+        "prompt-lookup": (dict(max_ngram=4, min_ngram=2), PromptLookup,
+                          dict(max_ngram=4, min_ngram=2)),
+        "model": (dict(draft=draft_model), ModelDrafter, dict(draft=draft_model)),
+        "random": ({}, RandomDrafter, {}),
+        "suffix": (dict(corpus=[[5, 6, 7]], min_match=2), SuffixDrafter, dict(min_match=2, tree=False)),
+        "suffix-tree": (dict(corpus=corpus_file, min_match=3), SuffixDrafter,
+                        dict(min_match=3, tree=True)),
+        "layer-skip": (dict(layers="0-1", cache=cache), LayerSkipDrafter,
+                       dict(layers=[0, 1], cache=cache)),
+        "eagle": (dict(head="h.safetensors", cache=cache), EagleDrafter,
+                  dict(spec="h.safetensors", cache=cache, alternatives=0, lookup=None)),
+        "eagle-tree": (dict(head="h.safetensors", cache=cache), EagleDrafter,
+                       dict(spec="h.safetensors", alternatives=1)),
+    }
+
+
+def test_every_drafter_builds_from_its_options(draft_model, tmp_path):
+    corpus_file = tmp_path / "corpus.json"
+    corpus_file.write_text(json.dumps([[5, 6, 7], [8, 9]]))
+    examples = _examples(draft_model, str(corpus_file), tmp_path)
+    assert set(examples) == set(DRAFTERS) == set(OPTIONS)  # a new drafter needs a row here, in OPTIONS
+    for name, (options, kind, expect) in examples.items():
+        assert set(options) == set(OPTIONS[name]), name  # every option it takes is exercised
+        drafter = drafter_from_options(name, **options)
+        assert type(drafter) is kind, name
+        for attr, value in expect.items():
+            assert getattr(drafter, attr) == value, (name, attr)
+        required = {o: v for o, v in options.items() if o in REQUIRED.get(name, ())}
+        assert type(drafter_from_options(name, **required)) is kind  # the others have defaults
+    for name, option in MAIN_OPTION.items():
+        assert option in OPTIONS[name]
+    assert len(drafter_from_options("suffix", corpus=corpus_file).corpus) > 0  # a path: load_corpus
+    assert drafter_from_options("eagle-tree").lookup is not None
+
+
+def test_wrong_or_missing_options_are_one_clear_error(draft_model):
+    with pytest.raises(ValueError, match=r"^the model drafter needs a draft model: pass --draft MODEL$"):
+        drafter_from_options("model")
+    with pytest.raises(ValueError, match=r"the suffix drafter takes no max_ngram option \(--max-ngram\); "
+                                         r"it takes corpus, min_match"):
+        drafter_from_options("suffix", max_ngram=3)
+    with pytest.raises(ValueError, match=r"the random drafter takes no head option \(--head\); "
+                                         r"it takes none"):
+        drafter_from_options("random", head="h.safetensors")
+    with pytest.raises(ValueError, match="the prompt-lookup drafter takes no draft option"):
+        drafter_from_options("prompt-lookup", draft=draft_model)
+    with pytest.raises(ValueError, match=r"the eagle drafter takes no layers option \(--layers\); "
+                                         r"it takes head, cache"):
+        drafter_from_options("eagle", layers="0")
+    with pytest.raises(ValueError, match="unknown drafter 'nope'; known: prompt-lookup, model"):
+        drafter_from_options("nope")
+    with pytest.raises(ValueError, match="unknown drafter option 'ngram'"):
+        check_options("prompt-lookup", ngram=3)
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):  # the drafter's own check of a value
+        drafter_from_options("prompt-lookup", max_ngram=2, min_ngram=3)
+    check_options("model", draft="a-spec", max_ngram=None)  # None is "not given"
+
+
+def test_options_for_keeps_what_a_drafter_takes():
+    settings = dict(draft="d", layers="0", head=None, cache="c", max_ngram=4, min_ngram=1,
+                    min_match=2)
+    assert options_for("prompt-lookup", settings) == dict(max_ngram=4, min_ngram=1)
+    assert options_for("eagle", settings) == dict(cache="c")  # head None: not given
+    assert options_for("model", settings) == dict(draft="d")
+    assert options_for("random", settings) == {}
+    with pytest.raises(ValueError, match="unknown drafter"):
+        options_for("nope", settings)
+
+
+def test_serve_offers_every_drafter_it_has_options_for(draft_model):
+    from specdec.serve.app import _registry_drafters
+
+    plain = _registry_drafters(None, max_ngram=5, min_ngram=2)
+    assert set(plain) == set(DRAFTERS) - {"model"}  # the model drafter only with a draft model
+    assert (plain["prompt-lookup"].max_ngram, plain["prompt-lookup"].min_ngram) == (5, 2)
+    assert type(plain["eagle-tree"]) is EagleDrafter and plain["suffix-tree"].tree
+    with_draft = _registry_drafters(draft_model, max_ngram=3, min_ngram=1)
+    assert set(with_draft) == set(DRAFTERS) and with_draft["model"].draft is draft_model

@@ -34,8 +34,8 @@ from specdec.bench import costmodel
 from specdec.backends import gemv
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.cache import new_cache
-from specdec.drafters import Drafter, make_drafter
-from specdec.drafters.suffix import load_corpus
+from specdec.drafters import Drafter
+from specdec.drafters.factory import MAIN_OPTION, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, Generation, generate, stepwise
 from specdec.exactness import first_divergence
 from specdec.models.load import Model, load_model, resolve_device, synchronize
@@ -190,19 +190,19 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     interleave: run a repeat's configs together, round by round (run_all), each with a drafter of its
     own; else one after another."""
     target = load_model(pair.target, **load_kwargs)
+    # The pair's third part fills its drafter's main option (MAIN_OPTION): a draft model (loaded
+    # once, here, in the draft's dtype; the peers use it too), a corpus file, layers or a head file.
+    main = MAIN_OPTION.get(pair.drafter)
+    source = pair.draft if main else None
     draft_model = None
-    if pair.draft and pair.drafter == "model":
-        draft_model = load_model(pair.draft, **{**load_kwargs, "dtype": draft_dtype or load_kwargs.get("dtype", torch.float32)})
-    corpus = load_corpus(pair.draft) if pair.drafter in ("suffix", "suffix-tree") and pair.draft else None
+    if source and main == "draft":
+        dtype = draft_dtype or load_kwargs.get("dtype", torch.float32)
+        source = draft_model = load_model(source, **{**load_kwargs, "dtype": dtype})
+    settings = {"cache": load_kwargs.get("cache"), **({main: source} if main else {})}
+    options = options_for(pair.drafter, settings)
 
     def new_drafter() -> Drafter:  # one per config when interleaved: drafters keep per-generation state
-        if pair.drafter == "layer-skip":  # its third part is the layers to keep (default: the stored calibration)
-            return make_drafter("layer-skip", layers=pair.draft, cache=load_kwargs.get("cache"))
-        if pair.drafter in ("eagle", "eagle-tree"):  # its third part is a head file (default: the target's stored head)
-            return make_drafter(pair.drafter, head=pair.draft, cache=load_kwargs.get("cache"))
-        if corpus is not None:  # suffix drafters: the third part is a corpus file
-            return make_drafter(pair.drafter, corpus=corpus)
-        return make_drafter("model", draft=draft_model) if draft_model else make_drafter(pair.drafter)
+        return drafter_from_options(pair.drafter, **options)
 
     drafter = new_drafter()
     encoded = [_encode(target, p) for p in prompts]

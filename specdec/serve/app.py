@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
-from specdec.drafters import DRAFTERS, Drafter, ModelDrafter, PromptLookup, make_drafter
+from specdec.drafters import Drafter
+from specdec.drafters.factory import DRAFTERS, REQUIRED, drafter_from_options, options_for
 from specdec.engine import Generation, generate
 from specdec.serve.metrics import Metrics
 from specdec.models.load import Model, check_same_tokenizer
@@ -461,21 +462,16 @@ async def _until_disconnect(request: Request) -> None:
 # ---- the app ----------------------------------------------------------------------------------
 
 def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int) -> dict[str, Drafter]:
-    """One instance of every registered drafter that needs no model (prompt lookup with the given
-    n-gram sizes; the others with their defaults), plus the model drafter when `draft` is given.
+    """One instance of every registered drafter whose required options the server has (all but the
+    model drafter, which comes only with `draft`), each built with the server's settings it takes
+    (prompt lookup's n-gram sizes; the draft model) and its defaults otherwise.
     Requests run one at a time, so they can share these instances (prepare() resets each run)."""
+    settings = dict(draft=draft, max_ngram=max_ngram, min_ngram=min_ngram)
     out: dict[str, Drafter] = {}
     for name in DRAFTERS:
-        if name == "model":
-            if draft is not None:
-                out[name] = ModelDrafter(draft)
-        elif name == "prompt-lookup":
-            out[name] = PromptLookup(max_ngram=max_ngram, min_ngram=min_ngram)
-        else:
-            try:
-                out[name] = make_drafter(name)
-            except (TypeError, ValueError):  # needs arguments this server does not have
-                log.info("drafter %r needs arguments; not offered", name)
+        options = options_for(name, settings)
+        if all(option in options for option in REQUIRED.get(name, ())):
+            out[name] = drafter_from_options(name, **options)
     return out
 
 
