@@ -49,6 +49,25 @@ def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, toke
     return Model(hf, tokenizer if tokenizer is not None else make_tokenizer(), name or f"tiny-{arch}-{seed}", eos)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_verify_cost_cache(tmp_path_factory):
+    """Verify-cost curves (specdec.adaptive.costs) cached by session- and module-scoped fixtures
+    (a server's) go to a temporary folder, never to the user's cache."""
+    folder = tmp_path_factory.mktemp("verify-costs-session")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("specdec.adaptive.costs.folder", lambda: folder)
+        yield folder
+
+
+@pytest.fixture(autouse=True)
+def verify_cost_cache(tmp_path_factory, monkeypatch):
+    """Each test caches verify-cost curves in a folder of its own, so no test reads a curve that
+    another one timed."""
+    folder = tmp_path_factory.mktemp("verify-costs")
+    monkeypatch.setattr("specdec.adaptive.costs.folder", lambda: folder)
+    return folder
+
+
 @pytest.fixture(scope="session", params=["llama", "qwen2", "gemma3"])
 def target(request) -> Model:
     return make_model(request.param, seed=1)

@@ -1,9 +1,8 @@
-"""k = "auto": the per-round draft-length policy (specdec.adaptive.policy) and its use by the engine."""
+"""k = "auto": the per-round draft-length policy (specdec.adaptive) and its use by the engine."""
 
 from __future__ import annotations
 
 import collections
-import time
 
 import pytest
 import torch
@@ -11,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import generate
-from specdec.adaptive import policy as adaptive
-from specdec.adaptive.policy import AdaptiveK, VerifyCosts, match_class
+from specdec.adaptive import AdaptiveK, VerifyCosts, best_length, match_class, values
 from specdec.cache import new_cache
 from specdec.drafters import ModelDrafter, PromptLookup
 
@@ -34,8 +32,19 @@ def rate(ctl: AdaptiveK, m: int) -> float:
     for j in range(1, m + 1):
         p *= ctl.acceptance(j)
         tokens += p
-    verify = ctl.verify(1) + (ctl._extra_verify_ms(m) if m else 0.0)  # pinned in test_junk_is_verified_only...
-    return tokens / (ctl._draft_ms(m, incremental=False) + verify + ctl.overhead_ms)
+    verify = ctl.verify(1) + ctl.extra_verify_ms(m)  # pinned in test_junk_is_verified_only...
+    return tokens / (ctl.draft_ms(m, incremental=False) + verify + ctl.overhead_ms)
+
+
+def test_values_weigh_expected_tokens_against_their_cost_and_the_best_length_wins():
+    """values(): P_1 + ... + P_m - rho * cost(m) for each draft length m (P_m: the first m drafted
+    tokens all accepted); best_length: the most valuable, the shortest of equals, 0 (a plain round,
+    worth 0) unless some length is worth more."""
+    worth = values([0.5, 0.5, 0.0], [0.0, 2.0, 4.0, 6.0], rho=0.1)
+    assert worth == pytest.approx([0.0, 0.5 - 0.2, 0.75 - 0.4, 0.75 - 0.6])
+    assert best_length(worth) == 2
+    assert values([0.5, 0.5], [0.0] * 3, 0.0, tokens=1.0) == [1.0, 1.5, 1.75]  # a round's tokens
+    assert best_length([0.0, 0.25, 0.25]) == 1 and best_length([0.0, -0.1]) == 0 and best_length([0.0]) == 0
 
 
 def test_verify_costs_interpolate_and_extrapolate_optimistically():
@@ -47,7 +56,6 @@ def test_verify_costs_interpolate_and_extrapolate_optimistically():
     assert VerifyCosts()(4) == 0.0 and not VerifyCosts().known()
     only4 = VerifyCosts(ms={4: 17.5})
     assert only4(1) == pytest.approx(17.5 / (1 + 0.25 * 3))  # V(1) inferred from the one tried length
-
 
 
 def test_calibrated_curve_keeps_its_shape_and_every_round_moves_its_level():
@@ -62,8 +70,8 @@ def test_calibrated_curve_keeps_its_shape_and_every_round_moves_its_level():
 def test_deep_positions_borrow_the_previous_positions_estimate_lifted():
     ctl = AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, prior=0.5, prior_weight=1.0, lift=0.5)
     for _ in range(20):  # drafts that reach only position 1, accepted there half the time
-        ctl._learn(0, 1, 0)
-        ctl._learn(0, 1, 1)
+        ctl.estimates.learn(0, 1, 0)
+        ctl.estimates.learn(0, 1, 1)
     a1 = ctl.acceptance(1)
     assert a1 == pytest.approx(0.5, abs=0.05)
     assert ctl.acceptance(2) == pytest.approx(a1 + 0.5 * (1 - a1))  # no data at 2: the estimate at 1, lifted
@@ -73,24 +81,26 @@ def test_deep_positions_borrow_the_previous_positions_estimate_lifted():
     assert ctl.acceptance(2) == pytest.approx(a1)
     ctl.shadowing = False
     for _ in range(20):
-        ctl._learn(0, 2, 1)  # now position 2 is reached and always rejected
+        ctl.estimates.learn(0, 2, 1)  # now position 2 is reached and always rejected
     assert ctl.acceptance(2) < 0.2
 
 
 def test_a_deep_position_keeps_its_estimate_through_drafts_that_stop_short_of_it():
     ctl = AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, prior=0.5, prior_weight=1.0, lift=0.0)
     for _ in range(20):
-        ctl._learn(0, 3, 3)  # long copies: positions 1..3 accepted
+        ctl.estimates.learn(0, 3, 3)  # long copies: positions 1..3 accepted
     for _ in range(50):
-        ctl._learn(0, 1, 0)  # then many drafts rejected at position 1
+        ctl.estimates.learn(0, 1, 0)  # then many drafts rejected at position 1
     assert ctl.acceptance(1) < 0.1
     assert ctl.acceptance(2) > 0.9 and ctl.acceptance(3) > 0.9  # what follows an accepted token is still known
 
 
 @settings(max_examples=200, deadline=None)
-@given(acceptance=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
-       steps=st.lists(st.floats(0.0, 3.0), min_size=8, max_size=8),
-       cap=st.integers(1, 8))
+@given(
+    acceptance=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
+    steps=st.lists(st.floats(0.0, 3.0), min_size=8, max_size=8),
+    cap=st.integers(1, 8),
+)
 def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, steps, cap):
     """The Dinkelbach rule: speculate iff the best fixed draft length's rate beats plain decoding's,
     and then with the length of the best rate (an all-at-once drafter that is not free), the
@@ -138,9 +148,9 @@ def test_a_trees_depth_is_costed_by_the_tokens_it_verifies():
     tree.nodes_per_depth = 2.0
     for ctl in (chain, tree):
         assert ctl.plan(8, incremental=False) == 8 and ctl.shadowing  # a free drafter: cut() decides
-    assert tree._extra_verify_ms(2) == pytest.approx(v[5] - v[1] + tree.margin * v[1])  # 2 deep: 4 tokens
-    assert chain._extra_verify_ms(2) == pytest.approx(v[3] - v[1] + chain.margin * v[1])
-    assert tree._nodes(8) == 8  # never more than the round's cap: the engine prunes the tree to it
+    assert tree.extra_verify_ms(2) == pytest.approx(v[5] - v[1] + tree.margin * v[1])  # 2 deep: 4 tokens
+    assert chain.extra_verify_ms(2) == pytest.approx(v[3] - v[1] + chain.margin * v[1])
+    assert tree.nodes(8) == 8  # never more than the round's cap: the engine prunes the tree to it
     # gain of depth m: 0.6, 0.96, 1.18, 1.31; each ms of extra verify costs rho = 0.1 token (plain's rate)
     assert chain.cut([7] * 8, deterministic=True) == 3  # V(4) = 11.5; depth 4 would cost V(5) = 16
     assert tree.cut([7] * 8, deterministic=True) == 1  # 2 tokens, V(3) = 11; depth 2 would cost V(5)
@@ -153,8 +163,7 @@ def test_a_trees_depth_is_costed_by_the_tokens_it_verifies():
 
 
 def test_verify_shape_follows_the_context_length():
-    v = VerifyCosts(ms={1: 10.0, 4: 9.0},
-                    shapes={100: {1: 1.0, 4: 0.9}, 900: {1: 1.0, 4: 1.3}})
+    v = VerifyCosts(ms={1: 10.0, 4: 9.0}, shapes={100: {1: 1.0, 4: 0.9}, 900: {1: 1.0, 4: 1.3}})
     v.at(500)  # halfway: the shapes' mean, at the current level
     assert v(4) == pytest.approx(10.0 * 1.1)
     v.at(2000)  # past the longest timed context: its shape
@@ -215,8 +224,7 @@ def test_a_trees_probe_is_one_depth_and_rounds_learn_under_their_match_class():
     for _ in range(50):  # lookup's 12-token matches: all 6 accepted
         fresh.observe(6, 6, 12.0, 0.0, 0.0, 8, incremental=True, match_length=12)
     assert fresh.acceptance(1, match_class(12)) > 0.9
-    assert fresh.acceptance(1) == pytest.approx(fresh.prior)  # the head's trees (class 0): untouched
-
+    assert fresh.acceptance(1) == pytest.approx(fresh.estimates.prior)  # the head's trees (class 0): untouched
 
 
 def test_a_long_match_is_judged_by_its_own_class_and_looked_for_only_when_the_head_does_not_pay():
@@ -231,7 +239,7 @@ def test_a_long_match_is_judged_by_its_own_class_and_looked_for_only_when_the_he
 
     hopeless = controller(v, [0.0] * 8)  # the head's trees: never right
     for _ in range(100):
-        hopeless._learn(match_class(12), 2, 2)  # 12-token matches: always right
+        hopeless.estimates.learn(match_class(12), 2, 2)  # 12-token matches: always right
     assert hopeless.plan(2, incremental=True, match=lambda: None) == 0  # no long match: plain
     assert hopeless.plan(2, incremental=True, match=match) == 2 and looked == [12]
     assert controller(v, [0.9] * 8).plan(2, incremental=True, match=match) == 2 and looked == [12]
@@ -245,16 +253,16 @@ def test_a_long_match_class_seen_little_starts_from_the_next_shorter_ones_estima
     v = {n: 10.0 + 0.5 * n for n in range(1, 10)}
     ctl = controller(v)
     for _ in range(40):  # 6-9-token matches: all 8 tokens right
-        ctl._learn(match_class(7), 8, 8)
+        ctl.estimates.learn(match_class(7), 8, 8)
     seven = ctl.acceptances(8, match_class(7))
     assert min(seven) > 0.9
     assert ctl.acceptances(8, match_class(20)) == pytest.approx(seven)  # 16+: never seen
-    ctl._learn(match_class(12), 1, 0)  # one 12-token match rejected at once
+    ctl.estimates.learn(match_class(12), 1, 0)  # one 12-token match rejected at once
     twelve = ctl.acceptances(8, match_class(12))
     assert twelve[0] == pytest.approx(seven[0] / 2)  # its own outcome beside the prior, equally weighted
     assert twelve[1:] == pytest.approx(seven[1:])  # positions it never reached: the shorter class's
     ctl.rho = 1 / 15.5  # plain decoding's rate on this curve
-    assert ctl.cut(list(range(8)), deterministic=True, match_length=12) == 8  # (was 1)
+    assert ctl.cut(list(range(8)), deterministic=True, match_length=12) == 8
 
 
 def test_an_uncertain_first_position_is_given_the_benefit_of_the_doubt():
@@ -292,12 +300,12 @@ def test_free_drafts_are_learned_from_by_shadow_verification():
     ctl.cut([4, 5, 9, 9], deterministic=True, position=3, match_length=5)  # 2 right, then wrong
     ctl.cut([8, 1], deterministic=True, position=7, match_length=1)  # 1 right, 1 not yet known
     ctl.resolve(seq[:5])  # covers the first draft up to its first 2 tokens only: still pending
-    assert len(ctl.pending) == 2
+    assert len(ctl.estimates.pending) == 2
     ctl.resolve(seq)
     assert ctl.reached[4][:4] == [1, 1, 1, 0] and ctl.accepted[4][:3] == [1, 1, 0]
-    assert len(ctl.pending) == 1  # the second waits for its second token
+    assert len(ctl.estimates.pending) == 1  # the second waits for its second token
     ctl.resolve(seq, final=True)
-    assert ctl.reached[1][:2] == [1, 0] and ctl.accepted[1][:1] == [1] and not ctl.pending
+    assert ctl.reached[1][:2] == [1, 0] and ctl.accepted[1][:1] == [1] and not ctl.estimates.pending
     for _ in range(40):  # long matches always right, short ones never
         assert ctl.plan(4, incremental=False) == 4
         ctl.cut([1, 2, 3, 4], True, 0, match_length=12)
@@ -317,9 +325,9 @@ def test_prompt_lookup_reports_how_long_its_match_is():
 def test_draft_model_stops_at_low_confidence_and_cuts_a_greedy_draft():
     ctl = controller({n: 10.0 + n for n in range(1, 10)}, [0.8] * 8)
     ctl.draft_first_ms, ctl.draft_step_ms = 2.0, 2.0
-    for b in range(len(ctl.bin_reached)):  # calibrated: acceptance equals the draft's confidence
-        ctl.bin_reached[b] = 1000.0
-        ctl.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
+    for b in range(len(ctl.estimates.bin_reached)):  # calibrated: acceptance equals the draft's confidence
+        ctl.estimates.bin_reached[b] = 1000.0
+        ctl.estimates.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
     assert ctl.plan(8, incremental=True) == 8
     assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.99)
     assert not ctl.keep_going(3, 0.05)  # a 5% token: the rest of the draft is not worth its cost
@@ -331,7 +339,7 @@ def test_draft_model_stops_at_low_confidence_and_cuts_a_greedy_draft():
 def test_a_rarely_reached_confidence_bin_keeps_its_estimate():
     """A good draft model's low-confidence tokens are rare: their bin's counts must not fade back to
     the prior (the confidence itself) through the many rounds that never reach it, or the policy
-    stops drafting at tokens the target mostly accepts (the Qwen pair on Spec-Bench translation)."""
+    stops drafting at tokens the target mostly accepts."""
     ctl = controller({n: 10.0 for n in range(1, 10)}, [0.9] * 8)
     for _ in range(10):  # tokens the draft gave 10% are accepted
         ctl.confidence = [0.99, 0.1]
@@ -339,10 +347,10 @@ def test_a_rarely_reached_confidence_bin_keeps_its_estimate():
     for _ in range(60):  # then many confident drafts, all accepted
         ctl.confidence = [0.99] * 3
         ctl.observe(3, 3, 10.0, 3.0, 0.0, 3, incremental=True)
-    assert ctl.confident_acceptance(0.1) > 0.85
+    assert ctl.estimates.given_confidence(0.1) > 0.85
     ctl.confidence = [0.99, 0.1]
     ctl.observe(2, 1, 10.0, 2.0, 0.0, 2, incremental=True)  # one rejection moves it by a tenth
-    assert 0.7 < ctl.confident_acceptance(0.1) < 0.85
+    assert 0.7 < ctl.estimates.given_confidence(0.1) < 0.85
     ctl.draft_first_ms = ctl.draft_step_ms = 1.0
     assert ctl.plan(8, incremental=True) == 8
     assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.1)  # so a 10% token is drafted past
@@ -352,14 +360,14 @@ def test_a_draft_not_worth_verifying_is_not_drafted_deeper():
     """Going on drafting must beat what stopping now is worth, a plain round included: a first
     token the drafter barely believes (its one extra verified token costs 3 ms) is not worth
     verifying, and cheap further tokens (0.2 ms each) do not make the whole draft pay, so drafting
-    stops there instead of drafting on to have it all cut (eagle-tree did that in 1 round in 10)."""
+    stops there instead of drafting on to have it all cut."""
     v = {1: 10.0, 2: 13.0, 3: 13.2, 4: 13.4, 5: 13.6, 6: 13.8, 7: 14.0, 8: 14.2, 9: 14.4}
     ctl = controller(v, [0.8] * 8, margin=0.0)
     ctl.draft_first_ms = ctl.draft_step_ms = 0.2
     ctl.fresh = False
-    for b in range(len(ctl.bin_reached)):  # calibrated: acceptance equals the draft's confidence
-        ctl.bin_reached[b] = 1000.0
-        ctl.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
+    for b in range(len(ctl.estimates.bin_reached)):  # calibrated: acceptance equals the draft's confidence
+        ctl.estimates.bin_reached[b] = 1000.0
+        ctl.estimates.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
     assert ctl.plan(8, incremental=True) == 8
     ctl.rho = 0.1  # tokens per ms: a token is worth 10 ms
     # depth 1 at confidence 0.05 is worth 0.1 - 0.1 x 3 < 0; depths 2 and 3 add 0.08 and 0.064
@@ -388,15 +396,14 @@ def test_the_policy_passed_to_generate_is_the_one_that_learns_and_carries_over()
 def test_a_generations_first_draft_step_is_not_taken_for_a_step_cost():
     """A draft model's first step in a generation also reads the whole prompt (seconds on a long
     one); counted as the cost of a step it would stop all drafting for many rounds."""
-    ctl = controller({1: 100.0, 2: 110.0}, [0.9] * 8)
+    ticks = iter([5.0, 5.02])  # a 5 s first step (the draft model's prefill), then a 20 ms one
+    ctl = controller({1: 100.0, 2: 110.0}, [0.9] * 8, clock=lambda: next(ticks))
     ctl.begin()
     ctl.cap = 8
-    ctl._t_last = time.perf_counter() - 5.0  # a 5 s first step: the draft model's prefill
     ctl.keep_going(1, 0.9)
     assert ctl.draft_first_ms is None
-    ctl._t_last = time.perf_counter() - 0.02
     ctl.keep_going(1, 0.9)
-    assert 20 <= ctl.draft_first_ms < 1000
+    assert ctl.draft_first_ms == pytest.approx(20.0)
 
 
 def test_verify_curve_is_timed_once_per_target_at_first_use():
@@ -460,6 +467,9 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
     with torch.no_grad():
         p = target.hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
     drafter = ModelDrafter(draft_model)
+    doubtful = AdaptiveK(SteepCosts())  # the premise: a greedy draft of a 50% token is cut here
+    doubtful.rho, doubtful.confidence = 0.1, [0.5]  # verifying it costs 0.82 tokens' worth
+    assert doubtful.cut([5], deterministic=True) == 0 and doubtful.cut([5], deterministic=False) == 1
     ctl = AdaptiveK(SteepCosts())
 
     def always_draft(cap: int, incremental: bool, match=None) -> int:
@@ -473,6 +483,5 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
         got = generate(target, prompt, drafter, k="auto", max_new_tokens=2, temperature=1.0, seed=seed, policy=ctl)
         assert got.stats.k_per_round[0] == 1  # the first token went through the draft and the rejection rule
         counts[got.tokens[0]] += 1
-    assert ctl.cut([5], deterministic=True) == 0 or ctl.confident_acceptance(ctl.confidence[0]) >= 0.8
     tv = 0.5 * sum(abs(counts.get(t, 0) / n - float(q)) for t, q in enumerate(p))
     assert tv < 0.08  # sampling noise alone: E[TV] ~ 0.03 for this distribution and n

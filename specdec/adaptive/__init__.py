@@ -1,5 +1,8 @@
-"""Adaptive draft length (k = "auto"): verify costs, acceptance estimates, and the per-round decision."""
+"""Adaptive draft length (k = "auto"): the verify-cost curve (costs), the acceptance estimates
+(acceptance) and the per-round decision (policy)."""
 
-from specdec.adaptive.policy import AdaptiveK, VerifyCosts, match_class
+from specdec.adaptive.acceptance import Acceptance, match_class
+from specdec.adaptive.costs import VerifyCosts
+from specdec.adaptive.policy import AdaptiveK, best_length, values
 
-__all__ = ["AdaptiveK", "VerifyCosts", "match_class"]
+__all__ = ["Acceptance", "AdaptiveK", "VerifyCosts", "best_length", "match_class", "values"]

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from specdec.adaptive.costs import interpolate
+
 
 def textbook_speedup(alpha: float, k: int, c: float) -> float:
     """E / (k*c + 1) with E = (1 - alpha^(k+1)) / (1 - alpha) tokens per round (k + 1 at alpha = 1).
@@ -58,18 +60,6 @@ def verify_ms(costs: dict, n: int) -> float:
         return curve[xs[-1]] * n / xs[-1]
     a, b = xs[-2], xs[-1]
     return curve[b] + (curve[b] - curve[a]) / (b - a) * (n - b)
-
-
-def interpolate(curve: dict[int, float], n: int) -> float | None:
-    """curve[n] if measured, else linear between the nearest measured points on either side;
-    None when n lies outside them (each caller extrapolates its own way)."""
-    if n in curve:
-        return curve[n]
-    lower = max((x for x in curve if x < n), default=None)
-    upper = min((x for x in curve if x > n), default=None)
-    if lower is None or upper is None:
-        return None
-    return curve[lower] + (curve[upper] - curve[lower]) * (n - lower) / (upper - lower)
 
 
 def draft_ms_at(costs: dict, n: int) -> float:

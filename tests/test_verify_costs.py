@@ -1,0 +1,158 @@
+"""The verify-cost curve's on-disk cache (specdec.adaptive.costs): timed once per model, backend,
+thread count and processor, then loaded; a broken file is ignored and replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from specdec import generate
+from specdec.adaptive import VerifyCosts
+from specdec.adaptive import costs as costs_module
+from specdec.adaptive.costs import SCHEMA, cache_file, cache_key
+from specdec.cache import new_cache
+from specdec.models.load import Model
+
+from .conftest import make_model, prompt_ids
+
+
+def prefilled(target: Model, prompt: list[int]):
+    """A target cache holding the prompt but its last token, as the engine calibrates on."""
+    kv = new_cache(target)
+    kv.extend(prompt[:-1], all_logits=False)
+    return kv
+
+
+def counting_extends(kv) -> list:
+    """Record every forward run on kv from now on."""
+    calls, real = [], kv.extend
+    kv.extend = lambda *args, **kwargs: calls.append(args) or real(*args, **kwargs)
+    return calls
+
+
+def test_a_second_curve_for_the_same_model_loads_what_the_first_timed(verify_cost_cache):
+    target, prompt = make_model("llama", seed=3), prompt_ids()
+    first = VerifyCosts.for_model(target)
+    assert not first.known() and not list(verify_cost_cache.iterdir())  # nothing cached yet
+    first.calibrate(prefilled(target, prompt), prompt, 4, ahead=40)
+    assert len(first.shapes) == 2 and [p.name for p in verify_cost_cache.iterdir()] == [first.path.name]
+
+    second = VerifyCosts.for_model(target)
+    assert second.shapes == first.shapes and second.ms == pytest.approx(first.ms)
+    assert not second.needs(len(prompt) - 1) and not second.needs(len(prompt) - 1 + 40)
+    kv = prefilled(target, prompt)
+    calls = counting_extends(kv)
+    second.calibrate(kv, prompt, 4, ahead=40)
+    assert calls == []  # loaded counts as calibrated: no forward timed
+    assert second.shape == first.shape and second(3) == pytest.approx(first(3))
+
+
+def test_a_one_shot_generation_times_the_curve_only_the_first_time(monkeypatch):
+    """`specdec generate -k auto` run twice on a machine: the second run's prefill times nothing."""
+    target, prompt = make_model("qwen2", seed=4), prompt_ids()
+    timed = []
+    real = VerifyCosts._time
+    monkeypatch.setattr(VerifyCosts, "_time", lambda self, *args: timed.append(1) or real(self, *args))
+    first = generate(target, prompt, "prompt-lookup", k="auto", k_max=4, max_new_tokens=8)
+    assert len(timed) == 2  # at the prompt and where the output ends
+    again = generate(target, prompt, "prompt-lookup", k="auto", k_max=4, max_new_tokens=8)
+    assert len(timed) == 2 and again.tokens == first.tokens
+
+
+def test_the_key_tells_threads_backends_processors_and_models_apart(monkeypatch):
+    lean = make_model("llama", seed=3)
+    hf = Model(lean.hf, lean.tokenizer, lean.name, lean.eos_token_ids, backend="hf")
+    key = cache_key(lean)
+    assert key["backend"] == "lean" and key["threads"] == torch.get_num_threads()
+    assert key["parameters"] == sum(p.numel() for p in lean.hf.parameters()) and key["dtype"] == "float32"
+    files = {
+        cache_file(key),
+        cache_file(cache_key(hf)),
+        cache_file(cache_key(make_model("llama", seed=3, vocab_size=80))),
+    }
+    monkeypatch.setattr(torch, "get_num_threads", lambda: key["threads"] + 1)
+    files.add(cache_file(cache_key(lean)))
+    monkeypatch.setattr(costs_module, "processor", lambda device: "another CPU")
+    files.add(cache_file(cache_key(lean)))
+    assert len(files) == 5 and all(f.name.startswith("tiny-llama-3-") for f in files)
+
+    prompt = prompt_ids()
+    timed = VerifyCosts.for_model(lean)
+    timed.calibrate(prefilled(lean, prompt), prompt, 3)
+    assert VerifyCosts.for_model(lean).known() and not VerifyCosts.for_model(hf).known()
+
+
+def test_the_processor_is_named():
+    name = costs_module.processor(torch.device("cpu"))
+    assert isinstance(name, str)
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        assert not names or name == names[0]
+
+
+def _saved(target: Model) -> dict:
+    """A valid cache file's content for target, timed once."""
+    prompt = prompt_ids()
+    costs = VerifyCosts.for_model(target)
+    costs.calibrate(prefilled(target, prompt), prompt, 3)
+    return json.loads(costs.path.read_text())
+
+
+@pytest.mark.parametrize(
+    "broken", ["not json", "truncated", "list", "schema", "key", "negative", "no level", "strings"]
+)
+def test_a_broken_or_foreign_file_is_ignored_and_replaced(broken, verify_cost_cache):
+    target, prompt = make_model("llama", seed=3), prompt_ids()
+    good = _saved(target)
+    path = cache_file(cache_key(target))
+    text = json.dumps(good)
+    content = {
+        "not json": "\x00\xff garbage",
+        "truncated": text[: len(text) // 2],
+        "list": "[1, 2, 3]",
+        "schema": json.dumps({**good, "schema": SCHEMA + 1}),
+        "key": json.dumps({**good, "key": {**good["key"], "threads": good["key"]["threads"] + 1}}),
+        "negative": json.dumps({**good, "ms": {**good["ms"], "2": -1.0}}),
+        "no level": json.dumps({**good, "ms": {n: v for n, v in good["ms"].items() if n != "1"}}),
+        "strings": json.dumps({**good, "shapes": {"x": {"1": "fast"}}}),
+    }[broken]
+    path.write_text(content)
+    costs = VerifyCosts.for_model(target)  # no stack trace
+    assert not costs.known() and not costs.shapes
+    kv = prefilled(target, prompt)
+    calls = counting_extends(kv)
+    costs.calibrate(kv, prompt, 3)
+    assert calls  # timed again
+    replaced = json.loads(path.read_text())
+    assert replaced["schema"] == SCHEMA and replaced["key"] == cache_key(target)
+    assert VerifyCosts.for_model(target).shapes == costs.shapes
+    assert [p.name for p in verify_cost_cache.iterdir()] == [path.name]
+
+
+def test_the_write_is_atomic_and_a_failed_one_keeps_the_old_file(monkeypatch, verify_cost_cache):
+    target, prompt = make_model("llama", seed=3), prompt_ids()
+    good = _saved(target)
+    path = cache_file(cache_key(target))
+    assert [p.name for p in verify_cost_cache.iterdir()] == [path.name]  # no temporary file left
+
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", refuse)  # the rename that completes a write fails
+    costs = VerifyCosts.for_model(target)
+    with pytest.warns(UserWarning, match="could not cache"):
+        costs.calibrate(prefilled(target, prompt), prompt, 3, ahead=40)  # times a new context
+    assert len(costs.shapes) == 2  # kept in memory
+    assert json.loads(path.read_text()) == good  # the old file, whole
+    assert [p.name for p in verify_cost_cache.iterdir()] == [path.name]
+
+
+def test_a_curve_built_in_memory_is_never_written(verify_cost_cache):
+    target, prompt = make_model("llama", seed=3), prompt_ids()
+    costs = VerifyCosts()
+    costs.calibrate(prefilled(target, prompt), prompt, 3, ahead=40)
+    assert costs.shapes and costs.path is None and not list(verify_cost_cache.iterdir())
