@@ -6,33 +6,37 @@ al. 2024, "SWIFT: On-the-Fly Self-Speculative Decoding for LLM Inference Acceler
 No extra weights: the draft is a view of the target's Hugging Face model that shares every
 parameter but whose decoder layer list is the kept subset. It drafts like a draft model (its own
 KV cache, greedy or sampled tokens with their probabilities), so speculative sampling stays exact.
-Which layers to keep comes from `specdec calibrate-skip` (specdec.train.calibrate), stored per model in
-the cache, or from an explicit `layers=` list.
+Which layers to keep comes from an explicit `layers=` list, or from a calibration
+(specdec.train.calibrate): the one `specdec calibrate-skip` stored in the cache, the one shipped with
+the package for a registry model, or one made at first use and cached.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from specdec.models.load import Model
-from specdec.models.skip import parse_layers, skip_view
-from specdec.sampling import Sampler
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.drafters.model import ModelDrafter
+from specdec.models.load import Model
+from specdec.models.skip import parse_layers, skip_view
+from specdec.sampling import Sampler
+from specdec.train.calibrate import skip_layers_for
 
 
 class LayerSkipDrafter(Drafter):
     """Drafts with the target itself, running only some of its decoder layers.
 
-    layers: the decoder layers to keep (a list or "0,1,2,5" / "0-9,12"); None loads the list that
-    `specdec calibrate-skip --target NAME` stored for the target (specdec.train.calibrate). cache: the
-    specdec cache folder holding that file (default: the usual cache). The draft view is built once
-    per target and works as ModelDrafter does: its own KV cache, rolled back to the committed
-    tokens before each proposal; greedy tokens, or sampled ones with their probabilities.
+    layers: the decoder layers to keep (a list or "0,1,2,5" / "0-9,12"); None takes the target's
+    calibration (specdec.train.calibrate.skip_layers_for): stored in the cache by `specdec
+    calibrate-skip --target NAME`, else shipped with the package, else made in prepare() the first
+    time (with progress on stderr) and cached. cache: the specdec cache folder for that file
+    (default: the usual cache). The draft view is built once per target and works as ModelDrafter
+    does: its own KV cache, rolled back to the committed tokens before each proposal; greedy
+    tokens, or sampled ones with their probabilities.
 
-    prepare() raises ValueError when no layers were given and the target has no stored
-    calibration (the message names the command that makes one), or on indices out of range.
+    prepare() raises ValueError on layer indices out of range, or on a model whose decoder layers
+    it cannot find.
     """
 
     incremental = True
@@ -46,12 +50,7 @@ class LayerSkipDrafter(Drafter):
 
     def prepare(self, target: Model) -> None:
         if self._target is not target:
-            if self.layers is not None:
-                layers = self.layers
-            else:
-                from specdec.train.calibrate import load_skip_layers
-
-                layers = load_skip_layers(target, self.cache)
+            layers = self.layers if self.layers is not None else skip_layers_for(target, self.cache)
             self.view = skip_view(target, layers)
             self._inner = ModelDrafter(self.view)
             self._inner.checked = target  # the view shares the target's tokenizer: nothing to check

@@ -7,7 +7,7 @@ layer list is the kept subset, renumbered so that a fresh KV cache of that many 
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -19,8 +19,10 @@ def decoder_layers(hf: torch.nn.Module) -> torch.nn.ModuleList:
     Gemma 3, Mistral, ...). Raises ValueError for an architecture laid out otherwise."""
     layers = getattr(getattr(hf, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(hf).__name__} has no `.model.layers` decoder list; layer skipping supports "
-                         "Llama-style models (Llama, SmolLM2, Qwen2, Gemma 3, Mistral)")
+        raise ValueError(
+            f"{type(hf).__name__} has no `.model.layers` decoder list; layer skipping supports "
+            "Llama-style models (Llama, SmolLM2, Qwen2, Gemma 3, Mistral)"
+        )
     return layers
 
 
@@ -38,13 +40,17 @@ def parse_layers(layers: Sequence[int] | str, n_layers: int | None = None) -> li
                 else:
                     out.append(int(item))
             except ValueError:
-                raise ValueError(f"bad layer {item!r} in {layers!r}: use comma-separated indices or ranges, e.g. 0,1,2,5 or 0-9,12") from None
+                raise ValueError(
+                    f"bad layer {item!r} in {layers!r}: use comma-separated indices or ranges, e.g. 0,1,2,5 or 0-9,12"
+                ) from None
         layers = out
     result = sorted({int(i) for i in layers})
     if not result:
         raise ValueError("the layer list is empty: keep at least one decoder layer")
     if n_layers is not None and not 0 <= result[0] <= result[-1] < n_layers:
-        raise ValueError(f"layer indices must be in 0..{n_layers - 1} (the model has {n_layers} decoder layers), got {result}")
+        raise ValueError(
+            f"layer indices must be in 0..{n_layers - 1} (the model has {n_layers} decoder layers), got {result}"
+        )
     return result
 
 
@@ -52,8 +58,14 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     """A new module object sharing `module`'s parameters and buffers, with its own child and hook
     tables, so that replacing a child (or hooking) the copy leaves the original untouched."""
     clone = copy.copy(module)
-    for table in ("_modules", "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-                  "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+    for table in (
+        "_modules",
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+    ):
         if table in module.__dict__:
             clone.__dict__[table] = copy.copy(module.__dict__[table])
     return clone
@@ -99,8 +111,14 @@ def build_view(model: Model, kept: list[int]) -> Model:
     view.model = inner
     view.config = config
     lean = model.lean().subset(kept) if model.backend == "lean" else None
-    return Model(view, model.tokenizer, f"{model.name}[layers {_ranges(kept) if kept else 'none'}]",
-                 model.eos_token_ids, model.backend, lean)
+    return Model(
+        view,
+        model.tokenizer,
+        f"{model.name}[layers {_ranges(kept) if kept else 'none'}]",
+        model.eos_token_ids,
+        model.backend,
+        lean,
+    )
 
 
 def _ranges(kept: list[int]) -> str:

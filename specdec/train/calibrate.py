@@ -19,7 +19,9 @@ memory-bound), v the target's cost to verify k+1 tokens relative to one (timed h
 
 The prompts are the package's own (specdec/data/calibration_prompts.jsonl), not a benchmark's. The
 chosen layers are written atomically to <cache>/layer-skip/<model>.json, which LayerSkipDrafter
-reads by model name.
+reads by model name. Registry models also have a calibration shipped in the package
+(specdec/data/layer-skip/<model>.json); a model with neither is calibrated at the first use of
+its layer-skip draft (skip_layers_for), once, and the result cached.
 """
 
 from __future__ import annotations
@@ -28,21 +30,23 @@ import hashlib
 import json
 import re
 import statistics
+import sys
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
-from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from specdec.cache import new_cache
-from specdec.models.skip import build_view, decoder_layers, parse_layers
-from specdec.engine import generate
 from specdec.models.load import Model
+from specdec.models.skip import build_view, decoder_layers, parse_layers
 from specdec.models.weights import atomic_write, cache_dir
 
 SCHEMA = "specdec.layer-skip/1"
+SHIPPED = resources.files("specdec").joinpath("data", "layer-skip")  # calibrations that ship with the package
 
 
 def calibration_prompts() -> list[str]:
@@ -51,12 +55,29 @@ def calibration_prompts() -> list[str]:
     return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
 
 
-def skip_file(model_name: str, cache=None) -> Path:
-    """Where the calibration of `model_name` (a registry name, path or hub id) is stored."""
+def _file_name(model_name: str) -> str:
+    """<model>.json for a registry name; a path or hub id gets a safe name and a hash of itself."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model_name).strip("._") or "model"
     if safe != model_name:  # a path or hub id: keep distinct names distinct
         safe += "-" + hashlib.sha256(model_name.encode()).hexdigest()[:8]
-    return cache_dir(cache) / "layer-skip" / f"{safe}.json"
+    return f"{safe}.json"
+
+
+def skip_file(model_name: str, cache=None) -> Path:
+    """Where the calibration of `model_name` (a registry name, path or hub id) is stored."""
+    return cache_dir(cache) / "layer-skip" / _file_name(model_name)
+
+
+def _read_layers(file, n_layers: int) -> list[int] | None:
+    """The layers a calibration file (a Path or a package resource) keeps, or None when it is
+    missing, unreadable, or made for another schema or another number of decoder layers."""
+    try:
+        data = json.loads(file.read_text())
+        if data.get("schema") != SCHEMA or data.get("n_layers") != n_layers:
+            return None
+        return parse_layers(data["layers"], n_layers)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def save_skip_layers(result: dict, cache=None) -> Path:
@@ -77,14 +98,40 @@ def load_skip_layers(target: Model, cache=None) -> list[int]:
     path = skip_file(target.name, cache)
     total = len(decoder_layers(target.hf))
     if not path.is_file():
-        raise ValueError(f"no layer-skip calibration for {target.name!r} ({path} is missing): run "
-                         f"`specdec calibrate-skip --target {target.name}`, or give the layers to keep "
-                         "(--layers 0,1,2,... / layers=[...])")
-    data = json.loads(path.read_text())
-    if data.get("schema") != SCHEMA or data.get("n_layers") != total:
-        raise ValueError(f"{path} does not describe {target.name!r} ({total} decoder layers): run "
-                         f"`specdec calibrate-skip --target {target.name}` again")
-    return parse_layers(data["layers"], total)
+        raise ValueError(
+            f"no layer-skip calibration for {target.name!r} ({path} is missing): run "
+            f"`specdec calibrate-skip --target {target.name}`, or give the layers to keep "
+            "(--layers 0,1,2,... / layers=[...])"
+        )
+    layers = _read_layers(path, total)
+    if layers is None:
+        raise ValueError(
+            f"{path} does not describe {target.name!r} ({total} decoder layers): run "
+            f"`specdec calibrate-skip --target {target.name}` again"
+        )
+    return layers
+
+
+def skip_layers_for(target: Model, cache=None) -> list[int]:
+    """The layers a layer-skip draft of `target` keeps when none are given: the calibration stored
+    in the cache, else the one shipped with the package (registry models), else one made now with
+    calibrate_skip's defaults, saved to the cache and so made once. Calibrating says so on stderr
+    and shows its progress there. A stored or shipped file made for another number of decoder
+    layers, or unreadable, counts as none."""
+    n_layers = len(decoder_layers(target.hf))
+    path = skip_file(target.name, cache)
+    for file in (path, SHIPPED.joinpath(_file_name(target.name))):
+        layers = _read_layers(file, n_layers)
+        if layers is not None:
+            return layers
+    print(
+        f"calibrating layer-skip for {target.name}: choosing the decoder layers its draft keeps (once; "
+        f"progress below); cached at {path}",
+        file=sys.stderr,
+    )
+    result = calibrate_skip(target, bar=True)
+    save_skip_layers(result, cache)
+    return result["layers"]
 
 
 def simulated_tau(matches: list[bool], k: int) -> tuple[int, int]:
@@ -101,6 +148,24 @@ def simulated_tau(matches: list[bool], k: int) -> tuple[int, int]:
             a += 1
         rounds, accepted, i = rounds + 1, accepted + a, i + a + 1
     return rounds, accepted
+
+
+def greedy_reference(target: Model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The target's plain greedy output after `prompt`: the tokens specdec.engine.generate gives
+    with no drafter, by the same forward over the same KV cache (greedy reads only the argmax), up
+    to max_new_tokens, an end-of-sequence token (kept) or the end of the context."""
+    kv = new_cache(target)
+    kv.argmax_only = True  # as the engine's greedy path: the lean output layer is screened
+    if len(prompt) > 1:
+        kv.extend(prompt[:-1], all_logits=False)  # the cache holds all committed tokens but the last
+    out: list[int] = []
+    last = prompt[-1]
+    while len(out) < max_new_tokens and len(prompt) + len(out) < target.n_ctx:
+        last = int(kv.extend([last])[-1].argmax())  # logits (1, V)
+        out.append(last)
+        if last in target.eos_token_ids:
+            break
+    return out
 
 
 @torch.inference_mode()
@@ -137,9 +202,19 @@ def verify_cost_ratio(target: Model, k: int, context: list[int], repeats: int = 
     return statistics.median(times[k + 1]) / statistics.median(times[1])
 
 
-def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, max_new_tokens: int = 32,
-                   beam: int = 4, max_keep: int | None = None, patience: int = 3, verify_ratio: float | None = None,
-                   chat: bool = True, progress: Callable[[str], None] | None = None) -> dict:
+def calibrate_skip(
+    target: Model,
+    prompts: list[str] | None = None,
+    k: int = 4,
+    max_new_tokens: int = 32,
+    beam: int = 4,
+    max_keep: int | None = None,
+    patience: int = 3,
+    verify_ratio: float | None = None,
+    chat: bool = True,
+    progress: Callable[[str], None] | None = None,
+    bar: bool = False,
+) -> dict:
     """Pick the decoder layers a layer-skip draft of `target` keeps; see the module docstring.
 
     prompts: texts (default: the packaged calibration prompts), wrapped in the chat template when
@@ -151,7 +226,8 @@ def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, 
     skips about half the layers of 13B models, but on a small model each layer matters more and
     the output layer alone is a large share of a step, see the README).
     patience: once within max_keep layers, stop after this many steps without a better estimate.
-    verify_ratio: v, else timed. progress: called with a line per step.
+    verify_ratio: v, else timed. progress: called with a line per step. bar: show progress bars
+    on stderr, over the reference prompts, then over the search's steps (at most L - 1).
 
     Returns a dict (schema specdec.layer-skip/1): model, n_layers, layers (the choice), tau,
     est_speedup, draft_cost, verify_ratio, k, the settings, and `path`: every step's layers, τ
@@ -161,9 +237,11 @@ def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, 
     n_layers = len(decoder_layers(target.hf))
     max_keep = n_layers - 1 if max_keep is None else max_keep
     if k < 1 or max_new_tokens < 2 or beam < 0 or patience < 1 or not 1 <= max_keep < n_layers:
-        raise ValueError(f"need k >= 1, max_new_tokens >= 2, beam >= 0, patience >= 1 and 1 <= max_keep < {n_layers} "
-                         f"(the layers); got k={k}, max_new_tokens={max_new_tokens}, beam={beam}, patience={patience}, "
-                         f"max_keep={max_keep}")
+        raise ValueError(
+            f"need k >= 1, max_new_tokens >= 2, beam >= 0, patience >= 1 and 1 <= max_keep < {n_layers} "
+            f"(the layers); got k={k}, max_new_tokens={max_new_tokens}, beam={beam}, patience={patience}, "
+            f"max_keep={max_keep}"
+        )
     prompts = calibration_prompts() if prompts is None else list(prompts)
     if not prompts:
         raise ValueError("no calibration prompts")
@@ -173,15 +251,17 @@ def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, 
 
     # The target's own greedy outputs: what a draft has to agree with.
     seqs = []  # (ids (1, T) = prompt + output[:-1], output (n,))
-    for text in prompts:
+    for text in tqdm(prompts, desc="reference outputs", unit="prompt", disable=not bar):
         ids = target.encode(text, chat=use_chat)
-        out = generate(target, ids, None, max_new_tokens=max_new_tokens).tokens
+        out = greedy_reference(target, ids, max_new_tokens)
         if len(out) >= 2:
             seqs.append((torch.tensor([ids + out[:-1]]), torch.tensor(out)))
     if not seqs:
         raise ValueError("the target ended every calibration prompt at once: nothing to measure on")
-    say(f"reference outputs: {len(seqs)} prompts, {sum(len(o) for _, o in seqs)} tokens "
-        f"({time.perf_counter() - started:.0f} s)")
+    say(
+        f"reference outputs: {len(seqs)} prompts, {sum(len(o) for _, o in seqs)} tokens "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
     v = verify_ratio if verify_ratio is not None else verify_cost_ratio(target, k, seqs[0][0][0].tolist())
 
     def tau_of(matches: list[list[bool]]) -> float:
@@ -198,12 +278,13 @@ def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, 
         inputs = [_run_from(build_view(target, kept), embed(ids), 1)[1] for ids, _ in seqs]
     last_tau: dict[int, float] = {}  # layer -> τ when it was last tried for removal
     best_est, stale = float("-inf"), 0  # best estimate within max_keep, steps since it improved
+    steps = tqdm(total=n_layers - 1, desc="layer search", unit="step", disable=not bar)
     while len(kept) > 1 and stale < patience:
         tried = kept if beam == 0 or not last_tau else sorted(kept, key=lambda j: -last_tau[j])[:beam]
         best = None
         for j in tried:
             i = kept.index(j)
-            rest = build_view(target, kept[i + 1:])  # the layers after j, fed the state entering j
+            rest = build_view(target, kept[i + 1 :])  # the layers after j, fed the state entering j
             runs = [_run_from(rest, hs[i], len(out)) for hs, (_, out) in zip(inputs, seqs)]
             last_tau[j] = tau_of([(pred == out).tolist() for (pred, _), (_, out) in zip(runs, seqs)])
             if best is None or last_tau[j] > last_tau[best[0]]:
@@ -214,13 +295,32 @@ def calibrate_skip(target: Model, prompts: list[str] | None = None, k: int = 4, 
         if len(kept) <= max_keep:
             stale = 0 if path[-1]["est_speedup"] > best_est else stale + 1
             best_est = max(best_est, path[-1]["est_speedup"])
-        say(f"drop layer {drop:>3}: {len(kept):>3} left, tau {path[-1]['tau']:.2f}, "
-            f"est. speed-up {path[-1]['est_speedup']:.2f}x ({time.perf_counter() - started:.0f} s)")
+        say(
+            f"drop layer {drop:>3}: {len(kept):>3} left, tau {path[-1]['tau']:.2f}, "
+            f"est. speed-up {path[-1]['est_speedup']:.2f}x ({time.perf_counter() - started:.0f} s)"
+        )
+        steps.set_postfix_str(f"{len(kept)} layers, est. speed-up {path[-1]['est_speedup']:.2f}x", refresh=False)
+        steps.update()
+    steps.close()
     allowed = [p for p in path if len(p["layers"]) <= max_keep]
     best = max(allowed, key=lambda p: p["est_speedup"])
-    return {"schema": SCHEMA, "model": target.name, "n_layers": n_layers, "layers": best["layers"],
-            "tau": best["tau"], "est_speedup": best["est_speedup"], "draft_cost": best["draft_cost"],
-            "verify_ratio": v, "k": k, "max_new_tokens": max_new_tokens, "prompts": len(seqs), "beam": beam, "max_keep": max_keep,
-            "patience": patience,
-            "chat": use_chat, "seconds": time.perf_counter() - started,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "path": path}
+    return {
+        "schema": SCHEMA,
+        "model": target.name,
+        "n_layers": n_layers,
+        "layers": best["layers"],
+        "tau": best["tau"],
+        "est_speedup": best["est_speedup"],
+        "draft_cost": best["draft_cost"],
+        "verify_ratio": v,
+        "k": k,
+        "max_new_tokens": max_new_tokens,
+        "prompts": len(seqs),
+        "beam": beam,
+        "max_keep": max_keep,
+        "patience": patience,
+        "chat": use_chat,
+        "seconds": time.perf_counter() - started,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "path": path,
+    }
