@@ -13,7 +13,15 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models.load import Model
-from specdec.bench.results import near_tie
+
+
+NEAR_TIE_ULP = 4  # a greedy divergence at a top-2 logit gap of at most this many ulp is rounding
+
+
+def near_tie(logit_gap: float, logit_ulp: float) -> bool:
+    """Whether a top-2 logit gap is a floating-point near-tie: at most NEAR_TIE_ULP ulp of the
+    logits' dtype, within what kernels that round differently can move an argmax (specdec.exactness)."""
+    return logit_gap <= NEAR_TIE_ULP * logit_ulp
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,7 @@ class Divergence:
 
     @property
     def near_tie(self) -> bool:
-        """Whether the gap is within results.NEAR_TIE_ULP ulp of the logits' dtype (rounding can flip
+        """Whether the gap is within NEAR_TIE_ULP ulp of the logits' dtype (rounding can flip
         such an argmax)."""
         return near_tie(self.logit_gap, self.logit_ulp)
 

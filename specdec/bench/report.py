@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from specdec.bench.results import k_order, near_tie
+from specdec.bench.results import k_order
+from specdec.exactness import near_tie
 
 AUTO_NOTE = "0..8 tokens, from the costs and acceptance measured while generating"
 

@@ -94,15 +94,6 @@ _REQUIRED = {
 }
 
 
-NEAR_TIE_ULP = 4  # a greedy divergence at a top-2 logit gap of at most this many ulp is rounding
-
-
-def near_tie(logit_gap: float, logit_ulp: float) -> bool:
-    """Whether a top-2 logit gap is a floating-point near-tie: at most NEAR_TIE_ULP ulp of the
-    logits' dtype, within what kernels that round differently can move an argmax (specdec.exactness)."""
-    return logit_gap <= NEAR_TIE_ULP * logit_ulp
-
-
 def k_order(k: int | str) -> tuple[int, int]:
     """Sort key for draft lengths: the fixed k ascending, then "auto"."""
     return (1, 0) if k == "auto" else (0, int(k))
