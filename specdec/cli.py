@@ -18,6 +18,7 @@ from specdec.textstream import TextDeltas
 from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from specdec.models.registry import REGISTRY
 from specdec.sampling import SamplingParams
+from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.bench.workloads import PACKAGED, default_workload, load_workload, workload_path
 from specdec.bench.run import Pair
 
@@ -273,13 +274,16 @@ def _generate(args) -> int:
     ids = target.encode(prompt, chat=args.chat)
     run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                top_p=args.top_p, seed=args.seed, stop=args.stop)
+    policy = None
+    if args.k == "auto" and drafter is not None:  # -k auto: over this machine's cached verify-cost curve
+        policy = AdaptiveK(VerifyCosts.for_model(target, args.cache_dir), k_max=args.k_max)
     if args.compare:  # warm up both paths so neither pays first-call costs in the timing
-        generate(target, ids, drafter, k=args.k, k_max=args.k_max, **{**run, "max_new_tokens": 4})
+        generate(target, ids, drafter, k=args.k, policy=policy, **{**run, "max_new_tokens": 4})
         generate(target, ids, None, **{**run, "max_new_tokens": 4})
 
     print(f"# target {args.target}, drafter {args.drafter}, k {args.k}, prompt {len(ids)} tokens", file=sys.stderr)
     streamer = TextStreamer(target.tokenizer, args.stop)
-    spec = generate(target, ids, drafter, k=args.k, k_max=args.k_max, stream=streamer, **run)
+    spec = generate(target, ids, drafter, k=args.k, policy=policy, stream=streamer, **run)
     streamer.finish(spec.text)
     print("\n--- speculative" if args.k else "\n--- plain")
     print(spec.stats.summary())
@@ -374,7 +378,7 @@ def _serve(args) -> int:
     draft = load_model(args.draft, **_load_kwargs(args, draft=True)) if args.draft else None
     app = create_app(target, args.drafter, k, draft=draft, model_name=args.served_model_name,
                      max_queue=args.max_queue, max_tokens=args.max_tokens, max_ngram=args.max_ngram,
-                     min_ngram=args.min_ngram)
+                     min_ngram=args.min_ngram, cache=args.cache_dir)
     print(f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "
           f"(drafter {args.drafter}, k {k}); Ctrl-C stops", file=sys.stderr)
     run_server(app, args.host, args.port)

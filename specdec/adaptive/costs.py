@@ -46,9 +46,10 @@ def interpolate(curve: dict[int, float], n: int) -> float | None:
     return curve[lower] + (curve[upper] - curve[lower]) * (n - lower) / (upper - lower)
 
 
-def folder() -> Path:
-    """Where verify-cost curves are cached (tests point it at a temporary folder)."""
-    return cache_dir() / "verify-costs"
+def folder(cache: str | Path | None = None) -> Path:
+    """Where verify-cost curves are cached: <cache>/verify-costs, `cache` as for
+    specdec.models.weights.cache_dir (tests point it at a temporary folder)."""
+    return cache_dir(cache) / "verify-costs"
 
 
 def processor(device: torch.device) -> str:
@@ -87,11 +88,11 @@ def cache_key(model) -> dict:
     }
 
 
-def cache_file(key: dict) -> Path:
+def cache_file(key: dict, cache: str | Path | None = None) -> Path:
     """The cache file of a key: the model's name (readable) and a hash of the whole key."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(key["model"])).name)[:64] or "model"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return folder() / f"{name}-{digest}.json"
+    return (folder(cache) if cache is not None else folder()) / f"{name}-{digest}.json"
 
 
 @dataclass
@@ -121,11 +122,12 @@ class VerifyCosts:
     _key: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def for_model(cls, model) -> VerifyCosts:
+    def for_model(cls, model, cache: str | Path | None = None) -> VerifyCosts:
         """The verify-cost curve of `model` on this machine: the cached one when there is one (it
-        counts as calibrated at its contexts), else empty until calibrate() times and saves it."""
+        counts as calibrated at its contexts), else empty until calibrate() times and saves it.
+        cache: the specdec cache folder (default: cache_dir()'s)."""
         key = cache_key(model)
-        costs = cls(path=cache_file(key), _key=key)
+        costs = cls(path=cache_file(key, cache), _key=key)
         costs.load()
         return costs
 

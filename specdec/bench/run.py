@@ -218,7 +218,7 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
     costs = measure_costs(target, drafter, context, cost_ks, greedy=temperature == 0)
     own = {k: new_drafter() if interleave else drafter for k in ks}
-    policy = AdaptiveK(VerifyCosts.for_model(target), k_max=AUTO_K_MAX)  # auto's, carried across prompts
+    policy = AdaptiveK(VerifyCosts.for_model(target, load_kwargs.get("cache")), k_max=AUTO_K_MAX)  # carried across prompts
     if interleave:
         for d in own.values():  # at a fixed k: warm it without starting auto's policy
             generate(target, encoded[0], d, k=max(cost_ks), **{**run, "max_new_tokens": 8})

@@ -196,10 +196,10 @@ class Server:
     and the metrics. Built by create_app; started and stopped by the app's lifespan."""
 
     def __init__(self, target: Model, drafters: Mapping[str, Drafter], drafter: str, k: int | str,
-                 model_name: str, max_queue: int, max_tokens: int):
+                 model_name: str, max_queue: int, max_tokens: int, cache=None):
         self.target, self.drafters, self.drafter, self.k = target, dict(drafters), drafter, k
         # k = "auto": one policy per drafter, kept across requests, over one verify-cost curve
-        costs = VerifyCosts.for_model(target)
+        costs = VerifyCosts.for_model(target, cache)
         self.policies = {name: AdaptiveK(costs) for name in self.drafters}
         self.model_name, self.max_queue, self.max_tokens = model_name, max_queue, max_tokens
         self.created = int(time.time())
@@ -461,12 +461,12 @@ async def _until_disconnect(request: Request) -> None:
 
 # ---- the app ----------------------------------------------------------------------------------
 
-def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int) -> dict[str, Drafter]:
+def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int, cache=None) -> dict[str, Drafter]:
     """One instance of every registered drafter whose required options the server has (all but the
     model drafter, which comes only with `draft`), each built with the server's settings it takes
     (prompt lookup's n-gram sizes; the draft model) and its defaults otherwise.
     Requests run one at a time, so they can share these instances (prepare() resets each run)."""
-    settings = dict(draft=draft, max_ngram=max_ngram, min_ngram=min_ngram)
+    settings = dict(draft=draft, max_ngram=max_ngram, min_ngram=min_ngram, cache=cache)
     out: dict[str, Drafter] = {}
     for name in DRAFTERS:
         options = options_for(name, settings)
@@ -478,7 +478,7 @@ def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int) -> d
 def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | str = "auto", *,
                draft: Model | None = None, drafters: Mapping[str, Drafter] | None = None,
                model_name: str | None = None, max_queue: int = 64, max_tokens: int = 256,
-               max_ngram: int = 3, min_ngram: int = 1) -> FastAPI:
+               max_ngram: int = 3, min_ngram: int = 1, cache=None) -> FastAPI:
     """The FastAPI app serving `target`; run it with uvicorn (see run_server).
 
     drafter: the default drafter of a request that names none: a name in specdec.DRAFTERS
@@ -487,7 +487,8 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
     draft length. drafters: extra named drafter objects requests may choose (they override
     built-in names). model_name: the id clients send as "model" (default: target.name).
     max_queue: requests that may wait while one runs; past it the server answers 429.
-    max_tokens: the default of a request's max_tokens. The app starts its worker thread on
+    max_tokens: the default of a request's max_tokens. cache: the specdec cache folder (layer-skip
+    calibrations, draft heads, the verify-cost curve; default: the usual one). The app starts its worker thread on
     startup (its lifespan) and cancels what is left on shutdown.
 
     Raises ValueError on a bad default (unknown drafter, negative k, max_queue < 1, ...), and
@@ -495,7 +496,7 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
     """
     if draft is not None:
         check_same_tokenizer(target, draft)  # at start, rather than as every request's error
-    available = _registry_drafters(draft, max_ngram, min_ngram)
+    available = _registry_drafters(draft, max_ngram, min_ngram, cache)
     available.update(drafters or {})
     drafter = drafter or "none"
     if drafter != "none" and drafter not in available:
@@ -507,7 +508,7 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    server = Server(target, available, drafter, k, model_name or target.name, max_queue, max_tokens)
+    server = Server(target, available, drafter, k, model_name or target.name, max_queue, max_tokens, cache)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
