@@ -1,10 +1,10 @@
 """specdec: exact speculative decoding for causal language models.
 
-    import specdec
-    target = specdec.load_model("smollm2-135m")
-    ids = target.encode("Summarize: ...", chat=True)
-    result = specdec.generate(target, ids, drafter=specdec.make_drafter("prompt-lookup"), k=4)
-    print(result.text, result.stats.summary())
+import specdec
+target = specdec.load_model("smollm2-135m")
+ids = target.encode("Summarize: ...", chat=True)
+result = specdec.generate(target, ids, drafter=specdec.make_drafter("prompt-lookup"), k=4)
+print(result.text, result.stats.summary())
 """
 
 from specdec.drafters import DRAFTERS, Draft, Drafter, make_drafter
@@ -24,8 +24,25 @@ from specdec.sampling import SamplingParams
 from specdec.stats import RunStats
 
 __all__ = [
-    "DRAFTERS", "ChecksumError", "ContextLengthError", "Divergence", "Draft", "Drafter", "Generation",
-    "Model", "ModelNotFoundError", "PullError", "RunStats", "SamplingParams", "SpecdecError",
-    "TokenizerMismatchError", "check_same_tokenizer", "first_divergence", "generate", "load_model",
-    "make_drafter", "pull", "stepwise",
+    "DRAFTERS",
+    "ChecksumError",
+    "ContextLengthError",
+    "Divergence",
+    "Draft",
+    "Drafter",
+    "Generation",
+    "Model",
+    "ModelNotFoundError",
+    "PullError",
+    "RunStats",
+    "SamplingParams",
+    "SpecdecError",
+    "TokenizerMismatchError",
+    "check_same_tokenizer",
+    "first_divergence",
+    "generate",
+    "load_model",
+    "make_drafter",
+    "pull",
+    "stepwise",
 ]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specdec.errors import ContextLengthError
 from specdec.backends.lean import tree_layout
+from specdec.errors import ContextLengthError
 from specdec.models.load import Model
 
 
@@ -34,7 +34,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def new_cache(model: Model) -> "KVCache":
+def new_cache(model: Model) -> KVCache:
     """An empty KV cache for `model` on its backend (Model.backend: "lean" or "hf")."""
     return LeanKVCache(model) if model.backend == "lean" else KVCache(model)
 
@@ -109,7 +109,9 @@ class LeanKVCache(KVCache):
         self.tokens = []
         lm, capacity = self.lean, min(capacity, model.n_ctx)
         empty = lambda *shape: torch.empty(shape, dtype=lm.dtype, device=lm.device)  # noqa: E731
-        self.k = [empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers]  # per layer (n_kv_heads, capacity, head_dim)
+        self.k = [
+            empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers
+        ]  # per layer (n_kv_heads, capacity, head_dim)
         self.v = [empty(lm.n_kv, capacity, lm.head_dim) for _ in lm.layers]
         self.taps: tuple[int, ...] = ()
         self.features = empty(capacity, lm.hidden_size)  # final-normed hidden states
@@ -145,8 +147,17 @@ class LeanKVCache(KVCache):
             self.features = grown(self.features, capacity, start, dim=0)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
         tree = None if parents is None else tree_layout(parents, start, self.lean.device)
-        logits = self.lean.forward(ids, self.k, self.v, self.features, start, len(tokens) if all_logits else 1, tree,
-                                   argmax_only=self.argmax_only, taps=self.taps)
+        logits = self.lean.forward(
+            ids,
+            self.k,
+            self.v,
+            self.features,
+            start,
+            len(tokens) if all_logits else 1,
+            tree,
+            argmax_only=self.argmax_only,
+            taps=self.taps,
+        )
         self.tokens.extend(tokens)
         return logits
 
@@ -155,7 +166,12 @@ class LeanKVCache(KVCache):
         into that tree, root first, each the parent of the next) as the sequence's next tokens and
         drop the rest. Their rows move to start, start+1, ... (keys, values, features). Raises
         ValueError for a path that does not start at node 0 and increase within the tree."""
-        if not path or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])) or start + path[-1] >= len(self.tokens):
+        if (
+            not path
+            or path[0] != 0
+            or any(b <= a for a, b in zip(path, path[1:]))
+            or start + path[-1] >= len(self.tokens)
+        ):
             raise ValueError(f"path {path} is not a root-first path of the tree at {start}")
         src = torch.tensor(path, device=self.lean.device) + start
         dst = torch.arange(start, start + len(path), device=self.lean.device)

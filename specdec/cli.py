@@ -9,18 +9,18 @@ from pathlib import Path
 
 import torch
 
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.bench.run import Pair
+from specdec.bench.workloads import PACKAGED, default_workload, load_workload, workload_path
 from specdec.drafters.factory import DRAFTERS, check_options, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, generate
 from specdec.errors import SpecdecError
 from specdec.exactness import first_divergence
 from specdec.models.load import BACKENDS, DEVICES, load_model
-from specdec.textstream import TextDeltas
-from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from specdec.models.registry import REGISTRY
+from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from specdec.sampling import SamplingParams
-from specdec.adaptive import AdaptiveK, VerifyCosts
-from specdec.bench.workloads import PACKAGED, default_workload, load_workload, workload_path
-from specdec.bench.run import Pair
+from specdec.textstream import TextDeltas
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,42 +45,78 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: boo
     commands that load models; those without --device (training, calibration) run on the CPU."""
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     if draft:
-        p.add_argument("--draft-dtype", choices=sorted(DTYPES),
-                       help="the draft model's dtype (default: --dtype); bfloat16 halved the Qwen 0.5B draft's "
-                            "step on a 2-core EPYC, and the output stays the target's own")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="lean: specdec's forward over prepacked weights and a preallocated cache (Llama, Qwen2); "
-                        "hf: the transformers model; auto (default): lean where it runs")
+        p.add_argument(
+            "--draft-dtype",
+            choices=sorted(DTYPES),
+            help="the draft model's dtype (default: --dtype); bfloat16 halved the Qwen 0.5B draft's "
+            "step on a 2-core EPYC, and the output stays the target's own",
+        )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="lean: specdec's forward over prepacked weights and a preallocated cache (Llama, Qwen2); "
+        "hf: the transformers model; auto (default): lean where it runs",
+    )
     if device:
-        p.add_argument("--device", choices=DEVICES, default="auto",
-                       help="where the models run: auto (default) is the CUDA GPU when torch sees one, else the CPU")
+        p.add_argument(
+            "--device",
+            choices=DEVICES,
+            default="auto",
+            help="where the models run: auto (default) is the CUDA GPU when torch sees one, else the CPU",
+        )
     p.add_argument("--pull", action="store_true", help="pull registry models that are not in the cache yet")
-    p.add_argument("--cache-dir", help="specdec cache folder (default: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec)")
+    p.add_argument(
+        "--cache-dir",
+        help="specdec cache folder (default: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec)",
+    )
 
 
 def _training_data_options(p: argparse.ArgumentParser) -> None:
     """--target and the self-distilled data options shared by `train` and `distill`."""
-    p.add_argument("--target", default="smollm2-135m", help="registry name, folder or hub id of a Llama/Qwen2 model (default: smollm2-135m)")
-    p.add_argument("--prompts", type=int, default=320, help="training prompts from templates (default 320, at most 640)")
-    p.add_argument("--sampled-prompts", type=int, default=0,
-                   help="more training prompts, written by the target itself (sampled user turns; default 0)")
+    p.add_argument(
+        "--target",
+        default="smollm2-135m",
+        help="registry name, folder or hub id of a Llama/Qwen2 model (default: smollm2-135m)",
+    )
+    p.add_argument(
+        "--prompts", type=int, default=320, help="training prompts from templates (default 320, at most 640)"
+    )
+    p.add_argument(
+        "--sampled-prompts",
+        type=int,
+        default=0,
+        help="more training prompts, written by the target itself (sampled user turns; default 0)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers (default 128)")
 
 
 def _drafter_options(args) -> dict:
     """The options of `generate`'s drafter from its flags, those it takes (options_for): the
     flags of other drafters are not read. The draft is still a spec here: load it to build."""
-    flags = dict(draft=args.draft, layers=args.layers, head=args.head, corpus=args.corpus,
-                 cache=args.cache_dir, max_ngram=args.max_ngram, min_ngram=args.min_ngram,
-                 min_match=args.min_match)
+    flags = dict(
+        draft=args.draft,
+        layers=args.layers,
+        head=args.head,
+        corpus=args.corpus,
+        cache=args.cache_dir,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        min_match=args.min_match,
+    )
     return options_for(args.drafter, flags)
 
 
 def _load_kwargs(args, draft: bool = False) -> dict:
     """load_model's keyword arguments from the loading options; draft=True: the draft's dtype."""
     dtype = (getattr(args, "draft_dtype", None) if draft else None) or args.dtype
-    return dict(dtype=DTYPES[dtype], pull_missing=args.pull, cache=args.cache_dir, backend=args.backend,
-                device=getattr(args, "device", "cpu"))
+    return dict(
+        dtype=DTYPES[dtype],
+        pull_missing=args.pull,
+        cache=args.cache_dir,
+        backend=args.backend,
+        device=getattr(args, "device", "cpu"),
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,19 +125,34 @@ def _parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text, speculatively, and print the stats")
     g.add_argument("prompt", nargs="?", help="the prompt text (or use --workload)")
-    g.add_argument("--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)")
+    g.add_argument(
+        "--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)"
+    )
     g.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS), help="default: prompt-lookup")
     g.add_argument("--draft", help="draft model for --drafter model (same kinds of spec as --target)")
-    g.add_argument("-k", default="auto",
-                   help="draft length per round: auto (default: chosen every round from measured costs and acceptance, "
-                        "0..--k-max) or a fixed number; 0 = plain decoding")
-    g.add_argument("--k-max", type=int, default=AUTO_K_MAX, help=f"with -k auto: the longest draft (default {AUTO_K_MAX})")
+    g.add_argument(
+        "-k",
+        default="auto",
+        help="draft length per round: auto (default: chosen every round from measured costs and acceptance, "
+        "0..--k-max) or a fixed number; 0 = plain decoding",
+    )
+    g.add_argument(
+        "--k-max", type=int, default=AUTO_K_MAX, help=f"with -k auto: the longest draft (default {AUTO_K_MAX})"
+    )
     g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
     g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
-    g.add_argument("--min-match", type=int, default=1, help="suffix: propose nothing below this match length (default 1)")
-    g.add_argument("--corpus", help="suffix: earlier outputs to match too, a JSON list of token-id lists or a "
-                                    "data.json from `specdec train` / `specdec distill`")
-    g.add_argument("--layers", help="layer-skip: decoder layers to keep, e.g. 0-9,12 (default: the stored `specdec calibrate-skip` choice)")
+    g.add_argument(
+        "--min-match", type=int, default=1, help="suffix: propose nothing below this match length (default 1)"
+    )
+    g.add_argument(
+        "--corpus",
+        help="suffix: earlier outputs to match too, a JSON list of token-id lists or a "
+        "data.json from `specdec train` / `specdec distill`",
+    )
+    g.add_argument(
+        "--layers",
+        help="layer-skip: decoder layers to keep, e.g. 0-9,12 (default: the stored `specdec calibrate-skip` choice)",
+    )
     g.add_argument("--head", help="eagle: a draft head file (default: the target's, from `specdec train` or shipped)")
     g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -111,57 +162,108 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and compare speed and tokens")
-    g.add_argument("--workload", type=_workload,
-                   help=f"take the prompt from a workload: a packaged one ({', '.join(PACKAGED)}) or a .jsonl file")
+    g.add_argument(
+        "--workload",
+        type=_workload,
+        help=f"take the prompt from a workload: a packaged one ({', '.join(PACKAGED)}) or a .jsonl file",
+    )
     g.add_argument("--category", help="with --workload: only rows of this category")
     g.add_argument("--row", type=int, default=0, help="with --workload: which (filtered) row, from 0")
     _loading_options(g)
     g.set_defaults(run=_generate)
 
-    b = sub.add_parser("bench", help="sweep k over a workload: exactness, acceptance, costs, speed-up, cost model, peers")
-    b.add_argument("--pair", action="append", type=Pair.parse, metavar="TARGET[:DRAFTER[:DRAFT]]",
-                   help="repeatable; default smollm2-135m:prompt-lookup")
-    b.add_argument("--workload", type=_workload,
-                   help=f"a packaged workload ({', '.join(PACKAGED)}; default spec-bench) or a .jsonl of "
-                        "Spec-Bench or HumanEval rows")
+    b = sub.add_parser(
+        "bench", help="sweep k over a workload: exactness, acceptance, costs, speed-up, cost model, peers"
+    )
+    b.add_argument(
+        "--pair",
+        action="append",
+        type=Pair.parse,
+        metavar="TARGET[:DRAFTER[:DRAFT]]",
+        help="repeatable; default smollm2-135m:prompt-lookup",
+    )
+    b.add_argument(
+        "--workload",
+        type=_workload,
+        help=f"a packaged workload ({', '.join(PACKAGED)}; default spec-bench) or a .jsonl of "
+        "Spec-Bench or HumanEval rows",
+    )
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="prompts per category (default 2; --quick: 1)")
-    b.add_argument("--k", dest="ks", help="comma-separated draft lengths, `auto` included (default auto,1,2,3,4,6,8; --quick: auto,1,2,4)")
+    b.add_argument(
+        "--k",
+        dest="ks",
+        help="comma-separated draft lengths, `auto` included (default auto,1,2,3,4,6,8; --quick: auto,1,2,4)",
+    )
     b.add_argument("--max-new-tokens", type=int, help="default 128; --quick: 48")
     b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--peers", default="hf,hf-lookup", help="comma-separated: hf, hf-lookup, hf-assisted (model pairs), llama-cpp, llama-cpp-lookup (need llama-cpp-python), or none")
+    b.add_argument(
+        "--peers",
+        default="hf,hf-lookup",
+        help="comma-separated: hf, hf-lookup, hf-assisted (model pairs), llama-cpp, llama-cpp-lookup "
+        "(need llama-cpp-python), or none",
+    )
     b.add_argument("--peer-k", type=int, default=4, help="draft length the peers use (default 4)")
-    b.add_argument("--quick", action="store_true", help="5 categories x 1 prompt, k 1,2,4, 48 tokens: about 3 minutes on 2 cores")
-    b.add_argument("--out", type=Path, default=Path("specdec-bench"), help="folder for results.json, report.md and plots")
-    b.add_argument("--repeats", type=int, default=1,
-                   help="runs of each prompt per config; its median run counts (default 1)")
-    b.add_argument("--no-interleave", dest="interleave", action="store_false",
-                   help="run each prompt's configs one after another, not together round by round")
-    b.add_argument("--no-replay", dest="replay", action="store_false",
-                   help="skip replaying each config on the plain output under the measured costs (specdec.bench.replay)")
+    b.add_argument(
+        "--quick", action="store_true", help="5 categories x 1 prompt, k 1,2,4, 48 tokens: about 3 minutes on 2 cores"
+    )
+    b.add_argument(
+        "--out", type=Path, default=Path("specdec-bench"), help="folder for results.json, report.md and plots"
+    )
+    b.add_argument(
+        "--repeats", type=int, default=1, help="runs of each prompt per config; its median run counts (default 1)"
+    )
+    b.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="run each prompt's configs one after another, not together round by round",
+    )
+    b.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="skip replaying each config on the plain output under the measured costs (specdec.bench.replay)",
+    )
     b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     _loading_options(b)
     b.set_defaults(run=_bench)
 
-    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /metrics")
-    sv.add_argument("--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)")
-    sv.add_argument("--drafter", default="prompt-lookup", choices=[*sorted(DRAFTERS), "none"],
-                    help="default drafter of a request that names none (default: prompt-lookup)")
+    sv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /metrics"
+    )
+    sv.add_argument(
+        "--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)"
+    )
+    sv.add_argument(
+        "--drafter",
+        default="prompt-lookup",
+        choices=[*sorted(DRAFTERS), "none"],
+        help="default drafter of a request that names none (default: prompt-lookup)",
+    )
     sv.add_argument("--draft", help="draft model for the model drafter (same kinds of spec as --target)")
-    sv.add_argument("-k", default="auto", help="default draft length per round: auto (default, chosen every round), "
-                                                "or a fixed number; 0 = plain decoding")
+    sv.add_argument(
+        "-k",
+        default="auto",
+        help="default draft length per round: auto (default, chosen every round), "
+        "or a fixed number; 0 = plain decoding",
+    )
     sv.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
     sv.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     sv.add_argument("--port", type=int, default=8000, help="default 8000")
-    sv.add_argument("--max-queue", type=int, default=64, help="requests that may wait while one runs; past it: 429 (default 64)")
+    sv.add_argument(
+        "--max-queue", type=int, default=64, help="requests that may wait while one runs; past it: 429 (default 64)"
+    )
     sv.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
     sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
     _loading_options(sv)
     sv.set_defaults(run=_serve)
 
     cs = sub.add_parser("calibrate-skip", help="choose the decoder layers a layer-skip draft keeps, and store them")
-    cs.add_argument("--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)")
+    cs.add_argument(
+        "--target", default="smollm2-135m", help="registry name, folder, .gguf file or hub id (default: smollm2-135m)"
+    )
     cs.add_argument("-k", type=int, default=4, help="draft length the speed-up estimate assumes (default 4)")
     cs.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per calibration prompt (default 32)")
     cs.add_argument("--max-keep", type=int, help="keep at most this many layers (default: all but one)")
@@ -175,26 +277,46 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--epochs", type=int, default=12, help="default 12")
     tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     tr.add_argument("--vocab", type=int, default=8192, help="tokens the head may draft (default 8192)")
-    tr.add_argument("--steps", type=int, default=3,
-                    help="draft steps trained on the head's own predicted features (training-time test; default 3, 1 = teacher forcing only)")
-    tr.add_argument("--taps", default="none",
-                    help="decoder layers (0-based, comma-separated) whose hidden states the head also reads, fused with the "
-                         "final feature as in EAGLE-3; 'auto': a low and a middle layer (2 and n_layers // 2); default none")
-    tr.add_argument("--out", type=Path, default=Path("specdec-train"), help="folder for data, checkpoint, loss.png, summary.json")
-    tr.add_argument("--head-out", type=Path, help="where to write the head (default: <cache>/heads/<target>.safetensors)")
+    tr.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="draft steps trained on the head's own predicted features (training-time test; default 3, "
+        "1 = teacher forcing only)",
+    )
+    tr.add_argument(
+        "--taps",
+        default="none",
+        help="decoder layers (0-based, comma-separated) whose hidden states the head also reads, fused with the "
+        "final feature as in EAGLE-3; 'auto': a low and a middle layer (2 and n_layers // 2); default none",
+    )
+    tr.add_argument(
+        "--out", type=Path, default=Path("specdec-train"), help="folder for data, checkpoint, loss.png, summary.json"
+    )
+    tr.add_argument(
+        "--head-out", type=Path, help="where to write the head (default: <cache>/heads/<target>.safetensors)"
+    )
     tr.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
     _loading_options(tr, draft=False, device=False)
     tr.set_defaults(run=_train)
 
-    ds = sub.add_parser("distill", help="distill a small draft model (a few of the target's layers) on the target's own outputs")
+    ds = sub.add_parser(
+        "distill", help="distill a small draft model (a few of the target's layers) on the target's own outputs"
+    )
     _training_data_options(ds)
     ds.add_argument("--layers", type=int, default=2, help="decoder layers the draft keeps, evenly spaced (default 2)")
     ds.add_argument("--epochs", type=int, default=4, help="default 4")
     ds.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
     ds.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    ds.add_argument("--out", type=Path, default=Path("specdec-distill"),
-                    help="folder for data, checkpoint, loss.png, summary.json (the same --out as `specdec train` reuses its data)")
-    ds.add_argument("--draft-out", type=Path, help="folder for the draft (default: <cache>/drafts/<target>-distilled-<L>L)")
+    ds.add_argument(
+        "--out",
+        type=Path,
+        default=Path("specdec-distill"),
+        help="folder for data, checkpoint, loss.png, summary.json (the same --out as `specdec train` reuses its data)",
+    )
+    ds.add_argument(
+        "--draft-out", type=Path, help="folder for the draft (default: <cache>/drafts/<target>-distilled-<L>L)"
+    )
     ds.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
     _loading_options(ds, draft=False, device=False)
     ds.set_defaults(run=_distill)
@@ -244,7 +366,10 @@ def workload_prompt(path: Path, category: str | None, row: int) -> str:
     """The text of row `row` (from 0) of a workload file, within `category` if given."""
     prompts = load_workload(path, [category] if category else None)
     if not 0 <= row < len(prompts):
-        raise ValueError(f"{path.name} has {len(prompts)} rows{' of category ' + category if category else ''}; --row {row} is out of range")
+        raise ValueError(
+            f"{path.name} has {len(prompts)} rows{' of category ' + category if category else ''}; "
+            f"--row {row} is out of range"
+        )
     return prompts[row].text
 
 
@@ -272,8 +397,14 @@ def _generate(args) -> int:
         options["draft"] = load_model(args.draft, **_load_kwargs(args, draft=True))
     drafter = drafter_from_options(args.drafter, **options)
     ids = target.encode(prompt, chat=args.chat)
-    run = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-               top_p=args.top_p, seed=args.seed, stop=args.stop)
+    run = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
     policy = None
     if args.k == "auto" and drafter is not None:  # -k auto: over this machine's cached verify-cost curve
         policy = AdaptiveK(VerifyCosts.for_model(target, args.cache_dir), k_max=args.k_max)
@@ -301,10 +432,12 @@ def _generate(args) -> int:
             if d is None:
                 print("identical to plain greedy: yes")
             else:
-                print(f"identical to plain greedy: NO: first difference at new token {d.position} "
-                      f"(plain {d.plain_token}, speculative {d.other_token}); the target's top-2 logit "
-                      f"gap there is {d.logit_gap:.3g}, {d.logit_gap / d.logit_ulp:.3g} ulp of the logits' dtype "
-                      f"({'a floating-point near-tie' if d.near_tie else 'NOT a near-tie: a bug, please report it'})")
+                print(
+                    f"identical to plain greedy: NO: first difference at new token {d.position} "
+                    f"(plain {d.plain_token}, speculative {d.other_token}); the target's top-2 logit "
+                    f"gap there is {d.logit_gap:.3g}, {d.logit_gap / d.logit_ulp:.3g} ulp of the logits' dtype "
+                    f"({'a floating-point near-tie' if d.near_tie else 'NOT a near-tie: a bug, please report it'})"
+                )
     return 0
 
 
@@ -319,7 +452,7 @@ class TextStreamer:
         self._write(self.deltas(new_tokens))
 
     def finish(self, final_text: str) -> None:
-        self._write(final_text[self.deltas.sent:] + "\n")
+        self._write(final_text[self.deltas.sent :] + "\n")
 
     def _write(self, piece: str) -> None:
         if piece:
@@ -332,26 +465,48 @@ def _bench(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.bench import results
-    from specdec.bench.run import QUICK_CATEGORIES, run_bench
     from specdec.bench.plot import plot_results
     from specdec.bench.report import markdown_report
+    from specdec.bench.run import QUICK_CATEGORIES, run_bench
 
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
     ks = [k_arg(k) for k in (args.ks or ("auto,1,2,4" if args.quick else "auto,1,2,3,4,6,8")).split(",")]
     workload = args.workload or default_workload()
-    categories = args.categories.split(",") if args.categories else (QUICK_CATEGORIES if args.quick and workload.name.startswith("spec_bench") else None)
+    categories = (
+        args.categories.split(",")
+        if args.categories
+        else (QUICK_CATEGORIES if args.quick and workload.name.startswith("spec_bench") else None)
+    )
     limit = args.limit or (1 if args.quick else 2)
     max_new = args.max_new_tokens or (48 if args.quick else 128)
     peers = [] if args.peers in ("", "none") else args.peers.split(",")
     prompts = load_workload(workload, categories, limit)
     pairs = args.pair or [Pair("smollm2-135m")]
-    print(f"# bench: {len(pairs)} pair(s), {len(prompts)} prompts of {workload.name}, k {ks}, "
-          f"{max_new} new tokens, temperature {args.temperature}", file=sys.stderr)
-    res = run_bench(pairs, prompts, workload.name, ks, max_new, args.temperature, peers, args.quick, args.peer_k,
-                    categories, limit, repeats=args.repeats, replay=args.replay, interleave=args.interleave, draft_dtype=DTYPES[args.draft_dtype or args.dtype],
-                    **_load_kwargs(args))
+    print(
+        f"# bench: {len(pairs)} pair(s), {len(prompts)} prompts of {workload.name}, k {ks}, "
+        f"{max_new} new tokens, temperature {args.temperature}",
+        file=sys.stderr,
+    )
+    res = run_bench(
+        pairs,
+        prompts,
+        workload.name,
+        ks,
+        max_new,
+        args.temperature,
+        peers,
+        args.quick,
+        args.peer_k,
+        categories,
+        limit,
+        repeats=args.repeats,
+        replay=args.replay,
+        interleave=args.interleave,
+        draft_dtype=DTYPES[args.draft_dtype or args.dtype],
+        **_load_kwargs(args),
+    )
     path = results.save(res, args.out / "results.json")
     report = markdown_report(res)
     (args.out / "report.md").write_text(report)
@@ -376,11 +531,23 @@ def _serve(args) -> int:
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
     draft = load_model(args.draft, **_load_kwargs(args, draft=True)) if args.draft else None
-    app = create_app(target, args.drafter, k, draft=draft, model_name=args.served_model_name,
-                     max_queue=args.max_queue, max_tokens=args.max_tokens, max_ngram=args.max_ngram,
-                     min_ngram=args.min_ngram, cache=args.cache_dir)
-    print(f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "
-          f"(drafter {args.drafter}, k {k}); Ctrl-C stops", file=sys.stderr)
+    app = create_app(
+        target,
+        args.drafter,
+        k,
+        draft=draft,
+        model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        max_tokens=args.max_tokens,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        cache=args.cache_dir,
+    )
+    print(
+        f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "
+        f"(drafter {args.drafter}, k {k}); Ctrl-C stops",
+        file=sys.stderr,
+    )
     run_server(app, args.host, args.port)
     return 0
 
@@ -392,12 +559,21 @@ def _calibrate_skip(args) -> int:
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
-    res = calibrate_skip(target, k=args.k, max_new_tokens=args.max_new_tokens, beam=args.beam, max_keep=args.max_keep,
-                         verify_ratio=args.verify_ratio, progress=lambda line: print(line, file=sys.stderr))
+    res = calibrate_skip(
+        target,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        beam=args.beam,
+        max_keep=args.max_keep,
+        verify_ratio=args.verify_ratio,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
     path = save_skip_layers(res, args.cache_dir)
     print(f"keep {len(res['layers'])} of {res['n_layers']} layers: {','.join(map(str, res['layers']))}")
-    print(f"tau {res['tau']:.2f} at k {res['k']}, draft cost {res['draft_cost']:.2f}, verify ratio "
-          f"{res['verify_ratio']:.2f}, estimated speed-up {res['est_speedup']:.2f}x; wrote {path}")
+    print(
+        f"tau {res['tau']:.2f} at k {res['k']}, draft cost {res['draft_cost']:.2f}, verify ratio "
+        f"{res['verify_ratio']:.2f}, estimated speed-up {res['est_speedup']:.2f}x; wrote {path}"
+    )
     return 0
 
 
@@ -418,12 +594,27 @@ def _train(args) -> int:
             taps = [int(x) for x in args.taps.split(",")]
         except ValueError:
             raise ValueError(f"--taps takes 'none', 'auto' or layer numbers such as 2,15; got {args.taps!r}") from None
-    summary = train_head(target, args.out, prompts=args.prompts, sampled=args.sampled_prompts,
-                         max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, vocab=args.vocab,
-                         steps=args.steps, head_out=args.head_out, restart=args.restart, cache=args.cache_dir, taps=taps)
+    summary = train_head(
+        target,
+        args.out,
+        prompts=args.prompts,
+        sampled=args.sampled_prompts,
+        max_new_tokens=args.max_new_tokens,
+        epochs=args.epochs,
+        lr=args.lr,
+        vocab=args.vocab,
+        steps=args.steps,
+        head_out=args.head_out,
+        restart=args.restart,
+        cache=args.cache_dir,
+        taps=taps,
+    )
     last = summary["history"][-1]
-    print(f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "
-          f"held-out accuracy by draft step {' '.join(f'{a:.3f}' for a in last['heldout_acc_by_step'])}; wrote {summary['head']}, {args.out / 'loss.png'}")
+    print(
+        f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "
+        f"held-out accuracy by draft step {' '.join(f'{a:.3f}' for a in last['heldout_acc_by_step'])}; "
+        f"wrote {summary['head']}, {args.out / 'loss.png'}"
+    )
     return 0
 
 
@@ -434,13 +625,26 @@ def _distill(args) -> int:
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **_load_kwargs(args))
-    s = distill(target, args.out, n_layers=args.layers, prompts=args.prompts, sampled=args.sampled_prompts,
-                max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, batch=args.batch,
-                draft_out=args.draft_out, restart=args.restart, cache=args.cache_dir)
+    s = distill(
+        target,
+        args.out,
+        n_layers=args.layers,
+        prompts=args.prompts,
+        sampled=args.sampled_prompts,
+        max_new_tokens=args.max_new_tokens,
+        epochs=args.epochs,
+        lr=args.lr,
+        batch=args.batch,
+        draft_out=args.draft_out,
+        restart=args.restart,
+        cache=args.cache_dir,
+    )
     first, last = s["history"][0], s["history"][-1]
-    print(f"draft of {s['target']} (layers {s['layers']}): held-out agreement with the target "
-          f"{first['heldout_acc']:.3f} before training, {last['heldout_acc']:.3f} after; wrote {s['draft']}, "
-          f"{args.out / 'loss.png'}; use it with --drafter model --draft {s['draft']}")
+    print(
+        f"draft of {s['target']} (layers {s['layers']}): held-out agreement with the target "
+        f"{first['heldout_acc']:.3f} before training, {last['heldout_acc']:.3f} after; wrote {s['draft']}, "
+        f"{args.out / 'loss.png'}; use it with --drafter model --draft {s['draft']}"
+    )
     return 0
 
 
@@ -474,7 +678,10 @@ def _list(args) -> int:
         converted = converted_path(e.sha256, root)
         files = [*(converted.iterdir() if converted.exists() else []), gguf_path(e, root)]
         on_disk = sum(f.stat().st_size for f in files if f.exists())
-        print(f"{name:<20} {'yes' if is_pulled(name, root) else 'no':<7} {e.size / 1e6:>8.0f} {on_disk / 1e6:>11.0f}  {e.description}")
+        print(
+            f"{name:<20} {'yes' if is_pulled(name, root) else 'no':<7} {e.size / 1e6:>8.0f} "
+            f"{on_disk / 1e6:>11.0f}  {e.description}"
+        )
     return 0
 
 

@@ -9,8 +9,8 @@ Tokens are committed one at a time, stopping exactly at EOS, a stop string or th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -73,8 +73,9 @@ def generate(
     no room in the target's context, TokenizerMismatchError from a draft model that does not share
     the target's tokenizer.
     """
-    rounds = stepwise(target, input_ids, drafter, k, k_max, max_new_tokens, temperature, top_k, top_p, seed, stop, stream,
-                      policy)
+    rounds = stepwise(
+        target, input_ids, drafter, k, k_max, max_new_tokens, temperature, top_k, top_p, seed, stop, stream, policy
+    )
     while True:
         try:
             next(rounds)
@@ -122,7 +123,9 @@ def stepwise(
     if isinstance(drafter, str):
         drafter = make_drafter(drafter)
     if drafter is not None and not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must be a specdec Drafter (subclass specdec.Drafter) or a name, got {type(drafter).__name__}")
+        raise TypeError(
+            f"drafter must be a specdec Drafter (subclass specdec.Drafter) or a name, got {type(drafter).__name__}"
+        )
     if drafter is None:
         k = 0
     if k == "auto":
@@ -159,7 +162,9 @@ def stepwise(
         synchronize(target.device)  # on a GPU: queued work counts where it was queued
         return time.perf_counter()
 
-    spec = Speculation(drafter, 0 if policy else k, policy.k_max if policy else 0, policy, sampler, target.vocab_size, clock)
+    spec = Speculation(
+        drafter, 0 if policy else k, policy.k_max if policy else 0, policy, sampler, target.vocab_size, clock
+    )
     verifier = TargetVerifier(kv, sampler)
     tokens = list(prompt)  # committed: prompt + output
     out: list[int] = []
@@ -220,7 +225,9 @@ class TargetVerifier:
             verdict = verify_greedy(draft.tokens, logits)
         else:
             q = None if draft.probs is None else _match_vocab(draft.probs, logits.shape[-1])
-            verdict = verify_sampling(draft.tokens, q, processed_probs(logits, self.sampler.params), self.sampler.generator)
+            verdict = verify_sampling(
+                draft.tokens, q, processed_probs(logits, self.sampler.params), self.sampler.generator
+            )
         return draft.tokens[: verdict.n_accepted], verdict.token
 
     def rollback(self, n: int) -> None:

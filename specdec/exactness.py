@@ -14,7 +14,6 @@ import torch
 
 from specdec.models.load import Model
 
-
 NEAR_TIE_ULP = 4  # a greedy divergence at a top-2 logit gap of at most this many ulp is rounding
 
 
@@ -62,4 +61,4 @@ def first_divergence(target: Model, prompt: list[int], plain: list[int], other: 
 def ulp(x: float, dtype: torch.dtype) -> float:
     """The spacing of `dtype`'s numbers at x: eps * 2^floor(log2 |x|) (for x = 0, eps)."""
     exponent = math.floor(math.log2(abs(x))) if x else 0
-    return torch.finfo(dtype).eps * 2.0 ** exponent
+    return torch.finfo(dtype).eps * 2.0**exponent

@@ -19,8 +19,9 @@ advances a simulated clock by measured costs. Everything else is this one functi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from specdec.adaptive import AdaptiveK
 from specdec.drafters.base import Drafter
@@ -83,8 +84,9 @@ class Round:
     depth: int
 
 
-def speculative_round(spec: Speculation, tokens: list[int], budget: int, room: int, verifier: Verifier,
-                      stats: RunStats) -> Round:
+def speculative_round(
+    spec: Speculation, tokens: list[int], budget: int, room: int, verifier: Verifier, stats: RunStats
+) -> Round:
     """Run one round after `tokens` (prompt + committed output): it commits 1 to k+1 tokens.
 
     budget: new tokens still allowed (>= 1); room: positions left in the target's context (>= 1).
@@ -133,8 +135,17 @@ def speculative_round(spec: Speculation, tokens: list[int], budget: int, room: i
     stats.record_round(n_verified, len(accepted), depth)
     if policy:
         other_ms = (clock() - t_round - (t2 - t0)) * 1e3
-        policy.observe(n_verified, len(accepted), (t2 - t1) * 1e3, (t1 - t0) * 1e3, other_ms, kk,
-                       spec.incremental, depth, draft.match_length)
+        policy.observe(
+            n_verified,
+            len(accepted),
+            (t2 - t1) * 1e3,
+            (t1 - t0) * 1e3,
+            other_ms,
+            kk,
+            spec.incremental,
+            depth,
+            draft.match_length,
+        )
     return Round(accepted + [token], n_verified, len(accepted), depth)
 
 

@@ -79,8 +79,15 @@ class RunStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(alpha=self.alpha, tau=self.tau, acceptance_per_position=self.acceptance_per_position,
-                 other_s=self.other_s, mean_k=self.mean_k, tokens_per_s=self.tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s)
+        d.update(
+            alpha=self.alpha,
+            tau=self.tau,
+            acceptance_per_position=self.acceptance_per_position,
+            other_s=self.other_s,
+            mean_k=self.mean_k,
+            tokens_per_s=self.tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+        )
         return d
 
     @property
@@ -93,13 +100,19 @@ class RunStats:
         auto = ""
         if self.k == "auto" and self.rounds:
             counts = {n: self.k_per_round.count(n) for n in sorted(set(self.k_per_round))}
-            auto = f" (mean drafted {self.mean_k:.2f}; rounds by k: " + ", ".join(f"{n}: {c}" for n, c in counts.items()) + ")"
-        return "\n".join([
-            f"new tokens {self.new_tokens} (prompt {self.prompt_tokens}) in {self.total_s:.2f} s: "
-            f"{self.tokens_per_s:.1f} tokens/s, stopped by {self.stop_reason}",
-            f"k {self.k}{auto}, rounds {self.rounds}, drafted {self.drafted}, accepted {self.accepted}, "
-            f"acceptance rate alpha {self.alpha:.3f}, mean accepted length tau {self.tau:.2f} (bonus included)",
-            f"acceptance by draft position: {per_pos}",
-            f"time: prefill {self.prefill_s * 1e3:.0f} ms, draft {self.draft_s * 1e3:.0f} ms, "
-            f"verify {self.verify_s * 1e3:.0f} ms, other {self.other_s * 1e3:.0f} ms",
-        ])
+            auto = (
+                f" (mean drafted {self.mean_k:.2f}; rounds by k: "
+                + ", ".join(f"{n}: {c}" for n, c in counts.items())
+                + ")"
+            )
+        return "\n".join(
+            [
+                f"new tokens {self.new_tokens} (prompt {self.prompt_tokens}) in {self.total_s:.2f} s: "
+                f"{self.tokens_per_s:.1f} tokens/s, stopped by {self.stop_reason}",
+                f"k {self.k}{auto}, rounds {self.rounds}, drafted {self.drafted}, accepted {self.accepted}, "
+                f"acceptance rate alpha {self.alpha:.3f}, mean accepted length tau {self.tau:.2f} (bonus included)",
+                f"acceptance by draft position: {per_pos}",
+                f"time: prefill {self.prefill_s * 1e3:.0f} ms, draft {self.draft_s * 1e3:.0f} ms, "
+                f"verify {self.verify_s * 1e3:.0f} ms, other {self.other_s * 1e3:.0f} ms",
+            ]
+        )

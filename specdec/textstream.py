@@ -21,7 +21,7 @@ class TextDeltas:
         for s in self.stop:
             hit = text.find(s)
             safe = min(safe, hit if hit >= 0 else held_back(text, s))
-        piece = text[self.sent:safe] if safe > self.sent else ""
+        piece = text[self.sent : safe] if safe > self.sent else ""
         self.sent += len(piece)
         return piece
 

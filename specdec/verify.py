@@ -89,7 +89,9 @@ def verify_sampling(
     return Verdict(k, int(token), True)
 
 
-def verify_tree_greedy(tree_tokens: list[int], parents: list[int], target_logits: torch.Tensor) -> tuple[Verdict, list[int]]:
+def verify_tree_greedy(
+    tree_tokens: list[int], parents: list[int], target_logits: torch.Tensor
+) -> tuple[Verdict, list[int]]:
     """Greedy verification of a token tree (SpecInfer, Miao et al. 2024; Medusa's typical tree):
     follow the target's argmax from the root while some child of the current node holds it.
 
@@ -101,8 +103,10 @@ def verify_tree_greedy(tree_tokens: list[int], parents: list[int], target_logits
     verdict's token, whenever these logits equal the one-token-at-a-time ones.
     """
     if target_logits.shape[0] != len(tree_tokens) or len(parents) != len(tree_tokens):
-        raise ValueError(f"need one parent and one target row per node ({len(tree_tokens)}), "
-                         f"got {len(parents)} parents and {target_logits.shape[0]} rows")
+        raise ValueError(
+            f"need one parent and one target row per node ({len(tree_tokens)}), "
+            f"got {len(parents)} parents and {target_logits.shape[0]} rows"
+        )
     choice = target_logits.argmax(dim=-1).tolist()  # (n,)
     children: dict[int, dict[int, int]] = {}
     for i, p in enumerate(parents):

@@ -30,17 +30,38 @@ def make_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def make_model(arch: str = "llama", seed: int = 0, vocab_size: int = VOCAB, tokenizer=None,
-               eos: frozenset[int] = frozenset(), n_ctx: int = N_CTX, name: str | None = None) -> Model:
+def make_model(
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = VOCAB,
+    tokenizer=None,
+    eos: frozenset[int] = frozenset(),
+    n_ctx: int = N_CTX,
+    name: str | None = None,
+) -> Model:
     """A 2-layer random model. eos is empty by default so runs have a known length. "gemma3" has a
     sliding-window layer (window 8) followed by a full-attention one, as Gemma 3 does."""
-    cls_cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
-               "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig)}
+    cls_cfg = {
+        "llama": (LlamaForCausalLM, LlamaConfig),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig),
+    }
     extra = {"gemma3": dict(sliding_window=8, head_dim=16, layer_types=["sliding_attention", "full_attention"])}
     cls, cfg_cls = cls_cfg[arch]
-    cfg = cfg_cls(**extra.get(arch, {}), vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=n_ctx,
-                  bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False)
+    cfg = cfg_cls(
+        **extra.get(arch, {}),
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=n_ctx,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     hf = cls(cfg).eval()
     # Spread the logits (the default init gives near-uniform ones) so argmax ties are not a concern.

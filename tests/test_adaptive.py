@@ -467,9 +467,18 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
     with torch.no_grad():
         p = target.hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
     drafter = ModelDrafter(draft_model)
-    doubtful = AdaptiveK(SteepCosts())  # the premise: a greedy draft of a 50% token is cut here
-    doubtful.rho, doubtful.confidence = 0.1, [0.5]  # verifying it costs 0.82 tokens' worth
-    assert doubtful.cut([5], deterministic=True) == 0 and doubtful.cut([5], deterministic=False) == 1
+
+    def fresh(confidence: float) -> AdaptiveK:
+        """A policy that has learnt nothing, at plain decoding's 0.1 tokens/ms, whose draft's first
+        token had this probability: verifying it costs V(2) - V(1) = 8 ms, 0.8 tokens' worth (plus
+        the margin)."""
+        ctl = AdaptiveK(SteepCosts())
+        ctl.rho, ctl.confidence = 0.1, [confidence]
+        return ctl
+
+    assert fresh(0.5).cut([5], deterministic=True) == 0  # the premise: a doubtful greedy draft is cut here
+    assert fresh(0.99).cut([5], deterministic=True) == 1  # (by its doubt: a sure one is verified)
+    assert fresh(0.5).cut([5], deterministic=False) == 1  # a sampled draft never is
     ctl = AdaptiveK(SteepCosts())
 
     def always_draft(cap: int, incremental: bool, match=None) -> int:

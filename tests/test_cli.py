@@ -9,8 +9,7 @@ import pytest
 
 import specdec.cli
 from specdec.cli import TextStreamer, main, workload_prompt
-from specdec.drafters import (EagleDrafter, LayerSkipDrafter, ModelDrafter, PromptLookup, RandomDrafter,
-                              SuffixDrafter)
+from specdec.drafters import EagleDrafter, LayerSkipDrafter, ModelDrafter, PromptLookup, RandomDrafter, SuffixDrafter
 
 from .conftest import make_tokenizer
 
@@ -24,8 +23,26 @@ def test_generate_compare_reports_identical(model_dir, capsys):
 
 
 def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):
-    args = ["generate", "w5 w6 w7", "--target", str(model_dir), "--drafter", "model", "--draft", str(model_dir),
-            "--temperature", "0.8", "--top-k", "20", "--seed", "1", "--max-new-tokens", "12", "-k", "3"]
+    args = [
+        "generate",
+        "w5 w6 w7",
+        "--target",
+        str(model_dir),
+        "--drafter",
+        "model",
+        "--draft",
+        str(model_dir),
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--seed",
+        "1",
+        "--max-new-tokens",
+        "12",
+        "-k",
+        "3",
+    ]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert main(args) == 0
@@ -56,9 +73,14 @@ def test_models_list_shows_the_registry(tmp_path, capsys):
 
 def test_workload_prompt_reads_both_formats(tmp_path):
     f = tmp_path / "w.jsonl"
-    f.write_text(json.dumps({"category": "qa", "turns": ["first?", "second?"]}) + "\n"
-                 + json.dumps({"category": "summarization", "turns": ["sum it"]}) + "\n"
-                 + json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"}) + "\n")
+    f.write_text(
+        json.dumps({"category": "qa", "turns": ["first?", "second?"]})
+        + "\n"
+        + json.dumps({"category": "summarization", "turns": ["sum it"]})
+        + "\n"
+        + json.dumps({"task_id": "HumanEval/0", "prompt": "def f():\n"})
+        + "\n"
+    )
     assert workload_prompt(f, "summarization", 0) == "sum it"
     assert workload_prompt(f, None, 0) == "first?"
     assert workload_prompt(f, None, 2) == "def f():\n"
@@ -81,24 +103,34 @@ class _Built(Exception):
     """Raised by the spy below once the CLI has built its drafter: nothing is generated."""
 
 
-@pytest.mark.parametrize("flags, kind, expect", [
-    ([], PromptLookup, dict(max_ngram=3, min_ngram=1)),
-    (["--max-ngram", "4", "--min-ngram", "2", "--min-match", "3"], PromptLookup,
-     dict(max_ngram=4, min_ngram=2)),
-    (["--drafter", "model", "--draft", "MODEL_DIR"], ModelDrafter, {}),
-    (["--drafter", "random"], RandomDrafter, {}),
-    (["--drafter", "suffix", "--min-match", "2", "--corpus", "CORPUS", "--max-ngram", "5"],
-     SuffixDrafter, dict(min_match=2, tree=False, corpus_read=True)),
-    (["--drafter", "suffix-tree"], SuffixDrafter, dict(min_match=1, tree=True, corpus_read=False)),
-    (["--drafter", "layer-skip", "--layers", "0-1", "--cache-dir", "CACHE"], LayerSkipDrafter,
-     dict(layers=[0, 1], cache="CACHE")),
-    (["--drafter", "layer-skip"], LayerSkipDrafter, dict(layers=None, cache=None)),
-    (["--drafter", "eagle", "--head", "h.safetensors", "--cache-dir", "CACHE"], EagleDrafter,
-     dict(spec="h.safetensors", cache="CACHE", alternatives=0)),
-    (["--drafter", "eagle-tree"], EagleDrafter, dict(spec=None, alternatives=1)),
-])
-def test_generate_builds_the_drafter_its_flags_name(model_dir, tmp_path, monkeypatch, flags, kind,
-                                                    expect):
+@pytest.mark.parametrize(
+    "flags, kind, expect",
+    [
+        ([], PromptLookup, dict(max_ngram=3, min_ngram=1)),
+        (["--max-ngram", "4", "--min-ngram", "2", "--min-match", "3"], PromptLookup, dict(max_ngram=4, min_ngram=2)),
+        (["--drafter", "model", "--draft", "MODEL_DIR"], ModelDrafter, {}),
+        (["--drafter", "random"], RandomDrafter, {}),
+        (
+            ["--drafter", "suffix", "--min-match", "2", "--corpus", "CORPUS", "--max-ngram", "5"],
+            SuffixDrafter,
+            dict(min_match=2, tree=False, corpus_read=True),
+        ),
+        (["--drafter", "suffix-tree"], SuffixDrafter, dict(min_match=1, tree=True, corpus_read=False)),
+        (
+            ["--drafter", "layer-skip", "--layers", "0-1", "--cache-dir", "CACHE"],
+            LayerSkipDrafter,
+            dict(layers=[0, 1], cache="CACHE"),
+        ),
+        (["--drafter", "layer-skip"], LayerSkipDrafter, dict(layers=None, cache=None)),
+        (
+            ["--drafter", "eagle", "--head", "h.safetensors", "--cache-dir", "CACHE"],
+            EagleDrafter,
+            dict(spec="h.safetensors", cache="CACHE", alternatives=0),
+        ),
+        (["--drafter", "eagle-tree"], EagleDrafter, dict(spec=None, alternatives=1)),
+    ],
+)
+def test_generate_builds_the_drafter_its_flags_name(model_dir, tmp_path, monkeypatch, flags, kind, expect):
     """`specdec generate` builds each drafter from its own flags (drafter_from_options); the flags
     of other drafters are not read (--min-match with prompt lookup, --max-ngram with suffix)."""
     corpus = tmp_path / "corpus.json"

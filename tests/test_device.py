@@ -17,12 +17,12 @@ import torch
 from specdec import generate
 from specdec.bench import results
 from specdec.bench.run import Pair, run_bench
+from specdec.bench.workloads import load_workload
 from specdec.cache import KVCache, LeanKVCache
 from specdec.cli import main
 from specdec.drafters import EagleDrafter, make_drafter
-from specdec.train.head import DraftHead
 from specdec.models.load import Model, load_model, resolve_device
-from specdec.bench.workloads import load_workload
+from specdec.train.head import DraftHead
 
 from .conftest import make_model, prompt_ids
 
@@ -58,8 +58,11 @@ def test_speculation_on_the_device_is_its_plain_greedy(device, arch):
     prompt = prompt_ids(16)
     plain = generate(target, prompt, None, max_new_tokens=32)
     assert plain.stats.new_tokens == 32
-    drafters = {"prompt-lookup": make_drafter("prompt-lookup"), "suffix-tree": make_drafter("suffix-tree"),
-                "model": make_drafter("model", draft=on(make_model("llama", seed=7), device))}
+    drafters = {
+        "prompt-lookup": make_drafter("prompt-lookup"),
+        "suffix-tree": make_drafter("suffix-tree"),
+        "model": make_drafter("model", draft=on(make_model("llama", seed=7), device)),
+    }
     if target.backend == "lean":
         torch.manual_seed(0)
         head = DraftHead.for_target(target, torch.arange(3, 50))  # untrained: its drafts are often wrong
@@ -82,12 +85,15 @@ def test_sampling_on_the_device_repeats_with_a_seed(device):
 
 def test_bench_runs_on_the_device_and_records_it(device, model_dir, tmp_path):
     workload = tmp_path / "mini.jsonl"
-    rows = [{"question_id": i, "category": cat, "turns": [" ".join(f"w{(5 * i + j) % 50 + 3}" for j in range(10)) * 2]}
-            for i, cat in enumerate(["qa", "summarization"])]
+    rows = [
+        {"question_id": i, "category": cat, "turns": [" ".join(f"w{(5 * i + j) % 50 + 3}" for j in range(10)) * 2]}
+        for i, cat in enumerate(["qa", "summarization"])
+    ]
     workload.write_text("\n".join(json.dumps(r) for r in rows))
     prompts = load_workload(workload, limit=1)
-    res = run_bench([Pair(str(model_dir))], prompts, workload.name, ["auto", 2], 10, peers=["hf"],
-                    progress=False, device=device)
+    res = run_bench(
+        [Pair(str(model_dir))], prompts, workload.name, ["auto", 2], 10, peers=["hf"], progress=False, device=device
+    )
     results.validate(res)
     pair = res["pairs"][0]
     assert pair["device"].startswith(device) and res["environment"]["memory_bandwidth_gbs"] > 0

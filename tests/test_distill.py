@@ -9,10 +9,9 @@ import torch
 
 from specdec import generate
 from specdec.cli import main
-from specdec.train.distill import distill, spaced_layers, student_from_target
 from specdec.drafters import make_drafter
 from specdec.models.load import check_same_tokenizer, load_model
-
+from specdec.train.distill import distill, spaced_layers, student_from_target
 from specdec.train.train import training_prompts
 
 from .conftest import make_model, make_tokenizer, prompt_ids
@@ -49,7 +48,9 @@ def test_distill_trains_writes_a_loadable_draft_and_resumes(tmp_path):
         assert (out / name).is_file()
     assert json.loads((out / "summary.json").read_text())["history"] == s["history"]
     assert not list(tmp_path.glob("draft.*"))  # no temporary folder left behind
-    resumed = distill(target, out, n_layers=1, prompts=24, max_new_tokens=12, epochs=4, lr=3e-3, batch=4, draft_out=dest)
+    resumed = distill(
+        target, out, n_layers=1, prompts=24, max_new_tokens=12, epochs=4, lr=3e-3, batch=4, draft_out=dest
+    )
     assert resumed["history"][:4] == s["history"] and len(resumed["history"]) == 5
 
     draft = load_model(str(dest))
@@ -62,8 +63,25 @@ def test_distill_trains_writes_a_loadable_draft_and_resumes(tmp_path):
 
 def test_distill_cli(model_dir, tmp_path, capsys):
     dest = tmp_path / "d"
-    args = ["distill", "--target", str(model_dir), "--layers", "1", "--prompts", "4", "--max-new-tokens", "4",
-            "--epochs", "1", "--batch", "2", "--out", str(tmp_path / "run"), "--draft-out", str(dest)]
+    args = [
+        "distill",
+        "--target",
+        str(model_dir),
+        "--layers",
+        "1",
+        "--prompts",
+        "4",
+        "--max-new-tokens",
+        "4",
+        "--epochs",
+        "1",
+        "--batch",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        "--draft-out",
+        str(dest),
+    ]
     assert main(args) == 0
     assert "held-out agreement" in capsys.readouterr().out and (dest / "config.json").is_file()
     assert main(["distill", "--target", str(model_dir), "--layers", "3", "--out", str(tmp_path / "r2")]) == 2

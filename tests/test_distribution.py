@@ -20,7 +20,6 @@ through the same simulator and must fail the same check, so a pass means somethi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np

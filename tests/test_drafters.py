@@ -13,16 +13,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import generate, make_drafter
-from specdec.train.calibrate import (_run_from, calibrate_skip, load_skip_layers, save_skip_layers,
-                               simulated_tau, skip_file)
 from specdec.cli import main
 from specdec.drafters import EagleDrafter, ModelDrafter, PromptLookup, RandomDrafter
-from specdec.drafters.factory import (DRAFTERS, MAIN_OPTION, OPTIONS, REQUIRED, check_options,
-                                      drafter_from_options, options_for)
+from specdec.drafters.factory import (
+    DRAFTERS,
+    MAIN_OPTION,
+    OPTIONS,
+    REQUIRED,
+    check_options,
+    drafter_from_options,
+    options_for,
+)
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.models.skip import parse_layers, skip_view
 from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter, load_corpus
+from specdec.models.skip import parse_layers, skip_view
 from specdec.sampling import Sampler, SamplingParams
+from specdec.train.calibrate import (
+    _run_from,
+    calibrate_skip,
+    load_skip_layers,
+    save_skip_layers,
+    simulated_tau,
+    skip_file,
+)
 
 from .conftest import VOCAB, make_model, prompt_ids
 
@@ -33,12 +46,13 @@ sequences = st.lists(st.integers(0, 3), min_size=1, max_size=60)
 
 # ---- the suffix automaton against brute force ---------------------------------------------------
 
+
 def brute_repeat(seq: list[int]) -> tuple[int, int, int]:
     """(length, end of the most recent earlier occurrence, occurrences) of the longest suffix of
     seq that also ends earlier in it, by trying every length."""
     n = len(seq)
     for length in range(n - 1, 0, -1):
-        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1: e + 1] == seq[n - length:]]
+        ends = [e for e in range(length - 1, n - 1) if seq[e - length + 1 : e + 1] == seq[n - length :]]
         if ends:
             return length, ends[-1], len(ends) + 1
     return 0, -1, 0
@@ -67,12 +81,18 @@ def test_matching_statistics_match_brute_force(corpus, text):
     for i, token in enumerate(text):
         state, matched = sam.step(state, matched, token)
         seen = text[: i + 1]
-        want = max((n for n in range(len(seen) + 1)
-                    if any(corpus[s: s + n] == seen[len(seen) - n:] for s in range(len(corpus) - n + 1))), default=0)
+        want = max(
+            (
+                n
+                for n in range(len(seen) + 1)
+                if any(corpus[s : s + n] == seen[len(seen) - n :] for s in range(len(corpus) - n + 1))
+            ),
+            default=0,
+        )
         assert matched == want
         if matched:  # the state's recorded occurrence really ends with the matched text
             end = sam.recent[state]
-            assert corpus[end - matched + 1: end + 1] == seen[len(seen) - matched:]
+            assert corpus[end - matched + 1 : end + 1] == seen[len(seen) - matched :]
 
 
 def test_separators_stop_matches_and_drafts():
@@ -94,10 +114,11 @@ def test_capped_statistics_stay_real_occurrences():
     sam.extend(seq)
     length, _, end = sam.longest_repeat()
     assert length == brute_repeat(seq)[0]
-    assert seq[end - length + 1: end + 1] == seq[len(seq) - length:] and end < len(seq) - 1
+    assert seq[end - length + 1 : end + 1] == seq[len(seq) - length :] and end < len(seq) - 1
 
 
 # ---- the suffix drafter -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("frequent", [True, False])
 def test_drafter_proposes_the_longest_matchs_continuation(frequent):
@@ -137,8 +158,11 @@ def test_frequent_continuation_prefers_the_most_common():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 5), min_size=2, max_size=80), st.lists(st.integers(1, 6), min_size=1, max_size=20),
-       st.booleans())
+@given(
+    st.lists(st.integers(0, 5), min_size=2, max_size=80),
+    st.lists(st.integers(1, 6), min_size=1, max_size=20),
+    st.booleans(),
+)
 def test_incremental_equals_rebuild(seq, steps, frequent):
     """The drafter extended round by round proposes what a fresh one built on the whole context does."""
     drafter = SuffixDrafter(frequent=frequent, corpus=[seq[::-1]])
@@ -193,7 +217,11 @@ def test_corpus_files(tmp_path):
     data.write_text(json.dumps({"key": {}, "rows": [{"text": "t", "prompt": [1, 2], "answer": [30, 31, 32]}]}))
     assert load_corpus(data) == [[30, 31, 32]]
     assert SuffixDrafter(corpus=load_corpus(data)).propose([5, 30, 31], 1).tokens == [32]
-    for bad, text in ((tmp_path / "missing.json", None), (tmp_path / "bad.json", "{nope"), (tmp_path / "obj.json", '{"a": 1}')):
+    for bad, text in (
+        (tmp_path / "missing.json", None),
+        (tmp_path / "bad.json", "{nope"),
+        (tmp_path / "obj.json", '{"a": 1}'),
+    ):
         if text is not None:
             bad.write_text(text)
         with pytest.raises(ValueError, match="corpus"):
@@ -201,6 +229,7 @@ def test_corpus_files(tmp_path):
 
 
 # ---- layer skipping -----------------------------------------------------------------------------
+
 
 def test_layer_view_shares_weights_and_leaves_the_target_alone():
     target = make_model("llama", seed=1)
@@ -235,8 +264,12 @@ def test_full_view_is_the_target(target):
 def test_greedy_equals_plain(target, k):
     prompt = prompt_ids()
     base = generate(target, prompt, None, max_new_tokens=N_NEW)
-    drafters = {"suffix": SuffixDrafter(), "suffix-recent": SuffixDrafter(frequent=False, min_match=2),
-                "layer-skip-0": LayerSkipDrafter([0]), "layer-skip-1": LayerSkipDrafter("1")}
+    drafters = {
+        "suffix": SuffixDrafter(),
+        "suffix-recent": SuffixDrafter(frequent=False, min_match=2),
+        "layer-skip-0": LayerSkipDrafter([0]),
+        "layer-skip-1": LayerSkipDrafter("1"),
+    }
     for name, drafter in drafters.items():
         got = generate(target, prompt, drafter, k=k, max_new_tokens=N_NEW)
         assert got.tokens == base.tokens, f"{name}, k={k}"
@@ -246,8 +279,12 @@ def test_greedy_equals_plain(target, k):
 
 def test_layer_skip_sampling_gives_valid_reproducible_output(target):
     prompt = prompt_ids()
-    run = lambda seed: generate(target, prompt, LayerSkipDrafter([0]), k=3, max_new_tokens=30,  # noqa: E731
-                                temperature=1.0, top_p=0.9, seed=seed)
+
+    def run(seed):
+        return generate(
+            target, prompt, LayerSkipDrafter([0]), k=3, max_new_tokens=30, temperature=1.0, top_p=0.9, seed=seed
+        )
+
     a, b, c = run(5), run(5), run(6)
     assert len(a.tokens) == 30 and all(0 <= t < VOCAB for t in a.tokens)
     assert a.tokens == b.tokens and a.tokens != c.tokens
@@ -271,7 +308,9 @@ def test_calibration_is_written_atomically_and_loaded(tmp_path, monkeypatch):
     target = make_model("qwen2", seed=1, name="tiny/qwen2")
     res = calibrate_skip(target, prompts=["w1 w2 w3 w1 w2", "w9 w8 w7"], k=3, max_new_tokens=12, verify_ratio=1.5)
     assert res["n_layers"] == 2 and len(res["layers"]) == 1 and res["verify_ratio"] == 1.5
-    assert [len(p["layers"]) for p in res["path"]] == [2, 1] and res["path"][0]["tau"] == 4.0  # all accepted: 12 tokens in 3 rounds
+    assert [len(p["layers"]) for p in res["path"]] == [2, 1] and res["path"][0][
+        "tau"
+    ] == 4.0  # all accepted: 12 tokens in 3 rounds
     assert 0 < res["draft_cost"] < 1 and res["est_speedup"] == pytest.approx(res["tau"] / (3 * res["draft_cost"] + 1.5))
     # The search's τ (from hidden states reused across candidates) is that of the chosen draft run for real.
     prompts = [target.encode(t) for t in ["w1 w2 w3 w1 w2", "w9 w8 w7"]]
@@ -307,13 +346,37 @@ def test_calibration_is_written_atomically_and_loaded(tmp_path, monkeypatch):
 
 
 def test_cli_suffix_layer_skip_and_calibrate(model_dir, tmp_path, capsys):
-    base = ["generate", "w1 w2 w3 w4 w1 w2 w3", "--target", str(model_dir), "-k", "3", "--max-new-tokens", "16", "--compare"]
+    base = [
+        "generate",
+        "w1 w2 w3 w4 w1 w2 w3",
+        "--target",
+        str(model_dir),
+        "-k",
+        "3",
+        "--max-new-tokens",
+        "16",
+        "--compare",
+    ]
     assert main(base + ["--drafter", "suffix", "--min-match", "2"]) == 0
     assert "identical to plain greedy: yes" in capsys.readouterr().out
     assert main(base + ["--drafter", "layer-skip", "--layers", "1"]) == 0
     assert "identical to plain greedy: yes" in capsys.readouterr().out
-    assert main(["calibrate-skip", "--target", str(model_dir), "--max-new-tokens", "8", "--verify-ratio", "1.2",
-                 "--cache-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "calibrate-skip",
+                "--target",
+                str(model_dir),
+                "--max-new-tokens",
+                "8",
+                "--verify-ratio",
+                "1.2",
+                "--cache-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "keep 1 of 2 layers" in capsys.readouterr().out
     assert main(base + ["--drafter", "layer-skip", "--cache-dir", str(tmp_path)]) == 0
     assert "identical to plain greedy: yes" in capsys.readouterr().out
@@ -321,22 +384,26 @@ def test_cli_suffix_layer_skip_and_calibrate(model_dir, tmp_path, capsys):
 
 # ---- the factory from options -------------------------------------------------------------------
 
+
 # Every registered drafter with a value for each option it takes, and what it then is.
 def _examples(draft_model, corpus_file, cache) -> dict:
     return {
-        "prompt-lookup": (dict(max_ngram=4, min_ngram=2), PromptLookup,
-                          dict(max_ngram=4, min_ngram=2)),
+        "prompt-lookup": (dict(max_ngram=4, min_ngram=2), PromptLookup, dict(max_ngram=4, min_ngram=2)),
         "model": (dict(draft=draft_model), ModelDrafter, dict(draft=draft_model)),
         "random": ({}, RandomDrafter, {}),
         "suffix": (dict(corpus=[[5, 6, 7]], min_match=2), SuffixDrafter, dict(min_match=2, tree=False)),
-        "suffix-tree": (dict(corpus=corpus_file, min_match=3), SuffixDrafter,
-                        dict(min_match=3, tree=True)),
-        "layer-skip": (dict(layers="0-1", cache=cache), LayerSkipDrafter,
-                       dict(layers=[0, 1], cache=cache)),
-        "eagle": (dict(head="h.safetensors", cache=cache), EagleDrafter,
-                  dict(spec="h.safetensors", cache=cache, alternatives=0, lookup=None)),
-        "eagle-tree": (dict(head="h.safetensors", cache=cache), EagleDrafter,
-                       dict(spec="h.safetensors", alternatives=1)),
+        "suffix-tree": (dict(corpus=corpus_file, min_match=3), SuffixDrafter, dict(min_match=3, tree=True)),
+        "layer-skip": (dict(layers="0-1", cache=cache), LayerSkipDrafter, dict(layers=[0, 1], cache=cache)),
+        "eagle": (
+            dict(head="h.safetensors", cache=cache),
+            EagleDrafter,
+            dict(spec="h.safetensors", cache=cache, alternatives=0, lookup=None),
+        ),
+        "eagle-tree": (
+            dict(head="h.safetensors", cache=cache),
+            EagleDrafter,
+            dict(spec="h.safetensors", alternatives=1),
+        ),
     }
 
 
@@ -362,16 +429,25 @@ def test_every_drafter_builds_from_its_options(draft_model, tmp_path):
 def test_wrong_or_missing_options_are_one_clear_error(draft_model):
     with pytest.raises(ValueError, match=r"^the model drafter needs a draft model: pass --draft MODEL$"):
         drafter_from_options("model")
-    with pytest.raises(ValueError, match=r"the suffix drafter takes no max_ngram option \(--max-ngram\); "
-                                         r"it takes corpus, min_match"):
+    with pytest.raises(
+        ValueError,
+        match=r"the suffix drafter takes no max_ngram option \(--max-ngram\); "
+        r"it takes corpus, min_match",
+    ):
         drafter_from_options("suffix", max_ngram=3)
-    with pytest.raises(ValueError, match=r"the random drafter takes no head option \(--head\); "
-                                         r"it takes none"):
+    with pytest.raises(
+        ValueError,
+        match=r"the random drafter takes no head option \(--head\); "
+        r"it takes none",
+    ):
         drafter_from_options("random", head="h.safetensors")
     with pytest.raises(ValueError, match="the prompt-lookup drafter takes no draft option"):
         drafter_from_options("prompt-lookup", draft=draft_model)
-    with pytest.raises(ValueError, match=r"the eagle drafter takes no layers option \(--layers\); "
-                                         r"it takes head, cache"):
+    with pytest.raises(
+        ValueError,
+        match=r"the eagle drafter takes no layers option \(--layers\); "
+        r"it takes head, cache",
+    ):
         drafter_from_options("eagle", layers="0")
     with pytest.raises(ValueError, match="unknown drafter 'nope'; known: prompt-lookup, model"):
         drafter_from_options("nope")
@@ -383,8 +459,7 @@ def test_wrong_or_missing_options_are_one_clear_error(draft_model):
 
 
 def test_options_for_keeps_what_a_drafter_takes():
-    settings = dict(draft="d", layers="0", head=None, cache="c", max_ngram=4, min_ngram=1,
-                    min_match=2)
+    settings = dict(draft="d", layers="0", head=None, cache="c", max_ngram=4, min_ngram=1, min_match=2)
     assert options_for("prompt-lookup", settings) == dict(max_ngram=4, min_ngram=1)
     assert options_for("eagle", settings) == dict(cache="c")  # head None: not given
     assert options_for("model", settings) == dict(draft="d")

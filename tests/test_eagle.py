@@ -13,8 +13,8 @@ from specdec.adaptive import AdaptiveK, VerifyCosts, match_class
 from specdec.bench.run import measure_costs
 from specdec.cache import LeanKVCache
 from specdec.drafters import EagleDrafter
-from specdec.train.head import DraftHead, HeadCache, HeadError, load_head, save_head
 from specdec.sampling import Sampler, SamplingParams
+from specdec.train.head import DraftHead, HeadCache, HeadError, load_head, save_head
 from specdec.train.train import train_head, training_prompts
 
 from .conftest import make_model, prompt_ids
@@ -55,7 +55,7 @@ def test_incremental_head_cache_matches_a_full_forward(target, head):
     assert len(first.tokens) == 3 and first.tokens[0] == full_forward_draft(target, head, context)
     # the round commits two tokens that differ from the draft: the head must drop its draft positions
     context2 = context + [7, 9]
-    kv.extend(context2[len(kv):-1])
+    kv.extend(context2[len(kv) : -1])
     second = drafter.propose(context2, 2, greedy)
     assert second.tokens[0] == full_forward_draft(target, head, context2)
     # a context that rewrites history (a rollback past what the head had seen)
@@ -131,9 +131,13 @@ def test_eagle_tree_offers_the_next_best_tokens_as_siblings_and_stays_exact(targ
     for k in (2, 5, "auto"):
         out = generate(target, prompt, EagleDrafter(head, alternatives=1), k=k, max_new_tokens=30)
         assert out.tokens == plain and out.stats.drafted > 0
-    sampled = generate(target, prompt, EagleDrafter(head, alternatives=1), k=4, max_new_tokens=12, temperature=1.0, seed=0)
-    assert sampled.tokens == generate(target, prompt, EagleDrafter(head), k=4, max_new_tokens=12, temperature=1.0,
-                                      seed=0).tokens  # sampling drafts a chain, with its probabilities
+    sampled = generate(
+        target, prompt, EagleDrafter(head, alternatives=1), k=4, max_new_tokens=12, temperature=1.0, seed=0
+    )
+    assert (
+        sampled.tokens
+        == generate(target, prompt, EagleDrafter(head), k=4, max_new_tokens=12, temperature=1.0, seed=0).tokens
+    )  # sampling drafts a chain, with its probabilities
     with pytest.raises(ValueError, match="alternatives"):
         EagleDrafter(head, alternatives=-1)
 
@@ -216,8 +220,10 @@ def test_train_writes_everything_resumes_and_the_head_drafts(target, tmp_path):
     head, meta = load_head(dest, hidden_size=64)
     assert len(head.vocab_ids) == 40 and meta["epochs"] == 3
     prompt = prompt_ids()
-    assert generate(target, prompt, EagleDrafter(dest), k=4, max_new_tokens=20).tokens == \
-        generate(target, prompt, None, max_new_tokens=20).tokens
+    assert (
+        generate(target, prompt, EagleDrafter(dest), k=4, max_new_tokens=20).tokens
+        == generate(target, prompt, None, max_new_tokens=20).tokens
+    )
 
 
 def test_sampled_drafts_carry_the_full_vocabulary_distribution(target, head):
@@ -275,8 +281,9 @@ def test_a_head_with_taps_fuses_them_drafts_exactly_and_round_trips(target, tmp_
         for j in (1, 2):
             pred = head(pred, embeds[4 + j][None], 4 + j, cache)
             torch.testing.assert_close(pred[0], outs[j][4 + j], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(head.packed()(feats, embeds, 0, HeadCache(head)), head(feats, embeds),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            head.packed()(feats, embeds, 0, HeadCache(head)), head(feats, embeds), atol=1e-4, rtol=1e-4
+        )
     with pytest.raises(HeadError, match="width"):
         head(torch.randn(3, 3 * d), torch.randn(3, d))
     loaded, _ = load_head(save_head(head, tmp_path / "t.safetensors"), hidden_size=d)
@@ -292,8 +299,9 @@ def test_a_head_with_taps_fuses_them_drafts_exactly_and_round_trips(target, tmp_
 
 def test_train_with_taps_reads_the_tapped_layers(target, tmp_path):
     dest = tmp_path / "head.safetensors"
-    s = train_head(target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest,
-                   batch=3, taps=[1, 0])
+    s = train_head(
+        target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, batch=3, taps=[1, 0]
+    )
     head, meta = load_head(dest, hidden_size=64)
     assert s["taps"] == [0, 1] and meta["taps"] == [0, 1] and head.taps == (0, 1)
     assert head.fuse.weight.shape == (64, 3 * 64)

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from specdec.drafters.base import Drafter
 from specdec import ContextLengthError, TokenizerMismatchError, generate, make_drafter
 from specdec.cache import new_cache
 from specdec.drafters import Draft, ModelDrafter
+from specdec.drafters.base import Drafter
 from specdec.engine import stepwise
 
 from .conftest import N_CTX, VOCAB, make_model, make_tokenizer, prompt_ids
@@ -33,7 +33,7 @@ class Oracle(Drafter):
     def propose(self, context, k, sampler):
         self.calls += 1
         assert context == self.reference[: len(context)], "the engine's context left the committed tokens"
-        nxt = self.reference[len(context): len(context) + k]
+        nxt = self.reference[len(context) : len(context) + k]
         return Draft([(t + 1) % VOCAB for t in nxt] if self.wrong else nxt)
 
 
@@ -110,7 +110,7 @@ def test_crop_then_reforward_equals_fresh_forward(target):
     if target.backend == "hf":
         assert kv.cache.get_seq_length() == len(prompt)
     again = kv.extend(y)
-    fresh = new_cache(target).extend(prompt + y)[len(prompt):]
+    fresh = new_cache(target).extend(prompt + y)[len(prompt) :]
     torch.testing.assert_close(again, fresh, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         kv.rollback(len(kv) + 1)
@@ -126,7 +126,9 @@ def test_eos_at_every_offset_of_a_block(target):
         expected = plain(with_eos, prompt)
         assert expected.tokens == base.tokens[:end] and expected.stats.stop_reason == "eos"
         streamed: list[int] = []
-        got = generate(with_eos, prompt, Oracle(prompt + base.tokens), k=k, max_new_tokens=N_NEW, stream=streamed.extend)
+        got = generate(
+            with_eos, prompt, Oracle(prompt + base.tokens), k=k, max_new_tokens=N_NEW, stream=streamed.extend
+        )
         assert got.tokens == expected.tokens, f"eos at offset {offset}"
         assert streamed == expected.tokens  # nothing after the EOS was streamed
         assert got.stats.stop_reason == "eos"
@@ -170,8 +172,12 @@ def test_stop_string_ends_the_text(target):
 def test_sampling_is_reproducible_and_seed_dependent(target, draft_model):
     prompt = prompt_ids()
     for drafter in ["prompt-lookup", ModelDrafter(draft_model)]:
-        run = lambda seed: generate(target, prompt, drafter, k=4, max_new_tokens=30,  # noqa: E731
-                                    temperature=1.0, top_p=0.95, seed=seed).tokens
+
+        def run(seed, drafter=drafter):
+            return generate(
+                target, prompt, drafter, k=4, max_new_tokens=30, temperature=1.0, top_p=0.95, seed=seed
+            ).tokens
+
         a, b, c = run(3), run(3), run(4)
         assert a == b and a != c and len(a) == 30
 

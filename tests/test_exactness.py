@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdec import generate
-from specdec.exactness import Divergence, first_divergence, ulp
 from specdec.bench.report import _divergences
+from specdec.exactness import Divergence, first_divergence, ulp
 
 from .conftest import make_model, prompt_ids
 
@@ -46,8 +46,17 @@ def test_first_divergence_reports_the_gap_in_ulp(dtype):
 def test_report_says_whether_a_divergence_is_a_near_tie():
     tie = Divergence(4, 10, 11, logit_gap=0.125, logit_ulp=0.125)
     far = Divergence(2, 10, 12, logit_gap=3.0, logit_ulp=2.0**-19)
-    pair = {"prompts": [{"id": "p", "runs": {"2": {"identical": False, "divergence": vars(tie)},
-                                               "4": {"identical": False, "divergence": vars(far)}}}]}
+    pair = {
+        "prompts": [
+            {
+                "id": "p",
+                "runs": {
+                    "2": {"identical": False, "divergence": vars(tie)},
+                    "4": {"identical": False, "divergence": vars(far)},
+                },
+            }
+        ]
+    }
     lines = _divergences(pair)
     assert "= 1 ulp of the logits' dtype: a floating-point near-tie" in lines[2]
     assert "ulp of the logits' dtype" in lines[3] and "near-tie" not in lines[3]

@@ -2,6 +2,7 @@
 newest run of a (pair, workload) winning, and --check failing on a stale README only."""
 
 import json
+from pathlib import Path
 
 from specdec.bench import headline
 
@@ -121,3 +122,10 @@ def test_a_readme_without_markers_is_an_error(tmp_path):
     (tmp_path / "README.md").write_text("no markers\n")
     args = ["--results", str(tmp_path / "results"), "--readme", str(tmp_path / "README.md")]
     assert headline.main([*args, "--check"]) == 2
+
+
+def test_the_readmes_table_is_the_one_results_gives():
+    """The README's results table is generated: run `python -m specdec.bench.headline` after
+    changing results/."""
+    root = Path(__file__).resolve().parents[1]
+    assert headline.main(["--results", str(root / "results"), "--readme", str(root / "README.md"), "--check"]) == 0

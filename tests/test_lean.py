@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specdec import ContextLengthError, generate
-from specdec.cache import KVCache, LeanKVCache, new_cache
-from specdec.models.skip import skip_view
-from specdec.models.load import Model
 from specdec.backends.rows import choose_rows
+from specdec.cache import KVCache, LeanKVCache, new_cache
+from specdec.models.load import Model
+from specdec.models.skip import skip_view
 
 from .conftest import N_CTX, make_model, prompt_ids
 
@@ -134,10 +134,12 @@ def test_padded_rows_give_the_unpadded_results(pair):
     cap = a.features.shape[0]  # now: 2 rows from the end, where 4 rows would not fit
     fill = list(range(40, 40 + cap - 2 - len(a)))
     torch.testing.assert_close(a.extend(fill), b.extend(fill), **TOL)
-    a.features[cap - 2:] = float("nan")
+    a.features[cap - 2 :] = float("nan")
     torch.testing.assert_close(a.extend([3]), b.extend([3]), **TOL)
     assert a.features.shape[0] == cap and not a.features[cap - 2].isnan().any() and a.features[cap - 1].isnan().all()
-    assert generate(padded, prompt, k=0, max_new_tokens=30).tokens == generate(hf, prompt, k=0, max_new_tokens=30).tokens
+    assert (
+        generate(padded, prompt, k=0, max_new_tokens=30).tokens == generate(hf, prompt, k=0, max_new_tokens=30).tokens
+    )
 
 
 def test_row_table_pads_only_where_a_longer_forward_clearly_pays():

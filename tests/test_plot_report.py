@@ -40,6 +40,7 @@ def _row(report: str, k: int | str) -> list[str]:
 
 # --- the stored data ---------------------------------------------------------------------------
 
+
 def test_stored_file_is_small_valid_and_complete(data):
     assert DATA.stat().st_size < 60_000
     assert len(data["pairs"]) == 1
@@ -54,6 +55,7 @@ def test_stored_file_is_small_valid_and_complete(data):
 
 
 # --- plots -------------------------------------------------------------------------------------
+
 
 def _check_png(path: Path):
     import matplotlib.image
@@ -100,12 +102,21 @@ def test_plot_leaves_no_temporary_file_when_writing_fails(data, tmp_path, monkey
 
 # --- report ------------------------------------------------------------------------------------
 
+
 def test_report_contents(data):
     report = markdown_report(data)
     pair = data["pairs"][0]
     env = data["environment"]
-    for text in (env["cpu"], env["torch"], env["transformers"], env["git_commit"], "## tiny-llama / prompt-lookup",
-                 "spec_bench_dev.jsonl", "summarization", "translation"):
+    for text in (
+        env["cpu"],
+        env["torch"],
+        env["transformers"],
+        env["git_commit"],
+        "## tiny-llama / prompt-lookup",
+        "spec_bench_dev.jsonl",
+        "summarization",
+        "translation",
+    ):
         assert text in report
     assert report.index(env["cpu"]) < report.index("## tiny-llama")  # environment stated up front
     for config in pair["configs"]:
@@ -159,6 +170,7 @@ def test_report_without_divergences_or_peers(data):
 
 # --- load / save -------------------------------------------------------------------------------
 
+
 def test_load_rejects_wrong_schema(tmp_path):
     raw = json.loads(DATA.read_text())
     raw["schema"] = "specdec.bench/0"
@@ -168,13 +180,16 @@ def test_load_rejects_wrong_schema(tmp_path):
         results_mod.load(path)
 
 
-@pytest.mark.parametrize("where, field", [
-    (lambda r: r, "environment"),
-    (lambda r: r["settings"], "ks"),
-    (lambda r: r["pairs"][0]["costs"], "verify_ms"),
-    (lambda r: r["pairs"][0]["prompts"][2], "runs"),
-    (lambda r: r["pairs"][0]["configs"][1], "tau"),
-])
+@pytest.mark.parametrize(
+    "where, field",
+    [
+        (lambda r: r, "environment"),
+        (lambda r: r["settings"], "ks"),
+        (lambda r: r["pairs"][0]["costs"], "verify_ms"),
+        (lambda r: r["pairs"][0]["prompts"][2], "runs"),
+        (lambda r: r["pairs"][0]["configs"][1], "tau"),
+    ],
+)
 def test_load_rejects_missing_field(tmp_path, where, field):
     raw = json.loads(DATA.read_text())
     del where(raw)[field]

@@ -4,7 +4,6 @@ which .ci/run does first)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +12,10 @@ from specdec.bench.workloads import workload_path
 from specdec.models.weights import cache_dir, is_pulled
 
 WORKLOAD = workload_path("spec-bench")
-FALLBACK = ("Summarize: The committee met on Tuesday. The committee approved the budget. "
-            "The committee will meet again on Tuesday to approve the budget for the next year.")
+FALLBACK = (
+    "Summarize: The committee met on Tuesday. The committee approved the budget. "
+    "The committee will meet again on Tuesday to approve the budget for the next year."
+)
 
 
 @pytest.fixture(scope="module")

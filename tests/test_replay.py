@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.drafters.base import Drafter
-from specdec.drafters import Draft, make_drafter
-from specdec.engine import generate
 from specdec.bench.replay import controller, replay
+from specdec.drafters import Draft, make_drafter
+from specdec.drafters.base import Drafter
+from specdec.engine import generate
 
 from .conftest import make_model, prompt_ids
 
 # A steep verify curve (each drafted token verified costs 40% of a step) and a cheap draft step.
-COSTS = {"context_tokens": 20, "verify_ms": {str(n): 10.0 + 4.0 * (n - 1) for n in range(1, 10)},
-         "draft_ms": {"1": 1.0, "8": 8.0}, "draft_catchup_ms": {"1": 2.0, "8": 9.0}, "overhead_ms": 0.5}
+COSTS = {
+    "context_tokens": 20,
+    "verify_ms": {str(n): 10.0 + 4.0 * (n - 1) for n in range(1, 10)},
+    "draft_ms": {"1": 1.0, "8": 8.0},
+    "draft_catchup_ms": {"1": 2.0, "8": 9.0},
+    "overhead_ms": 0.5,
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +49,12 @@ def test_replayed_time_is_the_measured_costs_of_the_rounds(run):
     assert stats.accepted == stats.drafted
     full = len(plain) // 4
     first, later = 3.0, 2.0 + 1.0 * 2  # the first draft is 1 token behind, later ones 2 (catch-up cost)
-    ms = (first + (full - 1) * later + full * (22.0 + 0.5)  # full rounds of 4 tokens
-          + (len(plain) - 4 * full) * 10.5)  # the last tokens of the budget: plain rounds
+    ms = (
+        first
+        + (full - 1) * later
+        + full * (22.0 + 0.5)  # full rounds of 4 tokens
+        + (len(plain) - 4 * full) * 10.5
+    )  # the last tokens of the budget: plain rounds
     assert stats.total_s * 1e3 == pytest.approx(ms)
 
 
@@ -59,7 +68,7 @@ class Oracle(Drafter):
         pass
 
     def propose(self, context, k, sampler) -> Draft:
-        return Draft(self.sequence[len(context):len(context) + k])
+        return Draft(self.sequence[len(context) : len(context) + k])
 
 
 def test_auto_drafts_nothing_for_a_never_right_drafter_and_everything_for_a_perfect_one(run):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdec import generate
-from specdec.cache import LeanKVCache
 from specdec.backends.screen import ScreenedHead, screening_pays
+from specdec.cache import LeanKVCache
 
 from .conftest import make_model, prompt_ids
 

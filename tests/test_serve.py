@@ -21,10 +21,10 @@ import torch
 import uvicorn
 from openai import AsyncOpenAI, OpenAI
 
-from specdec.drafters.base import Drafter
 from specdec import cli
 from specdec.cli import TextStreamer, main
 from specdec.drafters import Draft, PromptLookup
+from specdec.drafters.base import Drafter
 from specdec.engine import generate
 from specdec.errors import TokenizerMismatchError
 from specdec.models.load import load_model
@@ -33,8 +33,9 @@ from specdec.serve.app import create_app
 from .conftest import VOCAB, make_model, make_tokenizer
 
 # A chat template for the tiny word-level tokenizer, whose words are w0..w60.
-CHAT_TEMPLATE = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
-                 "{% if add_generation_prompt %}w3{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+)
 
 
 @contextlib.contextmanager
@@ -61,8 +62,11 @@ def client(url: str) -> OpenAI:
 
 def metrics(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def wait_for(condition, timeout: float = 15.0, what: str = "condition") -> None:
@@ -107,16 +111,25 @@ def served(tiny):
 
 
 def greedy(model, ids, max_new, k=3, drafter="lookup", stop=()):
-    return generate(model, ids, PromptLookup(3) if drafter == "lookup" else None, k=k,
-                    max_new_tokens=max_new, temperature=0.0, stop=list(stop))
+    return generate(
+        model,
+        ids,
+        PromptLookup(3) if drafter == "lookup" else None,
+        k=k,
+        max_new_tokens=max_new,
+        temperature=0.0,
+        stop=list(stop),
+    )
 
 
 # ---- completions and chat ---------------------------------------------------------------------
 
+
 def test_completion_equals_specdec_generate(served, tiny, model_dir, capsys, monkeypatch):
     prompt = "w1 w2 w3 w4 w5 w1 w2 w3"
-    r = client(served).completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                          extra_body={"k": 3})
+    r = client(served).completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"k": 3}
+    )
     # TextStreamer's default `out` is the sys.stdout of import time; point it at capsys's.
     monkeypatch.setattr(cli, "TextStreamer", lambda tok, stop: TextStreamer(tok, stop, out=sys.stdout))
     assert main(["generate", prompt, "--target", str(model_dir), "-k", "3", "--max-new-tokens", "24"]) == 0
@@ -128,7 +141,11 @@ def test_completion_equals_specdec_generate(served, tiny, model_dir, capsys, mon
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (8, len(ref.tokens), 8 + len(ref.tokens))
     spec = u.model_extra["speculative"]
     assert spec["k"] == 3 and spec["drafter"] == "prompt-lookup"
-    assert (spec["rounds"], spec["drafted"], spec["accepted"]) == (ref.stats.rounds, ref.stats.drafted, ref.stats.accepted)
+    assert (spec["rounds"], spec["drafted"], spec["accepted"]) == (
+        ref.stats.rounds,
+        ref.stats.drafted,
+        ref.stats.accepted,
+    )
     assert spec["acceptance_per_position"] == pytest.approx(ref.stats.acceptance_per_position)
     assert spec["mean_accepted_length"] == pytest.approx(ref.stats.tau)
     assert spec["tokens_per_s"] > 0
@@ -141,8 +158,17 @@ def test_completion_stream_with_stop_string_and_usage(served, tiny):
     assert len(full) >= 6, "the tiny model should not stop this early"
     stop = full[4]  # cuts the output inside: the streamed text must hold it back
     ref = greedy(tiny, ids, 16, stop=[stop])
-    chunks = list(client(served).completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
-                                                    stop=stop, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client(served).completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == ref.text
     assert stop not in ref.text
@@ -167,14 +193,19 @@ def test_chat_plain_and_stream(served, tiny):
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
     # Content given as parts reads the same as a string.
     parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "w4 w5 w6 w4 w5"}]}]
-    assert c.chat.completions.create(model="tiny", messages=parts, max_tokens=12, temperature=0).choices[0].message.content == ref.text
+    assert (
+        c.chat.completions.create(model="tiny", messages=parts, max_tokens=12, temperature=0).choices[0].message.content
+        == ref.text
+    )
 
 
 def test_drafter_and_k_per_request(served, tiny):
     prompt = words(5)
     ref = greedy(tiny, tiny.encode(prompt), 16)
     c = client(served)
-    plain = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"drafter": "none"})
+    plain = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"drafter": "none"}
+    )
     spec = plain.usage.model_extra["speculative"]
     assert plain.choices[0].text == ref.text  # speculation does not change greedy output
     assert spec["drafter"] == "none" and spec["k"] == 0 and spec["drafted"] == 0
@@ -191,7 +222,9 @@ def test_a_draft_model_per_request(tiny):
     ref = greedy(tiny, tiny.encode(prompt), 12, drafter=None, k=0)
     with running(create_app(tiny, "none", 2, draft=draft, model_name="tiny")) as url:
         c = client(url)
-        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"drafter": "model"})
+        r = c.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"drafter": "model"}
+        )
         assert r.choices[0].text == ref.text
         spec = r.usage.model_extra["speculative"]
         assert spec["drafter"] == "model" and spec["drafted"] > 0
@@ -204,8 +237,14 @@ def test_a_draft_model_per_request(tiny):
 
 def test_sampling_with_a_seed_is_reproducible(served):
     c = client(served)
-    runs = [c.completions.create(model="tiny", prompt=words(6), max_tokens=12, temperature=1.0, top_p=0.9,
-                                 seed=s, extra_body={"top_k": 20}).choices[0].text for s in (1, 1, 2)]
+    runs = [
+        c.completions.create(
+            model="tiny", prompt=words(6), max_tokens=12, temperature=1.0, top_p=0.9, seed=s, extra_body={"top_k": 20}
+        )
+        .choices[0]
+        .text
+        for s in (1, 1, 2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -215,8 +254,14 @@ def test_50_concurrent_streams_each_equal_their_solo_greedy_output(served, tiny)
     assert len({e.text for e in expected}) > 10  # distinct outputs, so a mix-up would show
 
     async def one(c: AsyncOpenAI, prompt: str):
-        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+        stream = await c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [chunk async for chunk in stream]
         return "".join(ch.choices[0].text for ch in chunks if ch.choices), {ch.id for ch in chunks}, chunks[-1].usage
 
@@ -234,6 +279,7 @@ def test_50_concurrent_streams_each_equal_their_solo_greedy_output(served, tiny)
 
 
 # ---- the queue: 429 and cancellation ----------------------------------------------------------
+
 
 class GateDrafter(Drafter):
     """Blocks in propose() until released, so the worker stays busy for as long as a test needs."""
@@ -296,8 +342,10 @@ def test_client_disconnect_cancels_its_generation(stream):
         u = urlparse(url)
         body = json.dumps({"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 80, "temperature": 0, "stream": stream})
         sock = socket.create_connection((u.hostname, u.port), timeout=10)
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
         if stream:
             received = b""
             while b"data: " not in received:  # generation is under way
@@ -318,28 +366,33 @@ def test_client_disconnect_cancels_its_generation(stream):
 
 # ---- bad requests -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body, param, needle", [
-    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
-    ({"max_tokens": "lots"}, "max_tokens", "integer"),
-    ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
-    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
-    ({"top_p": 0}, "top_p", "greater than 0"),
-    ({"k": -1}, "k", "k (draft length) must be >= 0"),
-    ({"k": "bogus"}, "k", "'bogus'"),
-    ({"k": 2.5}, "k", "expected an integer >= 0"),
-    ({"stop": 3}, "stop", "expected a string or a list of strings"),
-    ({"drafter": "nope"}, "drafter", "this server has: prompt-lookup"),
-    ({"drafter": "model"}, "drafter", "--draft MODEL"),
-    ({"n": 2}, "n", "send n separate requests"),
-    ({"prompt": ["w1", "w2"]}, "prompt", "one prompt per request"),
-    ({"prompt": [1, 2, 10_000]}, "prompt", "outside the model's vocabulary"),
-    ({"prompt": ""}, "prompt", "the prompt is empty"),
-    ({"prompt": None}, "prompt", "prompt"),
-    ({"seed": 2**70}, "seed", "seed"),
-])
+
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+        ({"max_tokens": "lots"}, "max_tokens", "integer"),
+        ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
+        ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ({"top_p": 0}, "top_p", "greater than 0"),
+        ({"k": -1}, "k", "k (draft length) must be >= 0"),
+        ({"k": "bogus"}, "k", "'bogus'"),
+        ({"k": 2.5}, "k", "expected an integer >= 0"),
+        ({"stop": 3}, "stop", "expected a string or a list of strings"),
+        ({"drafter": "nope"}, "drafter", "this server has: prompt-lookup"),
+        ({"drafter": "model"}, "drafter", "--draft MODEL"),
+        ({"n": 2}, "n", "send n separate requests"),
+        ({"prompt": ["w1", "w2"]}, "prompt", "one prompt per request"),
+        ({"prompt": [1, 2, 10_000]}, "prompt", "outside the model's vocabulary"),
+        ({"prompt": ""}, "prompt", "the prompt is empty"),
+        ({"prompt": None}, "prompt", "prompt"),
+        ({"seed": 2**70}, "seed", "seed"),
+    ],
+)
 def test_bad_parameters_get_400_with_a_clear_message(served, body, param, needle):
-    status, err = raw_post(served, "/v1/completions",
-                           json.dumps({"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, **body}).encode())
+    status, err = raw_post(
+        served, "/v1/completions", json.dumps({"model": "tiny", "prompt": "w1 w2", "max_tokens": 4, **body}).encode()
+    )
     assert status == 400, err
     assert needle in err["error"]["message"]
     assert err["error"]["type"] == "invalid_request_error"
@@ -392,6 +445,7 @@ def test_bad_server_options_are_refused(tiny, capsys):
 
 # ---- models, health, metrics ------------------------------------------------------------------
 
+
 def test_models_and_health(served, tiny):
     models = client(served).models.list()
     assert [m.id for m in models.data] == ["tiny"]
@@ -408,8 +462,14 @@ def test_metrics_count_one_request_exactly(tiny):
         r = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
         m = metrics(url)
-    for name in ["specdec_drafts_total", "specdec_draft_tokens_total", "specdec_accepted_tokens_total",
-                 "specdec_acceptance_rate_by_position", "specdec_request_latency_seconds", "specdec_queue_depth"]:
+    for name in [
+        "specdec_drafts_total",
+        "specdec_draft_tokens_total",
+        "specdec_accepted_tokens_total",
+        "specdec_acceptance_rate_by_position",
+        "specdec_request_latency_seconds",
+        "specdec_queue_depth",
+    ]:
         assert f"# TYPE {name} " in text
     s = ref.stats
     assert s.drafted > 0 and s.accepted > 0  # the prompt repeats: prompt lookup drafts and hits

@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.drafters.base import Drafter
 from specdec import generate
+from specdec.backends.lean import tree_layout
 from specdec.cache import LeanKVCache
 from specdec.drafters import Draft, SuffixDrafter
+from specdec.drafters.base import Drafter
 from specdec.drafters.suffix import SuffixAutomaton
-from specdec.backends.lean import tree_layout
 from specdec.verify import verify_tree_greedy
 
 from .conftest import VOCAB, make_model, prompt_ids
@@ -148,7 +148,9 @@ def test_grafted_adds_another_guess_as_a_branch_within_the_size():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.lists(st.integers(0, 3), max_size=10), st.integers(1, 10))
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=40), st.lists(st.integers(0, 3), max_size=10), st.integers(1, 10)
+)
 def test_grafted_is_a_tree_holding_the_guess_and_the_trees_best_nodes(seq, chain, n):
     sa = SuffixAutomaton()
     sa.extend(seq)
@@ -156,7 +158,10 @@ def test_grafted_is_a_tree_holding_the_guess_and_the_trees_best_nodes(seq, chain
     tree = Draft(tokens, parents=parents)
     g = tree.grafted(chain, n)
     assert len(g.tokens) <= n and all(-1 <= p < i for i, p in enumerate(g.parents))
-    kept = next((i for i in range(len(g.tokens)) if i >= len(tokens) or g.tokens[i] != tokens[i] or g.parents[i] != parents[i]), len(g.tokens))
+    kept = next(
+        (i for i in range(len(g.tokens)) if i >= len(tokens) or g.tokens[i] != tokens[i] or g.parents[i] != parents[i]),
+        len(g.tokens),
+    )
     assert kept >= min(len(tokens), (n + 1) // 2)  # the tree's first nodes stay, in order
     node, covered = -1, 0  # the guess's first tokens form a path from the top
     for t in chain:
@@ -179,7 +184,7 @@ class OracleTree(Drafter):
 
     def propose(self, context, k, sampler):
         done = len(context) - self.prompt_len
-        truth = self.reference[done: done + max(k // 2, 1)]
+        truth = self.reference[done : done + max(k // 2, 1)]
         decoy = [(t + 1) % VOCAB for t in truth]
         tokens = decoy + truth
         parents = [i - 1 for i in range(len(decoy))] + [-1 if i == 0 else len(decoy) + i - 1 for i in range(len(truth))]

@@ -155,14 +155,18 @@ def test_sampling_draft_probability_zero_with_target_positive_is_always_accepted
         assert verify_sampling(draft, q, p, gen(seed)) == Verdict(2, 3, True)
 
 
-@pytest.mark.parametrize("q, p, bonus, accept, recovered", [
-    # p(x) = 0.2, q(x) = 0.5: accepted with probability 0.4; the recovered token comes from
-    # max(0, p - q) = [0.3, 0, 0.1, 0] / 0.4 (x = 1 never; token 3 has p < q).
-    (probs([0.1, 0.5, 0.2, 0.2]), probs([0.4, 0.2, 0.3, 0.1], [0.0, 0.0, 0.0, 1.0]), 3, 0.4, {0: 0.75, 2: 0.25}),
-    # Deterministic drafter (prompt lookup): q one-hot on x, so accepted with probability p(x) = 0.3;
-    # the recovered token comes from p with x removed, [0.2, 0, 0.4, 0.1] / 0.7.
-    (None, probs([0.2, 0.3, 0.4, 0.1], [0.0, 0.0, 1.0, 0.0]), 2, 0.3, {0: 2 / 7, 2: 4 / 7, 3: 1 / 7}),
-], ids=["min(1, p/q)", "one-hot q"])
+@pytest.mark.parametrize(
+    "q, p, bonus, accept, recovered",
+    [
+        # p(x) = 0.2, q(x) = 0.5: accepted with probability 0.4; the recovered token comes from
+        # max(0, p - q) = [0.3, 0, 0.1, 0] / 0.4 (x = 1 never; token 3 has p < q).
+        (probs([0.1, 0.5, 0.2, 0.2]), probs([0.4, 0.2, 0.3, 0.1], [0.0, 0.0, 0.0, 1.0]), 3, 0.4, {0: 0.75, 2: 0.25}),
+        # Deterministic drafter (prompt lookup): q one-hot on x, so accepted with probability p(x) = 0.3;
+        # the recovered token comes from p with x removed, [0.2, 0, 0.4, 0.1] / 0.7.
+        (None, probs([0.2, 0.3, 0.4, 0.1], [0.0, 0.0, 1.0, 0.0]), 2, 0.3, {0: 2 / 7, 2: 4 / 7, 3: 1 / 7}),
+    ],
+    ids=["min(1, p/q)", "one-hot q"],
+)
 def test_sampling_accepts_with_min_one_p_over_q_and_recovers_from_the_residual(q, p, bonus, accept, recovered):
     draft = [1]  # x
     g = gen(123)
@@ -208,7 +212,9 @@ def test_sampling_empty_draft_samples_from_p0(empty_q):
 def test_sampling_one_hot_draft_equals_explicit_one_hot_q():
     # draft_probs=None is documented as a one-hot q: the two must give the same verdicts seed for seed.
     draft = [1, 0, 3]
-    p = torch.softmax(torch.tensor([[0.0, 1.0, 0.5, -1.0], [2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 2.0, 3.0, 4.0]]), -1)
+    p = torch.softmax(
+        torch.tensor([[0.0, 1.0, 0.5, -1.0], [2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 2.0, 3.0, 4.0]]), -1
+    )
     one_hot = torch.nn.functional.one_hot(torch.tensor(draft), 4).float()
     for seed in SEEDS:
         assert verify_sampling(draft, None, p, gen(seed)) == verify_sampling(draft, one_hot, p, gen(seed))

@@ -49,7 +49,9 @@ def kernel():
                 _kernel = load("specdec_gemv", [str(SOURCE)], extra_cflags=["-O3", "-march=native"], verbose=False)
                 _status = f"specdec gemv for 1-{MAX_ROWS} rows, oneDNN for more"
             except Exception as e:  # no compiler, no ninja, an unsupported target: fall back, say why
-                _status = f"oneDNN for every product (the gemv kernel could not be built: {str(e).splitlines()[0][:200]})"
+                _status = (
+                    f"oneDNN for every product (the gemv kernel could not be built: {str(e).splitlines()[0][:200]})"
+                )
     return _kernel
 
 

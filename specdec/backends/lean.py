@@ -45,7 +45,6 @@ def weight_bytes(hf: torch.nn.Module) -> int:
     return total
 
 
-
 def unsupported_reason(hf) -> str | None:
     """Why the lean forward cannot run this transformers model, or None when it can."""
     c = hf.config
@@ -75,8 +74,9 @@ def rope_inv_freq(theta: float, head_dim: int, device=None) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
 
 
-def rope(inv_freq: torch.Tensor, start: int, end: int, dtype: torch.dtype,
-         positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    inv_freq: torch.Tensor, start: int, end: int, dtype: torch.dtype, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin for positions start..end-1 (or the given positions, (n,) ints), each
     (n, 1, head_dim), in dtype."""
     if positions is None:
@@ -123,8 +123,15 @@ def tree_layout(parents: list[int], start: int, device=None) -> tuple[torch.Tens
     return torch.tensor(depth, device=device) + start, mask
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
     """Attention of n new positions start..start+n-1 over a cache holding 0..start-1.
 
     q: (n, heads, head_dim); k, v: (n, kv_heads, head_dim), written into k_cache, v_cache
@@ -135,8 +142,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     end = start + n
     k_cache[:, start:end] = k.transpose(0, 1)
     v_cache[:, start:end] = v.transpose(0, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                                         attn_mask=mask, enable_gqa=k.shape[1] != heads)  # (1, heads, n, head_dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k_cache[None, :, :end],
+        v_cache[None, :, :end],
+        attn_mask=mask,
+        enable_gqa=k.shape[1] != heads,
+    )  # (1, heads, n, head_dim)
     return out[0].transpose(0, 1).reshape(n, heads * head_dim)
 
 
@@ -177,13 +189,14 @@ class LeanModel:
             self.norm = hf.model.norm.weight.detach()
             out = hf.get_output_embeddings()
             self.lm_head = Linear(out.weight.detach())
-            # greedy steps read the output layer in bf16 and recompute only the possible argmaxes (specdec.backends.screen)
+            # greedy steps read the output layer in bf16 and recompute only the possible argmaxes
+            # (specdec.backends.screen)
             self.screen = ScreenedHead(out.weight.detach()) if out.bias is None and screening_pays(out.weight) else None
         self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.backends.rows); absent: n
         if self.device.type == "cpu" and weight_bytes(hf) >= rows.TUNE_MIN_BYTES:
             self.rows = rows.tune_rows(self)
 
-    def subset(self, kept: list[int]) -> "LeanModel":
+    def subset(self, kept: list[int]) -> LeanModel:
         """The same model running only the decoder layers `kept` (layer-skip self-speculation,
         specdec.drafters.layerskip); shares every weight with this one."""
         view = copy.copy(self)
@@ -195,10 +208,18 @@ class LeanModel:
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                features: torch.Tensor, start: int, keep: int,
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None, argmax_only: bool = False,
-                taps: tuple[int, ...] = ()) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        features: torch.Tensor,
+        start: int,
+        keep: int,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+        argmax_only: bool = False,
+        taps: tuple[int, ...] = (),
+    ) -> torch.Tensor:
         """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
 
         keys, values: per layer (n_kv_heads, capacity >= start+n, head_dim); features: (capacity,
@@ -224,8 +245,9 @@ class LeanModel:
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
             qk, v = layer.qkv(self.rms_norm(h, layer.norm_in)).split((q_size + kv_size, kv_size), dim=-1)
             qk = rotate(qk.reshape(n, self.n_heads + self.n_kv, hd), cos, sin)  # q and k heads in one go
-            attn = cached_attention(qk[:, : self.n_heads], qk[:, self.n_heads:], v.view(n, self.n_kv, hd),
-                                    k_cache, v_cache, start, mask)
+            attn = cached_attention(
+                qk[:, : self.n_heads], qk[:, self.n_heads :], v.view(n, self.n_kv, hd), k_cache, v_cache, start, mask
+            )
             h = h + layer.o(attn)
             gate, up = layer.gate_up(self.rms_norm(h, layer.norm_post)).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
@@ -235,4 +257,4 @@ class LeanModel:
         h = self.rms_norm(h, self.norm)
         features[start : start + n, :d] = h
         head = self.screen if argmax_only and self.screen is not None else self.lm_head
-        return head(h[real - keep:real])
+        return head(h[real - keep : real])

@@ -45,7 +45,14 @@ def fused(*linears: torch.nn.Linear) -> Linear:
     parts = [m.weight.detach() for m in linears]
     weight = torch.cat(parts)
     biases = [m.bias for m in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device)
-         for m, b in zip(linears, biases)])
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat(
+            [
+                b.detach() if b is not None else torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device)
+                for m, b in zip(linears, biases)
+            ]
+        )
+    )
     return Linear(weight, bias, parts=parts)

@@ -42,7 +42,7 @@ def tune_rows(lean, n_max: int = 9, context: int = 32, gain: float = 0.15, repea
     for _ in range(repeats):
         for n in ms:
             start = time.perf_counter()
-            lean.forward(ids[context:context + n], keys, values, features, context, n)
+            lean.forward(ids[context : context + n], keys, values, features, context, n)
             ms[n] = min(ms[n], (time.perf_counter() - start) * 1e3)
     return choose_rows(ms, gain)
 

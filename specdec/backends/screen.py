@@ -33,8 +33,12 @@ OUT = 2.0**-7
 def screening_pays(weight: torch.Tensor) -> bool:
     """Whether the bf16 screen can replace this output weight: fp32, on a CPU whose oneDNN runs
     bf16 products (where it does not, a bf16 product is emulated and slower than the fp32 one)."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class ScreenedHead:

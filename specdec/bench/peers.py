@@ -23,8 +23,9 @@ class PeerRun:
 
 
 @torch.inference_mode()
-def hf_generate(name: str, target: Model, prompt: list[int], max_new_tokens: int,
-                draft: Model | None = None, k: int = 4) -> PeerRun:
+def hf_generate(
+    name: str, target: Model, prompt: list[int], max_new_tokens: int, draft: Model | None = None, k: int = 4
+) -> PeerRun:
     """One greedy transformers `generate` run. name: "hf" (plain), "hf-lookup" (prompt lookup with
     k tokens), or "hf-assisted" (assisted generation with `draft`, a constant k)."""
     kwargs: dict = dict(max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -36,8 +37,12 @@ def hf_generate(name: str, target: Model, prompt: list[int], max_new_tokens: int
     elif name == "hf-assisted":
         if draft is None:
             raise ValueError("hf-assisted needs a draft model")
-        kwargs.update(assistant_model=draft.hf, num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                      assistant_confidence_threshold=0.0)
+        kwargs.update(
+            assistant_model=draft.hf,
+            num_assistant_tokens=k,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
     elif name != "hf":
         raise ValueError(f"unknown peer {name!r}: hf, hf-lookup, hf-assisted")
     ids = torch.tensor([prompt], device=target.device)
@@ -46,15 +51,16 @@ def hf_generate(name: str, target: Model, prompt: list[int], max_new_tokens: int
     out = target.hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
     synchronize(target.device)
     elapsed = time.perf_counter() - start
-    new = out[0, len(prompt):].tolist()
+    new = out[0, len(prompt) :].tolist()
     return PeerRun(name, new, len(new) / elapsed)
 
 
 _LLAMAS: dict[str, object] = {}
 
 
-def llama_cpp_generate(gguf: str, prompt: list[int], max_new_tokens: int, eos: frozenset[int],
-                       n_ctx: int = 4096, k: int = 0) -> PeerRun:
+def llama_cpp_generate(
+    gguf: str, prompt: list[int], max_new_tokens: int, eos: frozenset[int], n_ctx: int = 4096, k: int = 0
+) -> PeerRun:
     """Greedy decoding of the GGUF file itself with llama.cpp (llama-cpp-python), from the same
     prompt ids; with k > 0, llama-cpp-python's prompt lookup drafter (`LlamaPromptLookupDecoding`).
     Note the precision differs: llama.cpp runs the quantized weights, specdec their fp32
@@ -68,8 +74,14 @@ def llama_cpp_generate(gguf: str, prompt: list[int], max_new_tokens: int, eos: f
     key = f"{gguf}:{k}"
     if key not in _LLAMAS:
         draft = LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None
-        _LLAMAS[key] = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=torch.get_num_threads(),
-                             draft_model=draft, verbose=False, logits_all=bool(k))
+        _LLAMAS[key] = Llama(
+            model_path=gguf,
+            n_ctx=n_ctx,
+            n_threads=torch.get_num_threads(),
+            draft_model=draft,
+            verbose=False,
+            logits_all=bool(k),
+        )
     llm = _LLAMAS[key]
     llm.reset()
     new: list[int] = []

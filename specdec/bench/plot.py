@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import partial
 from pathlib import Path
 
 from specdec.bench.results import k_order
@@ -89,7 +90,14 @@ def _acceptance_vs_k(pair: dict, configs: list[dict]):
     ax2.set_ylabel("τ (tokens per round)")
     top = max([t for t in tau if not math.isnan(t)] + [1.0])
     if auto:  # k = "auto" has no single k: drawn as levels across the axis
-        l1 += [ax.axhline(_num(auto["alpha"]), color="tab:blue", linestyle=":", label=f"α, k = auto (mean k {_num(auto.get('mean_k')):.2f})")]
+        l1 += [
+            ax.axhline(
+                _num(auto["alpha"]),
+                color="tab:blue",
+                linestyle=":",
+                label=f"α, k = auto (mean k {_num(auto.get('mean_k')):.2f})",
+            )
+        ]
         l2 += [ax2.axhline(_num(auto["tau"]), color="tab:orange", linestyle=":", label="τ, k = auto")]
         top = max(top, _num(auto["tau"]) if not math.isnan(_num(auto["tau"])) else 1.0)
     ax2.set_ylim(0, top * 1.1)
@@ -109,15 +117,38 @@ def _speedup_vs_k(pair: dict, configs: list[dict]):
     lo = [m - _num(c["speedup"]["min"]) for m, c in zip(med, configs)]
     hi = [_num(c["speedup"]["max"]) - m for m, c in zip(med, configs)]
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding (1.0)")
-    ax.errorbar(ks, med, yerr=[lo, hi], fmt="o-", color="black", capsize=4, linewidth=1.6,
-                label="measured: median, bars min..max over prompts")
-    ax.plot(ks, [_num(c["predicted"]["textbook"]) for c in configs], "^--", color="tab:red",
-            label="predicted, textbook (V(k+1) = V(1))")
-    ax.plot(ks, [_num(c["predicted"]["ours"]) for c in configs], "s:", color="tab:green", linewidth=2,
-            label="predicted, ours (measured V(n), draft, overhead)")
+    ax.errorbar(
+        ks,
+        med,
+        yerr=[lo, hi],
+        fmt="o-",
+        color="black",
+        capsize=4,
+        linewidth=1.6,
+        label="measured: median, bars min..max over prompts",
+    )
+    ax.plot(
+        ks,
+        [_num(c["predicted"]["textbook"]) for c in configs],
+        "^--",
+        color="tab:red",
+        label="predicted, textbook (V(k+1) = V(1))",
+    )
+    ax.plot(
+        ks,
+        [_num(c["predicted"]["ours"]) for c in configs],
+        "s:",
+        color="tab:green",
+        linewidth=2,
+        label="predicted, ours (measured V(n), draft, overhead)",
+    )
     if auto:
-        ax.axhline(_num(auto["speedup"]["median"]), color="tab:purple", linewidth=2,
-                   label=f"measured, k = auto (chosen per round, mean k {_num(auto.get('mean_k')):.2f})")
+        ax.axhline(
+            _num(auto["speedup"]["median"]),
+            color="tab:purple",
+            linewidth=2,
+            label=f"measured, k = auto (chosen per round, mean k {_num(auto.get('mean_k')):.2f})",
+        )
     _k_axis(ax, ks)
     ax.set_ylabel("speed-up over plain decoding (×)")
     ax.set_title(_title(pair, "Speed-up vs draft length"))
@@ -134,8 +165,14 @@ def _acceptance_by_position(pair: dict, configs: list[dict]):
     for i, c in enumerate(configs):  # shrinking markers of different shapes: equal points stay visible
         acc = [_num(a) for a in c["acceptance_per_position"]]
         if acc:
-            ax.plot(range(1, len(acc) + 1), acc, "-", marker=markers[i % len(markers)],
-                    markersize=max(4.0, 11.0 - 2.0 * i), label=f"k = {c['k']}")
+            ax.plot(
+                range(1, len(acc) + 1),
+                acc,
+                "-",
+                marker=markers[i % len(markers)],
+                markersize=max(4.0, 11.0 - 2.0 * i),
+                label=f"k = {c['k']}",
+            )
             longest = max(longest, len(acc))
     ax.set_xlabel("draft position i (1 = first drafted token)")
     ax.set_ylabel("acceptance rate at position i")
@@ -157,8 +194,7 @@ def _verify_cost(pair: dict):
         ns = [n for n, _ in curve]
         v1 = dict(curve).get(1, curve[0][1] / curve[0][0])
         ax.plot(ns, [v for _, v in curve], "o-", color="tab:blue", linewidth=2, label="measured V(n)")
-        ax.plot(ns, [v1 * n for n in ns], ":", color="tab:red", linewidth=2,
-                label="V(1)·n (n one-token forwards)")
+        ax.plot(ns, [v1 * n for n in ns], ":", color="tab:red", linewidth=2, label="V(1)·n (n one-token forwards)")
         ax.plot(ns, [v1] * len(ns), "--", color="gray", label="V(1) flat (the textbook assumption)")
         ax.set_xticks(ns)
         ax.set_ylim(0, None)
@@ -209,11 +245,11 @@ def plot_results(results: dict, out_dir: Path) -> list[Path]:
         order = list(results.get("settings", {}).get("categories") or []) + present
         categories = [cat for i, cat in enumerate(order) if cat in present and cat not in order[:i]]
         figures = {
-            "acceptance_vs_k": lambda: _acceptance_vs_k(pair, configs),
-            "speedup_vs_k": lambda: _speedup_vs_k(pair, configs),
-            "acceptance_by_position": lambda: _acceptance_by_position(pair, configs),
-            "verify_cost": lambda: _verify_cost(pair),
-            "speedup_by_category": lambda: _speedup_by_category(pair, configs, categories),
+            "acceptance_vs_k": partial(_acceptance_vs_k, pair, configs),
+            "speedup_vs_k": partial(_speedup_vs_k, pair, configs),
+            "acceptance_by_position": partial(_acceptance_by_position, pair, configs),
+            "verify_cost": partial(_verify_cost, pair),
+            "speedup_by_category": partial(_speedup_by_category, pair, configs, categories),
         }
         for name in FIGURES:
             written.append(_save(figures[name](), out_dir / f"{slug}_{name}.png"))

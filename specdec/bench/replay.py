@@ -54,7 +54,9 @@ def controller(costs: dict, k_max: int = AUTO_K_MAX, **kwargs) -> AdaptiveK:
     """A fresh k = "auto" policy whose verify-cost curve is `costs`' (bench's measured V(n), at
     its context length), as if calibrated there. kwargs go to AdaptiveK (e.g. explore=0)."""
     curve = {int(n): ms for n, ms in costs["verify_ms"].items()}
-    verify = VerifyCosts(ms=dict(curve), shapes={costs["context_tokens"]: {n: ms / curve[1] for n, ms in curve.items()}})
+    verify = VerifyCosts(
+        ms=dict(curve), shapes={costs["context_tokens"]: {n: ms / curve[1] for n, ms in curve.items()}}
+    )
     verify.at(costs["context_tokens"])
     return AdaptiveK(verify, k_max=k_max, **kwargs)
 
@@ -100,7 +102,7 @@ class _ReplayVerifier:
         self.clock.tick(verify_ms(self.costs, len(draft.tokens) + 1))
 
     def judge(self, scores: None, tokens: list[int], draft: Draft) -> tuple[list[int], int]:
-        truth = self.output[len(tokens) - self.start:]
+        truth = self.output[len(tokens) - self.start :]
         if draft.parents is not None:
             n = _path(draft, truth)
         else:
@@ -111,8 +113,16 @@ class _ReplayVerifier:
         self.clock.tick(self.costs["overhead_ms"])
 
 
-def replay(target: Model, prompt: list[int], output: list[int], drafter: Drafter | None, k: int | str,
-           costs: dict, k_max: int = AUTO_K_MAX, policy: AdaptiveK | None = None) -> RunStats:
+def replay(
+    target: Model,
+    prompt: list[int],
+    output: list[int],
+    drafter: Drafter | None,
+    k: int | str,
+    costs: dict,
+    k_max: int = AUTO_K_MAX,
+    policy: AdaptiveK | None = None,
+) -> RunStats:
     """The rounds that greedy generation with this drafter and k would run to produce `output`
     (plain greedy decoding's new tokens after `prompt`, an EOS included), timed by `costs`.
 
@@ -126,8 +136,10 @@ def replay(target: Model, prompt: list[int], output: list[int], drafter: Drafter
     if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise ValueError(f"k (draft length) must be an integer >= 0 or 'auto', got {k!r}")
     if not replayable(drafter):
-        raise ValueError(f"{type(drafter).__name__} reads the target's KV cache, which a replay does not run: "
-                         "measure it with specdec bench, which replays only the drafters it can")
+        raise ValueError(
+            f"{type(drafter).__name__} reads the target's KV cache, which a replay does not run: "
+            "measure it with specdec bench, which replays only the drafters it can"
+        )
     if drafter is None:
         k = 0
     clock = _Clock()
@@ -142,7 +154,9 @@ def replay(target: Model, prompt: list[int], output: list[int], drafter: Drafter
         drafter.prepare(target)
         timed = _TimedDrafter(drafter, clock, costs)
     sampler = Sampler(SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
-    spec = Speculation(timed, 0 if policy else k, policy.k_max if policy else 0, policy, sampler, target.vocab_size, clock)
+    spec = Speculation(
+        timed, 0 if policy else k, policy.k_max if policy else 0, policy, sampler, target.vocab_size, clock
+    )
     verifier = _ReplayVerifier(target, len(prompt), output, costs, clock)
     stats = RunStats(k=k, prompt_tokens=len(prompt))
     tokens = list(prompt)
@@ -164,7 +178,9 @@ def _path(draft: Draft, truth: list[int]) -> int:
     """How deep a token tree agrees with the target's continuation `truth`: the accepted tokens."""
     node, depth = -1, 0
     while depth < len(truth):
-        node = next((i for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if p == node and t == truth[depth]), None)
+        node = next(
+            (i for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if p == node and t == truth[depth]), None
+        )
         if node is None:
             break
         depth += 1

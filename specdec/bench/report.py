@@ -15,6 +15,7 @@ from specdec.exactness import near_tie
 
 AUTO_NOTE = "0..8 tokens, from the costs and acceptance measured while generating"
 
+
 def _nan(x) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 
@@ -52,8 +53,10 @@ def _cell(text) -> str:
 def _table(header: list[str], rows: list[list], align: str | None = None) -> list[str]:
     """Markdown table lines; `align` is one of 'l' / 'r' per column (default: first left, rest right)."""
     align = align or "l" + "r" * (len(header) - 1)
-    lines = ["| " + " | ".join(_cell(h) for h in header) + " |",
-             "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|"]
+    lines = [
+        "| " + " | ".join(_cell(h) for h in header) + " |",
+        "|" + "|".join(":---" if a == "l" else "---:" for a in align) + "|",
+    ]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
 
@@ -65,31 +68,52 @@ def _pair_name(pair: dict) -> str:
 def _header(results: dict) -> list[str]:
     env, st = results["environment"], results["settings"]
     temperature = st["temperature"]
-    out = ["# specdec bench report", "",
-           f"Results file schema `{results['schema']}`, created {results['created']}.", "", "## Environment", ""]
-    out += _table(["", ""], [
-        ["CPU", env["cpu"]], ["GPU", env["gpu"] or "none"], ["threads", env["threads"]],
-        ["Python", env["python"]], ["torch", env["torch"]], ["transformers", env["transformers"]],
-        ["platform", env["platform"]], ["git commit", env["git_commit"] or "unknown"],
-    ], "ll")
+    out = [
+        "# specdec bench report",
+        "",
+        f"Results file schema `{results['schema']}`, created {results['created']}.",
+        "",
+        "## Environment",
+        "",
+    ]
+    out += _table(
+        ["", ""],
+        [
+            ["CPU", env["cpu"]],
+            ["GPU", env["gpu"] or "none"],
+            ["threads", env["threads"]],
+            ["Python", env["python"]],
+            ["torch", env["torch"]],
+            ["transformers", env["transformers"]],
+            ["platform", env["platform"]],
+            ["git commit", env["git_commit"] or "unknown"],
+        ],
+        "ll",
+    )
     out += ["", "## Settings", ""]
     rows = [
-        ["workload", st["workload"]], ["categories", ", ".join(st["categories"]) or "-"],
-        ["prompts per category (limit)", st["limit"]], ["max new tokens", st["max_new_tokens"]],
+        ["workload", st["workload"]],
+        ["categories", ", ".join(st["categories"]) or "-"],
+        ["prompts per category (limit)", st["limit"]],
+        ["max new tokens", st["max_new_tokens"]],
         ["temperature", f"{temperature:g}" + (" (greedy)" if temperature == 0 else " (sampling)")],
-        ["draft lengths k", ", ".join(str(k) for k in st["ks"])], ["quick", "yes" if st["quick"] else "no"],
+        ["draft lengths k", ", ".join(str(k) for k in st["ks"])],
+        ["quick", "yes" if st["quick"] else "no"],
     ]
     if "repeats" in st:
         rows.append(["repeats", st["repeats"]])
     if "interleave" in st:
         rows.append(["a prompt's configs", "together, round by round" if st["interleave"] else "one after another"])
     out += _table(["", ""], rows, "ll")
-    out += ["", "Speeds are decode-only tokens/s (prefill excluded); a speed-up is the median over prompts of "
-                "speculative / plain tokens/s measured in the same run (with repeats, each prompt's median run "
-                "per config counts). α = accepted / drafted tokens; τ = new "
-                "tokens per round, the recovered or bonus token included. A prediction is made per "
-                "prompt from that run's acceptance; its error is (predicted - measured) / measured for each prompt, "
-                "and the table gives the median of those errors beside the median prediction."]
+    out += [
+        "",
+        "Speeds are decode-only tokens/s (prefill excluded); a speed-up is the median over prompts of "
+        "speculative / plain tokens/s measured in the same run (with repeats, each prompt's median run "
+        "per config counts). α = accepted / drafted tokens; τ = new "
+        "tokens per round, the recovered or bonus token included. A prediction is made per "
+        "prompt from that run's acceptance; its error is (predicted - measured) / measured for each prompt, "
+        "and the table gives the median of those errors beside the median prediction.",
+    ]
     return out
 
 
@@ -98,8 +122,7 @@ def _costs(pair: dict) -> list[str]:
     curve = sorted((int(n), v) for n, v in costs["verify_ms"].items())
     v1 = dict(curve).get(1)
     out = [f"### Costs (ms, medians, at a context of {costs['context_tokens']} tokens)", ""]
-    out += _table(["n", "V(n) ms", "V(n)/V(1)"],
-                  [[n, _ms(v), _f(v / v1 if v1 else float("nan"))] for n, v in curve])
+    out += _table(["n", "V(n) ms", "V(n)/V(1)"], [[n, _ms(v), _f(v / v1 if v1 else float("nan"))] for n, v in curve])
     model = bool(pair.get("draft"))
     header = ["k", "draft ms per proposal", "draft ms per drafted token"] + (["c = per token / V(1)"] if model else [])
     rows = []
@@ -114,17 +137,25 @@ def _costs(pair: dict) -> list[str]:
         frac = roof["fraction"]
         widest = max(frac, key=int)
         screened = " (its output layer in bf16, screened)" if roof.get("screened_output_layer") else ""
-        out += ["", f"Roofline ({pair.get('backend', 'hf')} backend, {pair['dtype']}): a forward reads{screened} "
-                f"{roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured here that takes "
-                f"at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
-                f"V({widest}) {frac[widest]:.0%}."]
+        out += [
+            "",
+            f"Roofline ({pair.get('backend', 'hf')} backend, {pair['dtype']}): a forward reads{screened} "
+            f"{roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured here that takes "
+            f"at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
+            f"V({widest}) {frac[widest]:.0%}.",
+        ]
     if pair.get("products"):
         out += ["", f"Matrix products (fp32, CPU): {pair['products']}."]
     for key, who in (("padded_rows", "target"), ("draft_padded_rows", "draft")):
         table = pair.get(key)
         if table:
-            out += ["", f"Row padding ({who}, specdec.backends.rows): a forward of n new tokens runs as more rows where "
-                    "oneDNN's kernel for them was timed faster: " + ", ".join(f"{n} -> {m}" for n, m in table.items()) + "."]
+            out += [
+                "",
+                f"Row padding ({who}, specdec.backends.rows): a forward of n new tokens runs as more rows where "
+                "oneDNN's kernel for them was timed faster: "
+                + ", ".join(f"{n} -> {m}" for n, m in table.items())
+                + ".",
+            ]
     return out
 
 
@@ -134,31 +165,62 @@ def _configs(pair: dict) -> list[str]:
     rows = []
     for c in configs:
         s = c["speedup"]
-        rows.append([
-            f"auto (mean {_f(c.get('mean_k'))})" if c["k"] == "auto" else c["k"], _f(c["alpha"]), _f(c["tau"]),
-            " ".join(_f(a) for a in c["acceptance_per_position"]) or "-",
-            f"{_x(s['median'])} [{_f(s['min'])}..{_f(s['max'])}]", _count(c["identical"]),
-            _x(c["predicted"]["textbook"]), _pct(c["error"]["textbook"]),
-            _x(c["predicted"]["ours"]), _pct(c["error"]["ours"]),
-        ])
-    out += _table(["k", "α", "τ", "acceptance by position", "speed-up median [min..max]", "identical",
-                   "textbook", "textbook error", "ours", "ours error"], rows, "rrrlrrrrrr")
+        rows.append(
+            [
+                f"auto (mean {_f(c.get('mean_k'))})" if c["k"] == "auto" else c["k"],
+                _f(c["alpha"]),
+                _f(c["tau"]),
+                " ".join(_f(a) for a in c["acceptance_per_position"]) or "-",
+                f"{_x(s['median'])} [{_f(s['min'])}..{_f(s['max'])}]",
+                _count(c["identical"]),
+                _x(c["predicted"]["textbook"]),
+                _pct(c["error"]["textbook"]),
+                _x(c["predicted"]["ours"]),
+                _pct(c["error"]["ours"]),
+            ]
+        )
+    out += _table(
+        [
+            "k",
+            "α",
+            "τ",
+            "acceptance by position",
+            "speed-up median [min..max]",
+            "identical",
+            "textbook",
+            "textbook error",
+            "ours",
+            "ours error",
+        ],
+        rows,
+        "rrrlrrrrrr",
+    )
     best = pair["best_k"]
     out += ["", f"Best fixed k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}."]
     if pair.get("ratio_noise") is not None:
-        out += ["", f"Timing noise of this run: {pair['ratio_noise'] * 100:.1f}% (the spread between repeats of one "
-                "prompt's speed ratio of two fixed configs, which repeat exactly; sd, pooled; specdec.bench.run.ratio_noise)."]
+        out += [
+            "",
+            f"Timing noise of this run: {pair['ratio_noise'] * 100:.1f}% (the spread between repeats of one "
+            "prompt's speed ratio of two fixed configs, which repeat exactly; sd, pooled; "
+            "specdec.bench.run.ratio_noise).",
+        ]
     auto = pair.get("auto")
     if auto:
-        out += ["", f"k = auto (chosen every round, {AUTO_NOTE}): {_x(auto['vs_best_fixed'])} the speed-up of the "
-                f"best fixed k ({auto['best_fixed_k']}); on its worst category ({auto['worst_category']}) "
-                f"{_x(auto['worst_category_vs_plain'])} plain decoding."]
+        out += [
+            "",
+            f"k = auto (chosen every round, {AUTO_NOTE}): {_x(auto['vs_best_fixed'])} the speed-up of the "
+            f"best fixed k ({auto['best_fixed_k']}); on its worst category ({auto['worst_category']}) "
+            f"{_x(auto['worst_category_vs_plain'])} plain decoding.",
+        ]
         again = auto.get("replayed")
         if again:
-            out += ["", f"Replayed (the same policies on each prompt's plain output, timed by the costs above, "
-                    f"no timing noise; specdec.bench.replay): auto {_x(again['vs_best_fixed'])} the speed-up of the best "
-                    f"fixed k ({again['best_fixed_k']}); on its worst category ({again['worst_category']}) "
-                    f"{_x(again['worst_category_vs_plain'])} plain decoding."]
+            out += [
+                "",
+                f"Replayed (the same policies on each prompt's plain output, timed by the costs above, "
+                f"no timing noise; specdec.bench.replay): auto {_x(again['vs_best_fixed'])} the speed-up of the best "
+                f"fixed k ({again['best_fixed_k']}); on its worst category ({again['worst_category']}) "
+                f"{_x(again['worst_category_vs_plain'])} plain decoding.",
+            ]
     return out
 
 
@@ -171,17 +233,30 @@ def _replayed(pair: dict) -> list[str]:
     auto = pair.get("auto") or {}
     again = auto.get("replayed") or {}
     measured, replayed = auto.get("vs_best_fixed_by_category", {}), again.get("vs_best_fixed_by_category", {})
-    rows = [[cat] + [_x(c["replayed"]["by_category"][cat]["speedup"]) for c in configs]
-            + ([_x(measured.get(cat)), _x(replayed.get(cat))] if auto else [])
-            for cat in configs[0]["replayed"]["by_category"]]
-    rows.append(["all (median)"] + [_x(c["replayed"]["speedup"]["median"]) for c in configs]
-                + ([_x(auto.get("vs_best_fixed")), _x(again.get("vs_best_fixed"))] if auto else []))
-    header = ["category"] + [f"replayed k={c['k']}" for c in configs] + (
-        ["auto / best fixed k, measured", "auto / best fixed k, replayed"] if auto else [])
-    return ["### Replayed speed-up by category", "",
-            "Each config replayed on the prompt's plain greedy output: the rounds a real run makes (the drafter "
-            "runs), timed by the measured costs instead of the clock (specdec.bench.replay). The best fixed k is "
-            "each category's own.", ""] + _table(header, rows)
+    rows = [
+        [cat]
+        + [_x(c["replayed"]["by_category"][cat]["speedup"]) for c in configs]
+        + ([_x(measured.get(cat)), _x(replayed.get(cat))] if auto else [])
+        for cat in configs[0]["replayed"]["by_category"]
+    ]
+    rows.append(
+        ["all (median)"]
+        + [_x(c["replayed"]["speedup"]["median"]) for c in configs]
+        + ([_x(auto.get("vs_best_fixed")), _x(again.get("vs_best_fixed"))] if auto else [])
+    )
+    header = (
+        ["category"]
+        + [f"replayed k={c['k']}" for c in configs]
+        + (["auto / best fixed k, measured", "auto / best fixed k, replayed"] if auto else [])
+    )
+    return [
+        "### Replayed speed-up by category",
+        "",
+        "Each config replayed on the prompt's plain greedy output: the rounds a real run makes (the drafter "
+        "runs), timed by the measured costs instead of the clock (specdec.bench.replay). The best fixed k is "
+        "each category's own.",
+        "",
+    ] + _table(header, rows)
 
 
 def _categories(pair: dict) -> list[str]:
@@ -204,10 +279,15 @@ def _peers(pair: dict) -> list[str]:
     summary = pair.get("peer_summary") or []
     if summary:
         rows = [[p["name"], _x(p["vs_plain"]), _x(p["vs_speculative"]), _count(p["identical"])] for p in summary]
-        out += ["### Peers", "", "Ratios are the peer's end-to-end tokens/s (prefill included) over ours on the same "
-                "prompts (above 1.00x: the peer is faster); the speculative one is our best k. \"identical\" "
-                "compares with our plain greedy tokens: llama.cpp runs the quantized GGUF weights, a "
-                "different precision from our fp32 dequantization, so it need not match.", ""]
+        out += [
+            "### Peers",
+            "",
+            "Ratios are the peer's end-to-end tokens/s (prefill included) over ours on the same "
+            'prompts (above 1.00x: the peer is faster); the speculative one is our best k. "identical" '
+            "compares with our plain greedy tokens: llama.cpp runs the quantized GGUF weights, a "
+            "different precision from our fp32 dequantization, so it need not match.",
+            "",
+        ]
         out += _table(["peer", "vs our plain", "vs our speculative", "identical"], rows)
     failed = [p for p in pair.get("peers") or [] if p.get("error")]
     if failed:
@@ -217,12 +297,14 @@ def _peers(pair: dict) -> list[str]:
 
 
 def _in_ulp(d: dict) -> str:
-    """" = 2 ulp of the logits' dtype: a near-tie" for a divergence that records its ulp (files
+    """ " = 2 ulp of the logits' dtype: a near-tie" for a divergence that records its ulp (files
     before it do not)."""
     gap, ulp = d.get("logit_gap"), d.get("logit_ulp")
     if gap is None or ulp is None or not ulp > 0:
         return ""
-    return f" = {gap / ulp:.3g} ulp of the logits' dtype" + (": a floating-point near-tie" if near_tie(gap, ulp) else "")
+    return f" = {gap / ulp:.3g} ulp of the logits' dtype" + (
+        ": a floating-point near-tie" if near_tie(gap, ulp) else ""
+    )
 
 
 def _divergences(pair: dict) -> list[str]:
@@ -231,10 +313,12 @@ def _divergences(pair: dict) -> list[str]:
         for k, run in sorted(prompt["runs"].items(), key=lambda kv: k_order(kv[0] if kv[0] == "auto" else int(kv[0]))):
             if run.get("identical") is False:
                 d = run.get("divergence") or {}
-                where = (f"first differing token at position {d['position']} (plain {d['plain_token']}, "
-                         f"speculative {d['other_token']}), top-2 logit gap {_f(d.get('logit_gap'), '.2g')}"
-                         + _in_ulp(d)
-                         if d else "no divergence recorded")
+                where = (
+                    f"first differing token at position {d['position']} (plain {d['plain_token']}, "
+                    f"speculative {d['other_token']}), top-2 logit gap {_f(d.get('logit_gap'), '.2g')}" + _in_ulp(d)
+                    if d
+                    else "no divergence recorded"
+                )
                 items.append(f"- `{prompt['id']}`, k = {k}: {where}")
     if not items:
         return []
@@ -246,9 +330,22 @@ def markdown_report(results: dict) -> str:
     pair its costs, the per-k table, best k, by-category table, peers and divergences."""
     out = _header(results)
     for pair in results["pairs"]:
-        out += ["", f"## {_pair_name(pair)}", "",
-                f"dtype {pair['dtype']}, device {pair.get('device', 'cpu')}, workload {pair['workload']}, {len(pair['prompts'])} prompts.", ""]
-        for section in (_costs(pair), _configs(pair), _categories(pair), _replayed(pair), _peers(pair), _divergences(pair)):
+        out += [
+            "",
+            f"## {_pair_name(pair)}",
+            "",
+            f"dtype {pair['dtype']}, device {pair.get('device', 'cpu')}, workload {pair['workload']}, "
+            f"{len(pair['prompts'])} prompts.",
+            "",
+        ]
+        for section in (
+            _costs(pair),
+            _configs(pair),
+            _categories(pair),
+            _replayed(pair),
+            _peers(pair),
+            _divergences(pair),
+        ):
             if section:
                 out += section + [""]
     return "\n".join(out).rstrip() + "\n"

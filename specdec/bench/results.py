@@ -90,7 +90,17 @@ _REQUIRED = {
     "pair": ["target", "drafter", "draft", "dtype", "workload", "costs", "prompts", "peers", "configs", "best_k"],
     "costs": ["context_tokens", "verify_ms", "draft_ms", "overhead_ms"],
     "prompt": ["id", "category", "prompt_tokens", "plain", "runs"],
-    "config": ["k", "alpha", "tau", "acceptance_per_position", "speedup", "identical", "predicted", "error", "by_category"],
+    "config": [
+        "k",
+        "alpha",
+        "tau",
+        "acceptance_per_position",
+        "speedup",
+        "identical",
+        "predicted",
+        "error",
+        "by_category",
+    ],
 }
 
 

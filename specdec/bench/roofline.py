@@ -41,6 +41,10 @@ def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float, g
     screen = model.lean().screen if greedy and model.backend == "lean" else None
     nbytes = weight_bytes(model.hf) - (screen.saved_bytes if screen is not None else 0)
     floor_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
-    return {"weight_mb": nbytes / 1e6, "bandwidth_gbs": bandwidth_gbs, "floor_ms": floor_ms,
-            "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0},
-            "screened_output_layer": screen is not None}
+    return {
+        "weight_mb": nbytes / 1e6,
+        "bandwidth_gbs": bandwidth_gbs,
+        "floor_ms": floor_ms,
+        "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0},
+        "screened_output_layer": screen is not None,
+    }

@@ -22,31 +22,32 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Generator
 
 import torch
 from tqdm import tqdm
 
-from specdec.bench import costmodel
-from specdec.backends import gemv
 from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.backends import gemv
+from specdec.bench import costmodel
+from specdec.bench.peers import hf_generate, llama_cpp_generate
+from specdec.bench.replay import controller, replayable
+from specdec.bench.replay import replay as replay_run
+from specdec.bench.results import SCHEMA
+from specdec.bench.roofline import memory_bandwidth_gbs, roofline
+from specdec.bench.workloads import Prompt
 from specdec.cache import new_cache
 from specdec.drafters import Drafter
 from specdec.drafters.factory import MAIN_OPTION, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, Generation, generate, stepwise
 from specdec.exactness import first_divergence
 from specdec.models.load import Model, load_model, resolve_device, synchronize
-from specdec.bench.peers import hf_generate, llama_cpp_generate
 from specdec.models.registry import REGISTRY
-from specdec.bench.replay import controller, replayable, replay as replay_run
-from specdec.bench.results import SCHEMA
-from specdec.bench.roofline import memory_bandwidth_gbs, roofline
-from specdec.sampling import Sampler, SamplingParams
 from specdec.models.weights import cache_dir, gguf_path
-from specdec.bench.workloads import Prompt
+from specdec.sampling import Sampler, SamplingParams
 
 QUICK_CATEGORIES = ["summarization", "translation", "qa", "math_reasoning", "writing"]
 
@@ -60,7 +61,7 @@ class Pair:
     draft: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Pair":
+    def parse(cls, text: str) -> Pair:
         """`target[:drafter[:draft]]`, e.g. `qwen2.5-coder-1.5b:model:qwen2.5-coder-0.5b`; for
         `layer-skip` the third part is the layers to keep, e.g. `smollm2-135m:layer-skip:0-9,12`; for
         `eagle` and `eagle-tree` a draft head file (default: the target's stored head); for `suffix` and
@@ -111,8 +112,9 @@ def git_commit(folder: Path) -> str | None:
         return None
 
 
-def _interleaved_medians(fns: dict[str, tuple], repeats: int, warmup: int = 2,
-                         device: torch.device = torch.device("cpu")) -> dict[str, float]:
+def _interleaved_medians(
+    fns: dict[str, tuple], repeats: int, warmup: int = 2, device: torch.device = torch.device("cpu")
+) -> dict[str, float]:
     """Median ms of each (setup, timed) pair of zero-argument functions, timed round-robin (each
     once per pass) so that a burst of load on a shared machine falls on every point alike; on a
     GPU each timing waits for the work it queued (models.synchronize)."""
@@ -129,8 +131,9 @@ def _interleaved_medians(fns: dict[str, tuple], repeats: int, warmup: int = 2,
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 9,
-                  greedy: bool = True) -> dict:
+def measure_costs(
+    target: Model, drafter: Drafter, context: list[int], ks: list[int], repeats: int = 9, greedy: bool = True
+) -> dict:
     """Costs in ms (medians) on a KV cache that holds `context`, whose length is the workload's
     typical context length:
     - verify_ms[n]: one target forward over n = 1..max(ks)+1 new tokens, V(n);
@@ -154,15 +157,21 @@ def measure_costs(target: Model, drafter: Drafter, context: list[int], ks: list[
         kv.rollback(n_keep)
 
     dev = target.device
-    verify_curve = _interleaved_medians({str(n): (nothing, lambda n=n: verify(n)) for n in range(1, max(ks) + 2)},
-                                        repeats, device=dev)
+    verify_curve = _interleaved_medians(
+        {str(n): (nothing, lambda n=n: verify(n)) for n in range(1, max(ks) + 2)}, repeats, device=dev
+    )
     sampler = Sampler(SamplingParams(temperature=0.0 if greedy else 1.0), torch.Generator().manual_seed(0))
     propose = lambda k: lambda: drafter.propose(context, k, sampler)  # noqa: E731
     lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # leaves a model drafter at context[:-n]  # noqa: E731
     draft_cost = _interleaved_medians({str(k): (lag(1), propose(k)) for k in ks}, repeats, device=dev)
     catchup_cost = _interleaved_medians({str(k): (lag(2), propose(k)) for k in ks}, repeats, device=dev)
-    return {"context_tokens": len(context), "verify_ms": verify_curve, "draft_ms": draft_cost,
-            "draft_catchup_ms": catchup_cost, "overhead_ms": 0.0}
+    return {
+        "context_tokens": len(context),
+        "verify_ms": verify_curve,
+        "draft_ms": draft_cost,
+        "draft_catchup_ms": catchup_cost,
+        "overhead_ms": 0.0,
+    }
 
 
 def _gguf_of(spec: str, cache) -> str:
@@ -178,10 +187,23 @@ def _encode(model: Model, prompt: Prompt) -> list[int]:
     return model.encode(prompt.text, chat=prompt.chat and bool(getattr(model.tokenizer, "chat_template", None)))
 
 
-def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens: int, temperature: float,
-               peers: list[str], workload: str, peer_k: int = 4, progress: bool = True,
-               bandwidth_gbs: float | None = None, draft_dtype: torch.dtype | None = None, repeats: int = 1,
-               replay: bool = True, interleave: bool = True, **load_kwargs) -> dict:
+def bench_pair(
+    pair: Pair,
+    prompts: list[Prompt],
+    ks: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    peers: list[str],
+    workload: str,
+    peer_k: int = 4,
+    progress: bool = True,
+    bandwidth_gbs: float | None = None,
+    draft_dtype: torch.dtype | None = None,
+    repeats: int = 1,
+    replay: bool = True,
+    interleave: bool = True,
+    **load_kwargs,
+) -> dict:
     """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.bench.results).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
     bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward.
@@ -218,7 +240,9 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
     context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
     costs = measure_costs(target, drafter, context, cost_ks, greedy=temperature == 0)
     own = {k: new_drafter() if interleave else drafter for k in ks}
-    policy = AdaptiveK(VerifyCosts.for_model(target, load_kwargs.get("cache")), k_max=AUTO_K_MAX)  # carried across prompts
+    policy = AdaptiveK(
+        VerifyCosts.for_model(target, load_kwargs.get("cache")), k_max=AUTO_K_MAX
+    )  # carried across prompts
     if interleave:
         for d in own.values():  # at a fixed k: warm it without starting auto's policy
             generate(target, encoded[0], d, k=max(cost_ks), **{**run, "max_new_tokens": 8})
@@ -226,16 +250,22 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=temperature == 0)
 
     records, peer_rows, outputs = [], [], []
-    bar = tqdm(total=len(prompts) * (len(ks) + 1 + len(peers)), desc=f"bench {pair.target} / {pair.drafter}",
-               disable=not progress)
+    bar = tqdm(
+        total=len(prompts) * (len(ks) + 1 + len(peers)),
+        desc=f"bench {pair.target} / {pair.drafter}",
+        disable=not progress,
+    )
     for prompt, ids in zip(prompts, encoded):
         timed: dict[str, list] = {}  # per config, its `repeats` generations, interleaved in time
         configs = [0, *ks]  # 0: plain decoding
         for r in range(repeats):  # each repeat rotates the order, so no config always runs first
-            order = configs[r % len(configs):] + configs[: r % len(configs)]
-            steps = {str(k) if k else "plain": stepwise(target, ids, own[k] if k else None, k=k,
-                                                        policy=policy if k == "auto" else None, **run)
-                     for k in order}
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            steps = {
+                str(k) if k else "plain": stepwise(
+                    target, ids, own[k] if k else None, k=k, policy=policy if k == "auto" else None, **run
+                )
+                for k in order
+            }
             for name, spec in run_all(steps, interleave).items():
                 timed.setdefault(name, []).append(spec)
         plain = _median_run(timed["plain"])
@@ -258,50 +288,100 @@ def bench_pair(pair: Pair, prompts: list[Prompt], ks: list[int], max_new_tokens:
         for name in peers:
             try:
                 if name.startswith("llama-cpp"):
-                    peer = llama_cpp_generate(_gguf_of(pair.target, load_kwargs.get("cache")), ids, max_new_tokens,
-                                              target.eos_token_ids, k=peer_k if name == "llama-cpp-lookup" else 0)
+                    peer = llama_cpp_generate(
+                        _gguf_of(pair.target, load_kwargs.get("cache")),
+                        ids,
+                        max_new_tokens,
+                        target.eos_token_ids,
+                        k=peer_k if name == "llama-cpp-lookup" else 0,
+                    )
                 else:
                     peer = hf_generate(name, target, ids, max_new_tokens, draft=draft_model, k=peer_k)
                 same = peer.tokens == plain.tokens if temperature == 0 else None
-                peer_rows.append({"name": name, "prompt_id": prompt.id, "tokens_per_s": peer.tokens_per_s,
-                                  "identical": same, "error": None})
+                peer_rows.append(
+                    {
+                        "name": name,
+                        "prompt_id": prompt.id,
+                        "tokens_per_s": peer.tokens_per_s,
+                        "identical": same,
+                        "error": None,
+                    }
+                )
             except Exception as e:  # a peer failing is a result to report, not a reason to stop
-                peer_rows.append({"name": name, "prompt_id": prompt.id, "tokens_per_s": float("nan"),
-                                  "identical": None, "error": f"{type(e).__name__}: {e}"})
+                peer_rows.append(
+                    {
+                        "name": name,
+                        "prompt_id": prompt.id,
+                        "tokens_per_s": float("nan"),
+                        "identical": None,
+                        "error": f"{type(e).__name__}: {e}",
+                    }
+                )
             bar.update()
-        records.append({"id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids),
-                        "plain": {**plain.stats.to_dict(),
-                                  "decode_tokens_per_s_repeats": [g.stats.decode_tokens_per_s for g in timed["plain"]]},
-                        "runs": runs})
+        records.append(
+            {
+                "id": prompt.id,
+                "category": prompt.category,
+                "prompt_tokens": len(ids),
+                "plain": {
+                    **plain.stats.to_dict(),
+                    "decode_tokens_per_s_repeats": [g.stats.decode_tokens_per_s for g in timed["plain"]],
+                },
+                "runs": runs,
+            }
+        )
     bar.close()
 
     # The fixed per-round overhead: time outside draft and verify, per round, over every run.
-    per_round = [r["other_s"] / r["rounds"] * 1e3 for rec in records
-                 for r in [rec["plain"], *rec["runs"].values()] if r["rounds"]]
+    per_round = [
+        r["other_s"] / r["rounds"] * 1e3
+        for rec in records
+        for r in [rec["plain"], *rec["runs"].values()]
+        if r["rounds"]
+    ]
     costs["overhead_ms"] = statistics.median(per_round)
     if replay and temperature == 0 and replayable(drafter):
         policy = controller(costs) if "auto" in ks else None  # carried across prompts, as in the measured runs
-        for rec, ids, out in tqdm(list(zip(records, encoded, outputs)), desc=f"replay {pair.target} / {pair.drafter}",
-                                  disable=not progress):
-            rec["replay"] = {str(k) if k else "plain": _brief(replay_run(target, ids, out, drafter, k, costs, policy=policy))
-                             for k in [0, *ks]}
-    result = {"target": pair.target, "drafter": pair.drafter, "draft": pair.draft,
-              "dtype": str(target.hf.dtype).removeprefix("torch."), "backend": target.backend,
-              "device": str(target.device),
-              "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None, "workload": workload,
-              "costs": costs, "prompts": records, "peers": peer_rows,
-              "ratio_noise": ratio_noise(records),
-              "padded_rows": _padded_rows(target), "draft_padded_rows": _padded_rows(draft_model),
-              "products": gemv.status() if target.backend == "lean" and target.device.type == "cpu"
-              and target.hf.dtype == torch.float32 else None}
+        for rec, ids, out in tqdm(
+            list(zip(records, encoded, outputs)), desc=f"replay {pair.target} / {pair.drafter}", disable=not progress
+        ):
+            rec["replay"] = {
+                str(k) if k else "plain": _brief(replay_run(target, ids, out, drafter, k, costs, policy=policy))
+                for k in [0, *ks]
+            }
+    result = {
+        "target": pair.target,
+        "drafter": pair.drafter,
+        "draft": pair.draft,
+        "dtype": str(target.hf.dtype).removeprefix("torch."),
+        "backend": target.backend,
+        "device": str(target.device),
+        "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None,
+        "workload": workload,
+        "costs": costs,
+        "prompts": records,
+        "peers": peer_rows,
+        "ratio_noise": ratio_noise(records),
+        "padded_rows": _padded_rows(target),
+        "draft_padded_rows": _padded_rows(draft_model),
+        "products": gemv.status()
+        if target.backend == "lean" and target.device.type == "cpu" and target.hf.dtype == torch.float32
+        else None,
+    }
     result.update(fit(result, ks))
     return result
 
 
 def _brief(stats) -> dict:
     """What results.json keeps of a replayed run (specdec.bench.replay): simulated speed, rounds, tokens."""
-    return {"decode_tokens_per_s": stats.decode_tokens_per_s, "rounds": stats.rounds, "drafted": stats.drafted,
-            "accepted": stats.accepted, "tau": stats.tau, "mean_k": stats.mean_k}
+    return {
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "rounds": stats.rounds,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "tau": stats.tau,
+        "mean_k": stats.mean_k,
+    }
 
 
 def _padded_rows(model) -> dict[str, int] | None:
@@ -353,7 +433,13 @@ def _median_run(generations: list[Generation]) -> Generation:
 def _quartiles(values: list[float]) -> dict:
     values = sorted(v for v in values if not math.isnan(v))
     if not values:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "q1": float("nan"), "q3": float("nan")}
+        return {
+            "median": float("nan"),
+            "min": float("nan"),
+            "max": float("nan"),
+            "q1": float("nan"),
+            "q3": float("nan"),
+        }
     q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
     return {"median": statistics.median(values), "min": values[0], "max": values[-1], "q1": q[0], "q3": q[2]}
 
@@ -364,9 +450,11 @@ def _pooled(runs: list[dict]) -> dict:
     rounds = sum(r["rounds"] for r in runs)
     width = max((len(r["drafted_at"]) for r in runs), default=0)
     at = lambda key, i: sum(r[key][i] for r in runs if i < len(r[key]))  # noqa: E731
-    return {"alpha": accepted / drafted if drafted else float("nan"),
-            "tau": sum(r["new_tokens"] for r in runs) / rounds if rounds else float("nan"),
-            "acceptance_per_position": [at("accepted_at", i) / at("drafted_at", i) for i in range(width)]}
+    return {
+        "alpha": accepted / drafted if drafted else float("nan"),
+        "tau": sum(r["new_tokens"] for r in runs) / rounds if rounds else float("nan"),
+        "acceptance_per_position": [at("accepted_at", i) / at("drafted_at", i) for i in range(width)],
+    }
 
 
 def fit(pair: dict, ks: list[int]) -> dict:
@@ -387,26 +475,41 @@ def fit(pair: dict, ks: list[int]) -> dict:
         by_category = {}
         for cat, idx in _categories(records).items():
             pooled = _pooled([runs[i] for i in idx])
-            by_category[cat] = {"alpha": pooled["alpha"], "tau": pooled["tau"],
-                                "speedup": statistics.median(measured[i] for i in idx)}
+            by_category[cat] = {
+                "alpha": pooled["alpha"],
+                "tau": pooled["tau"],
+                "speedup": statistics.median(measured[i] for i in idx),
+            }
         identical = [r["identical"] for r in runs if r["identical"] is not None]
-        configs.append({
-            "k": k, **_pooled(runs), "mean_k": statistics.fmean(mean_k),
-            "speedup": speed,
-            "identical": [sum(identical), len(identical)],
-            "predicted": predicted,
-            # Each prediction is checked against the run it predicts, then the median is taken.
-            "error": {name: _quartiles([costmodel.relative_error(p, m) for p, m in zip(values, measured)])["median"]
-                      for name, values in (("textbook", textbook), ("ours", ours))},
-            "by_category": by_category,
-        })
+        configs.append(
+            {
+                "k": k,
+                **_pooled(runs),
+                "mean_k": statistics.fmean(mean_k),
+                "speedup": speed,
+                "identical": [sum(identical), len(identical)],
+                "predicted": predicted,
+                # Each prediction is checked against the run it predicts, then the median is taken.
+                "error": {
+                    name: _quartiles([costmodel.relative_error(p, m) for p, m in zip(values, measured)])["median"]
+                    for name, values in (("textbook", textbook), ("ours", ours))
+                },
+                "by_category": by_category,
+            }
+        )
         if records and all("replay" in rec for rec in records):  # the same runs replayed (specdec.bench.replay)
-            sim = [rec["replay"][str(k)]["decode_tokens_per_s"] / rec["replay"]["plain"]["decode_tokens_per_s"]
-                   for rec in records]
-            configs[-1]["replayed"] = {"speedup": _quartiles(sim),
-                                       "tau": statistics.fmean(rec["replay"][str(k)]["tau"] for rec in records),
-                                       "by_category": {cat: {"speedup": statistics.median(sim[i] for i in idx)}
-                                                       for cat, idx in _categories(records).items()}}
+            sim = [
+                rec["replay"][str(k)]["decode_tokens_per_s"] / rec["replay"]["plain"]["decode_tokens_per_s"]
+                for rec in records
+            ]
+            configs[-1]["replayed"] = {
+                "speedup": _quartiles(sim),
+                "tau": statistics.fmean(rec["replay"][str(k)]["tau"] for rec in records),
+                "by_category": {
+                    cat: {"speedup": statistics.median(sim[i] for i in idx)}
+                    for cat, idx in _categories(records).items()
+                },
+            }
     fixed = [c for c in configs if c["k"] != "auto"]
     best = lambda key: max(fixed, key=key)["k"] if fixed else None  # noqa: E731
     plain_tps = {rec["id"]: rec["plain"]["tokens_per_s"] for rec in records}
@@ -416,18 +519,26 @@ def fit(pair: dict, ks: list[int]) -> dict:
     for name in dict.fromkeys(p["name"] for p in pair["peers"]):
         rows = [p for p in pair["peers"] if p["name"] == name and not math.isnan(p["tokens_per_s"])]
         same = [p["identical"] for p in rows if p["identical"] is not None]
-        peer_summary.append({
-            "name": name,
-            "vs_plain": _quartiles([p["tokens_per_s"] / plain_tps[p["prompt_id"]] for p in rows])["median"],
-            "vs_speculative": _quartiles([p["tokens_per_s"] / spec_tps[p["prompt_id"]] for p in rows])["median"]
-            if spec_tps else float("nan"),
-            "identical": [sum(same), len(same)],
-        })
-    return {"configs": configs,
-            "best_k": {"measured": best_k, "textbook": best(lambda c: c["predicted"]["textbook"]),
-                       "ours": best(lambda c: c["predicted"]["ours"])},
-            "auto": _auto_summary(configs),
-            "peer_summary": peer_summary}
+        peer_summary.append(
+            {
+                "name": name,
+                "vs_plain": _quartiles([p["tokens_per_s"] / plain_tps[p["prompt_id"]] for p in rows])["median"],
+                "vs_speculative": _quartiles([p["tokens_per_s"] / spec_tps[p["prompt_id"]] for p in rows])["median"]
+                if spec_tps
+                else float("nan"),
+                "identical": [sum(same), len(same)],
+            }
+        )
+    return {
+        "configs": configs,
+        "best_k": {
+            "measured": best_k,
+            "textbook": best(lambda c: c["predicted"]["textbook"]),
+            "ours": best(lambda c: c["predicted"]["ours"]),
+        },
+        "auto": _auto_summary(configs),
+        "peer_summary": peer_summary,
+    }
 
 
 def _categories(records: list[dict]) -> dict[str, list[int]]:
@@ -458,16 +569,38 @@ def _auto_versus_fixed(auto: dict, fixed: dict) -> dict:
     best fixed k's."""
     best_k = max(fixed, key=lambda k: fixed[k]["speedup"]["median"], default=None)
     worst = min(auto["by_category"].items(), key=lambda kv: kv[1]["speedup"], default=(None, {"speedup": float("nan")}))
-    return {"vs_best_fixed": auto["speedup"]["median"] / fixed[best_k]["speedup"]["median"] if fixed else float("nan"),
-            "best_fixed_k": best_k, "worst_category": worst[0], "worst_category_vs_plain": worst[1]["speedup"],
-            "vs_best_fixed_by_category": {cat: a["speedup"] / max(f["by_category"][cat]["speedup"] for f in fixed.values())
-                                          for cat, a in auto["by_category"].items()} if fixed else {}}
+    return {
+        "vs_best_fixed": auto["speedup"]["median"] / fixed[best_k]["speedup"]["median"] if fixed else float("nan"),
+        "best_fixed_k": best_k,
+        "worst_category": worst[0],
+        "worst_category_vs_plain": worst[1]["speedup"],
+        "vs_best_fixed_by_category": {
+            cat: a["speedup"] / max(f["by_category"][cat]["speedup"] for f in fixed.values())
+            for cat, a in auto["by_category"].items()
+        }
+        if fixed
+        else {},
+    }
 
 
-def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[int], max_new_tokens: int,
-              temperature: float = 0.0, peers: list[str] = (), quick: bool = False, peer_k: int = 4,
-              categories: list[str] | None = None, limit: int | None = None, progress: bool = True,
-              repeats: int = 1, replay: bool = True, interleave: bool = True, **load_kwargs) -> dict:
+def run_bench(
+    pairs: list[Pair],
+    prompts: list[Prompt],
+    workload: str,
+    ks: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    peers: list[str] = (),
+    quick: bool = False,
+    peer_k: int = 4,
+    categories: list[str] | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+    repeats: int = 1,
+    replay: bool = True,
+    interleave: bool = True,
+    **load_kwargs,
+) -> dict:
     """The whole results dict (schema specdec.bench/1) for the given pairs and prompts.
 
     repeats: how many times each prompt is generated per config (plain, each k); a prompt's speed
@@ -487,14 +620,39 @@ def run_bench(pairs: list[Pair], prompts: list[Prompt], workload: str, ks: list[
     bandwidth = memory_bandwidth_gbs(resolve_device(load_kwargs.get("device", "cpu")))
     return {
         "schema": SCHEMA,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "environment": {**environment(), "memory_bandwidth_gbs": bandwidth},
-        "settings": {"workload": workload, "categories": sorted({p.category for p in prompts}),
-                     "limit": limit, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                     "ks": ks, "quick": quick, "repeats": repeats, "peers": list(peers), "peer_k": peer_k,
-                     "replay": replay, "interleave": interleave},
-        "pairs": [bench_pair(pair, prompts, ks, max_new_tokens, temperature, list(peers), workload,
-                             peer_k=peer_k, progress=progress, bandwidth_gbs=bandwidth, repeats=repeats, replay=replay,
-                             interleave=interleave, **load_kwargs)
-                  for pair in pairs],
+        "settings": {
+            "workload": workload,
+            "categories": sorted({p.category for p in prompts}),
+            "limit": limit,
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "ks": ks,
+            "quick": quick,
+            "repeats": repeats,
+            "peers": list(peers),
+            "peer_k": peer_k,
+            "replay": replay,
+            "interleave": interleave,
+        },
+        "pairs": [
+            bench_pair(
+                pair,
+                prompts,
+                ks,
+                max_new_tokens,
+                temperature,
+                list(peers),
+                workload,
+                peer_k=peer_k,
+                progress=progress,
+                bandwidth_gbs=bandwidth,
+                repeats=repeats,
+                replay=replay,
+                interleave=interleave,
+                **load_kwargs,
+            )
+            for pair in pairs
+        ],
     }

@@ -64,8 +64,9 @@ def workload_path(name_or_path: str | Path) -> Path:
         return WORKLOADS_DIR / PACKAGED[str(name_or_path)]
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"no workload {str(name_or_path)!r}: give a .jsonl file or a packaged name "
-                         f"({', '.join(PACKAGED)})")
+        raise ValueError(
+            f"no workload {str(name_or_path)!r}: give a .jsonl file or a packaged name ({', '.join(PACKAGED)})"
+        )
     return path
 
 

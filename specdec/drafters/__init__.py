@@ -11,5 +11,16 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.random import RandomDrafter
 from specdec.drafters.suffix import SuffixDrafter
 
-__all__ = ["DRAFTERS", "Draft", "Drafter", "EagleDrafter", "KeepGoing", "LayerSkipDrafter", "ModelDrafter",
-           "PromptLookup", "RandomDrafter", "SuffixDrafter", "make_drafter"]
+__all__ = [
+    "DRAFTERS",
+    "Draft",
+    "Drafter",
+    "EagleDrafter",
+    "KeepGoing",
+    "LayerSkipDrafter",
+    "ModelDrafter",
+    "PromptLookup",
+    "RandomDrafter",
+    "SuffixDrafter",
+    "make_drafter",
+]

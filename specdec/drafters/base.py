@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
-
-from specdec.models.load import Model
-from specdec.sampling import Sampler
+from collections.abc import Callable
+from typing import ClassVar
 
 from specdec.drafters.draft import Draft
+from specdec.models.load import Model
+from specdec.sampling import Sampler
 
 KeepGoing = Callable[[int, float], bool]  # (tokens drafted so far, the last one's probability) -> draft another?
 

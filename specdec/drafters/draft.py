@@ -38,7 +38,7 @@ class Draft:
             out.append(1 if p < 0 else out[p] + 1)
         return out
 
-    def chain(self) -> "Draft":
+    def chain(self) -> Draft:
         """The main chain as a chain draft: from the first top-level token, each node's first
         child (the drafter's best guess at each depth)."""
         if self.parents is None:
@@ -50,7 +50,7 @@ class Draft:
                 want = i
         return Draft([self.tokens[i] for i in keep], match_length=self.match_length)
 
-    def pruned(self, max_depth: int, vocab: int, max_tokens: int | None = None) -> "Draft":
+    def pruned(self, max_depth: int, vocab: int, max_tokens: int | None = None) -> Draft:
         """The tree without tokens deeper than max_depth, ids the target cannot score (outside
         0..vocab-1), and their descendants, then cut to its first max_tokens tokens (a parent
         always comes first, so that is a tree too); indices renumbered."""
@@ -65,7 +65,7 @@ class Draft:
                 parents.append(new[p])
         return Draft(tokens, match_length=self.match_length, parents=parents)
 
-    def grafted(self, chain: list[int], max_tokens: int) -> "Draft":
+    def grafted(self, chain: list[int], max_tokens: int) -> Draft:
         """The tree with `chain` (another drafter's guess after the same context) added as a path
         from the top: it follows the tree's nodes while they agree, then its remaining tokens hang
         from there as new nodes, after the tree's own. So that the tree keeps to max_tokens, the
@@ -91,7 +91,7 @@ class Draft:
             if needed <= max_tokens - kept or kept <= floor:
                 break
             kept = max(max_tokens - needed, floor)
-        new = chain[len(path):][: max_tokens - kept]
+        new = chain[len(path) :][: max_tokens - kept]
         if not new:
             return self
         tokens, parents = self.tokens[:kept] + new, self.parents[:kept]

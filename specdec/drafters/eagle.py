@@ -4,18 +4,19 @@ the head is specdec.train.head.DraftHead, trained by `specdec train`."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from specdec.cache import common_prefix
-from specdec.train.head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
 from specdec.backends.linear import Linear
-from specdec.models.load import Model
-from specdec.sampling import Sampler
+from specdec.cache import common_prefix
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.drafters.lookup import PromptLookup
+from specdec.models.load import Model
+from specdec.sampling import Sampler
+from specdec.train.head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
+
 
 class EagleDrafter(Drafter):
     """Drafts token by token with a DraftHead that reads the target's features.
@@ -45,8 +46,9 @@ class EagleDrafter(Drafter):
 
     LONG_MATCH = 6  # lookup match length (tokens) from which lookup's draft is proposed alone
 
-    def __init__(self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0,
-                 lookup: bool = False):
+    def __init__(
+        self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0, lookup: bool = False
+    ):
         if alternatives < 0:
             raise ValueError(f"alternatives must be >= 0, got {alternatives}")
         self.spec, self.cache, self.alternatives = head, cache, alternatives
@@ -59,16 +61,20 @@ class EagleDrafter(Drafter):
 
     def prepare(self, target: Model) -> None:
         if target.backend != "lean":
-            raise ValueError("the eagle drafter reads the target's features, which only the lean backend keeps: "
-                             "run a Llama or Qwen2 target with backend 'auto' or 'lean'")
+            raise ValueError(
+                "the eagle drafter reads the target's features, which only the lean backend keeps: "
+                "run a Llama or Qwen2 target with backend 'auto' or 'lean'"
+            )
         if self._target is not target:
             if isinstance(self.spec, DraftHead):
                 head = self.spec
             else:
                 path = self.spec or find_head(target.name, self.cache)
                 if path is None:
-                    raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target "
-                                    f"{target.name}` (it writes {head_file(target.name, self.cache)}), or pass a head file")
+                    raise HeadError(
+                        f"no draft head for {target.name}: train one with `specdec train --target "
+                        f"{target.name}` (it writes {head_file(target.name, self.cache)}), or pass a head file"
+                    )
                 head, _ = load_head(path, target.lean().hidden_size)
             self.head = head.packed(target.device)  # projections reordered for oneDNN on CPU (DraftHead.packed)
             self.ids = self.head.vocab_ids.cpu()  # (N,) the token id of each of the head's logits
@@ -97,8 +103,9 @@ class EagleDrafter(Drafter):
         return length if length >= self.LONG_MATCH else None
 
     @torch.inference_mode()
-    def propose(self, context: list[int], k: int, sampler: Sampler,
-                keep_going: Callable[[int, float], bool] | None = None) -> Draft:
+    def propose(
+        self, context: list[int], k: int, sampler: Sampler, keep_going: Callable[[int, float], bool] | None = None
+    ) -> Draft:
         """Up to k tokens after context; keep_going as in ModelDrafter.propose."""
         n = len(context)
         if self.kv is None or self.head is None:
@@ -139,6 +146,10 @@ class EagleDrafter(Drafter):
             if len(tokens) >= k:  # also ends the last depth: no head step whose output goes unused
                 break
             pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
-        draft = Draft(tokens, torch.stack(probs) if probs else None, confidence if keep_going is not None else None,
-                      parents=parents if tree else None)
+        draft = Draft(
+            tokens,
+            torch.stack(probs) if probs else None,
+            confidence if keep_going is not None else None,
+            parents=parents if tree else None,
+        )
         return draft.grafted(looked.tokens, k) if tree and self.lookup is not None else draft

@@ -4,8 +4,8 @@ that cli, bench and serve share."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Callable, Mapping
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.eagle import EagleDrafter
@@ -41,8 +41,14 @@ REQUIRED: dict[str, tuple[str, ...]] = {"model": ("draft",)}
 
 # The option that a drafter's one-word source fills, for drafters that have one: the DRAFT of
 # `specdec bench --pair TARGET:DRAFTER:DRAFT`.
-MAIN_OPTION: dict[str, str] = {"model": "draft", "suffix": "corpus", "suffix-tree": "corpus",
-                               "layer-skip": "layers", "eagle": "head", "eagle-tree": "head"}
+MAIN_OPTION: dict[str, str] = {
+    "model": "draft",
+    "suffix": "corpus",
+    "suffix-tree": "corpus",
+    "layer-skip": "layers",
+    "eagle": "head",
+    "eagle-tree": "head",
+}
 
 # Each option's command-line flag and what it is, for the error messages.
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -93,9 +99,18 @@ def check_options(name: str, **options) -> None:
             raise ValueError(f"the {name} drafter needs {what}: pass {flag}")
 
 
-def drafter_from_options(name: str, *, draft=None, layers=None, head=None, corpus=None, cache=None,
-                         max_ngram: int | None = None, min_ngram: int | None = None,
-                         min_match: int | None = None) -> Drafter:
+def drafter_from_options(
+    name: str,
+    *,
+    draft=None,
+    layers=None,
+    head=None,
+    corpus=None,
+    cache=None,
+    max_ngram: int | None = None,
+    min_ngram: int | None = None,
+    min_match: int | None = None,
+) -> Drafter:
     """Build drafter `name` (a key of DRAFTERS) from the options the CLI, bench and serve offer.
 
     None means not given: the drafter's default. Which drafter takes which option is the table
@@ -115,8 +130,16 @@ def drafter_from_options(name: str, *, draft=None, layers=None, head=None, corpu
     missing required option (e.g. "the model drafter needs a draft model: pass --draft MODEL"),
     or, from the drafter itself, a bad value (min_ngram > max_ngram, an unreadable corpus, ...).
     """
-    options = dict(draft=draft, layers=layers, head=head, corpus=corpus, cache=cache,
-                   max_ngram=max_ngram, min_ngram=min_ngram, min_match=min_match)
+    options = dict(
+        draft=draft,
+        layers=layers,
+        head=head,
+        corpus=corpus,
+        cache=cache,
+        max_ngram=max_ngram,
+        min_ngram=min_ngram,
+        min_match=min_match,
+    )
     check_options(name, **options)
     if isinstance(corpus, (str, os.PathLike)):
         options["corpus"] = load_corpus(corpus)

@@ -4,10 +4,10 @@ followed them there. No model, no probabilities."""
 
 from __future__ import annotations
 
-from specdec.models.load import Model
-from specdec.sampling import Sampler
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
+from specdec.models.load import Model
+from specdec.sampling import Sampler
 
 MAX_MATCH = 32  # how far back a match's length is measured
 
@@ -45,12 +45,15 @@ class PromptLookup(Drafter):
         context's end (at least its n-gram, at most MAX_MATCH)."""
         L = len(context)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            pattern = context[L - n:]
+            pattern = context[L - n :]
             for start in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
-                if context[start:start + n] == pattern:
+                if context[start : start + n] == pattern:
                     length = n
-                    while length < MAX_MATCH and start - (length - n) > 0 and \
-                            context[start - (length - n) - 1] == context[L - length - 1]:
+                    while (
+                        length < MAX_MATCH
+                        and start - (length - n) > 0
+                        and context[start - (length - n) - 1] == context[L - length - 1]
+                    ):
                         length += 1
                     return Draft(continuation(context, start + n, k), match_length=length)
         return Draft([])

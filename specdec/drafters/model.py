@@ -3,15 +3,15 @@ transformers' `assistant_model=`)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from specdec.cache import new_cache
-from specdec.models.load import Model, check_same_tokenizer, load_model
-from specdec.sampling import Sampler
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
+from specdec.models.load import Model, check_same_tokenizer, load_model
+from specdec.sampling import Sampler
 
 
 class ModelDrafter(Drafter):
@@ -36,8 +36,9 @@ class ModelDrafter(Drafter):
             self.checked = target
         self.kv = new_cache(self.draft)
 
-    def propose(self, context: list[int], k: int, sampler: Sampler,
-                keep_going: Callable[[int, float], bool] | None = None) -> Draft:
+    def propose(
+        self, context: list[int], k: int, sampler: Sampler, keep_going: Callable[[int, float], bool] | None = None
+    ) -> Draft:
         """Up to k tokens; with keep_going, after each drafted token keep_going(n drafted so far,
         the draft's probability for the last token) decides whether to draft another (the
         adaptive policy of specdec.adaptive.policy), and the Draft carries those confidences."""
@@ -60,5 +61,8 @@ class ModelDrafter(Drafter):
                     break
             if i < k - 1:
                 logits = self.kv.extend([token], all_logits=False)[-1]
-        return Draft(tokens, None if sampler.params.greedy else torch.stack(probs),
-                     confidence if keep_going is not None else None)
+        return Draft(
+            tokens,
+            None if sampler.params.greedy else torch.stack(probs),
+            confidence if keep_going is not None else None,
+        )

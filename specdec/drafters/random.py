@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.load import Model
-from specdec.sampling import Sampler
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
+from specdec.models.load import Model
+from specdec.sampling import Sampler
 
 
 class RandomDrafter(Drafter):

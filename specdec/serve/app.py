@@ -24,9 +24,10 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -37,9 +38,9 @@ from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.drafters import Drafter
 from specdec.drafters.factory import DRAFTERS, REQUIRED, drafter_from_options, options_for
 from specdec.engine import Generation, generate
-from specdec.serve.metrics import Metrics
 from specdec.models.load import Model, check_same_tokenizer
 from specdec.sampling import SamplingParams
+from specdec.serve.metrics import Metrics
 from specdec.stats import RunStats
 from specdec.textstream import TextDeltas
 
@@ -53,8 +54,14 @@ class ApiError(Exception):
     """An error answered as HTTP `status` with an OpenAI-style body:
     {"error": {"message": ..., "type": ..., "code": ..., "param": ...}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
 
@@ -66,6 +73,7 @@ class ApiError(Exception):
 
 
 # ---- requests ---------------------------------------------------------------------------------
+
 
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -129,8 +137,11 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e}); send a JSON object with "
-                            "Content-Type: application/json", code="invalid_json") from None
+        raise ApiError(
+            400,
+            f"the request body is not valid JSON ({e}); send a JSON object with Content-Type: application/json",
+            code="invalid_json",
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
@@ -148,19 +159,21 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
                 where = ".".join(str(x) for x in loc) or "body"
                 parts.setdefault(where, f"{where}: {err['msg']}{got}")
         param = next(iter(parts)).split(".")[0] if parts else None
-        raise ApiError(400, "invalid request: " + "; ".join(parts.values()), code="invalid_parameter",
-                       param=param) from None
+        raise ApiError(
+            400, "invalid request: " + "; ".join(parts.values()), code="invalid_parameter", param=param
+        ) from None
 
 
 _ONE_OF = {  # fields that take one of several types, and how to say so
     "prompt": "a string or a list of token ids (or a list holding one of these)",
     "stop": "a string or a list of strings",
-    "k": "an integer >= 0 (0 = plain decoding) or \"auto\"",
+    "k": 'an integer >= 0 (0 = plain decoding) or "auto"',
     "messages.*.content": 'a string or a list of text parts ({"type": "text", "text": ...})',
 }
 
 
 # ---- the queue and the worker -----------------------------------------------------------------
+
 
 class _Cancelled(Exception):
     """Raised from the engine's stream callback to stop a generation whose client went away."""
@@ -195,8 +208,17 @@ class Server:
     """The state behind the app: the target, its drafters, the bounded queue, the worker thread
     and the metrics. Built by create_app; started and stopped by the app's lifespan."""
 
-    def __init__(self, target: Model, drafters: Mapping[str, Drafter], drafter: str, k: int | str,
-                 model_name: str, max_queue: int, max_tokens: int, cache=None):
+    def __init__(
+        self,
+        target: Model,
+        drafters: Mapping[str, Drafter],
+        drafter: str,
+        k: int | str,
+        model_name: str,
+        max_queue: int,
+        max_tokens: int,
+        cache=None,
+    ):
         self.target, self.drafters, self.drafter, self.k = target, dict(drafters), drafter, k
         # k = "auto": one policy per drafter, kept across requests, over one verify-cost curve
         costs = VerifyCosts.for_model(target, cache)
@@ -213,7 +235,10 @@ class Server:
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {
             "specdec_queue_depth": ("Requests waiting in the queue.", self.queue.qsize()),
-            "specdec_queue_capacity": ("Most requests the queue holds; past it the server answers 429.", self.max_queue),
+            "specdec_queue_capacity": (
+                "Most requests the queue holds; past it the server answers 429.",
+                self.max_queue,
+            ),
             "specdec_requests_running": ("Requests being generated now (0 or 1).", self.running),
         }
 
@@ -237,8 +262,15 @@ class Server:
             except queue.Empty:
                 break
             self.metrics.count("cancelled")
-            job.push("error", ApiError(503, "the server is shutting down; retry on another instance",
-                                       type="server_error", code="shutting_down"))
+            job.push(
+                "error",
+                ApiError(
+                    503,
+                    "the server is shutting down; retry on another instance",
+                    type="server_error",
+                    code="shutting_down",
+                ),
+            )
 
     @property
     def alive(self) -> bool:
@@ -250,8 +282,12 @@ class Server:
         try:
             self.queue.put_nowait(job)
         except queue.Full:
-            raise ApiError(429, f"the server is busy: {self.max_queue} requests are already waiting; "
-                                "retry in a moment", type="rate_limit_error", code="queue_full") from None
+            raise ApiError(
+                429,
+                f"the server is busy: {self.max_queue} requests are already waiting; retry in a moment",
+                type="rate_limit_error",
+                code="queue_full",
+            ) from None
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -294,10 +330,15 @@ class Server:
         except Exception as e:
             if isinstance(e, (ValueError, TypeError)) and not job.started_output:  # the engine refused a parameter
                 k = job.run["k"]
-                message = (f"k = {k!r} is not supported: send an integer >= 0 or \"auto\"" if isinstance(e, TypeError)
-                           and isinstance(k, str) else str(e))
+                message = (
+                    f'k = {k!r} is not supported: send an integer >= 0 or "auto"'
+                    if isinstance(e, TypeError) and isinstance(k, str)
+                    else str(e)
+                )
                 self.metrics.count("invalid")
-                return "error", ApiError(400, message, code="invalid_parameter", param="k" if isinstance(k, str) else None)
+                return "error", ApiError(
+                    400, message, code="invalid_parameter", param="k" if isinstance(k, str) else None
+                )
             log.exception("generation failed")
             self.metrics.count("failed")
             return "error", ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
@@ -308,23 +349,44 @@ class Server:
     def job(self, req: _Params, ids: list[int], arrived: float, max_tokens: int | None) -> _Job:
         """Check a request's parameters and build its job; ApiError 4xx naming the bad field."""
         if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"model {req.model!r} is not served here; this server serves "
-                                f"{self.model_name!r} (GET /v1/models lists it)", code="model_not_found", param="model")
+            raise ApiError(
+                404,
+                f"model {req.model!r} is not served here; this server serves "
+                f"{self.model_name!r} (GET /v1/models lists it)",
+                code="model_not_found",
+                param="model",
+            )
         if req.n not in (None, 1):
-            raise ApiError(400, f"n = {req.n} is not supported: this server returns one choice per "
-                                "request; send n separate requests", code="unsupported_parameter", param="n")
+            raise ApiError(
+                400,
+                f"n = {req.n} is not supported: this server returns one choice per request; send n separate requests",
+                code="unsupported_parameter",
+                param="n",
+            )
         if req.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported by this server; leave the field out",
-                           code="unsupported_parameter", param="logprobs")
+            raise ApiError(
+                400,
+                "logprobs are not supported by this server; leave the field out",
+                code="unsupported_parameter",
+                param="logprobs",
+            )
         name = req.drafter if req.drafter is not None else self.drafter
         if name == "none":
             drafter = None
         elif name in self.drafters:
             drafter = self.drafters[name]
         else:
-            hint = " (the model drafter needs the server started with --drafter model --draft MODEL)" if name == "model" else ""
-            raise ApiError(400, f"unknown drafter {name!r}; this server has: {', '.join([*self.drafters, 'none'])}{hint}",
-                           code="invalid_parameter", param="drafter")
+            hint = (
+                " (the model drafter needs the server started with --drafter model --draft MODEL)"
+                if name == "model"
+                else ""
+            )
+            raise ApiError(
+                400,
+                f"unknown drafter {name!r}; this server has: {', '.join([*self.drafters, 'none'])}{hint}",
+                code="invalid_parameter",
+                param="drafter",
+            )
         temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         top_k = req.top_k or 0
@@ -337,9 +399,16 @@ class Server:
         k = self.k if req.k is None else req.k
         if isinstance(k, str) and k.strip().isdigit():
             k = int(k)
-        run = dict(k=k, policy=self.policies.get(name) if k == "auto" else None,
-                   max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
-                   temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed, stop=stop)
+        run = dict(
+            k=k,
+            policy=self.policies.get(name) if k == "auto" else None,
+            max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=req.seed,
+            stop=stop,
+        )
         return _Job(ids, drafter, name, run, req.stream, asyncio.get_running_loop(), arrived)
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -347,26 +416,42 @@ class Server:
             raise ApiError(400, "the prompt is empty: send at least one token", code="invalid_prompt", param="prompt")
         n_ctx = self.target.n_ctx
         if len(ids) >= n_ctx:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but {self.model_name}'s context holds {n_ctx}: "
-                                f"shorten it to at most {n_ctx - 1} tokens so that at least one can be generated",
-                           code="context_length_exceeded", param="prompt")
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens but {self.model_name}'s context holds {n_ctx}: "
+                f"shorten it to at most {n_ctx - 1} tokens so that at least one can be generated",
+                code="context_length_exceeded",
+                param="prompt",
+            )
         vocab = self.target.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})",
-                           code="invalid_prompt", param="prompt")
+            raise ApiError(
+                400,
+                f"token id {bad} is outside the model's vocabulary (0..{vocab - 1})",
+                code="invalid_prompt",
+                param="prompt",
+            )
 
     def encode_completion(self, req: CompletionRequest) -> list[int]:
         """Prompt ids of a completion request: a string, a list of token ids, or a batch of one."""
         if req.echo or req.suffix or (req.best_of or 1) > 1:
             field_ = "echo" if req.echo else "suffix" if req.suffix else "best_of"
-            raise ApiError(400, f"{field_} is not supported by this server; leave the field out",
-                           code="unsupported_parameter", param=field_)
+            raise ApiError(
+                400,
+                f"{field_} is not supported by this server; leave the field out",
+                code="unsupported_parameter",
+                param=field_,
+            )
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ApiError(400, f"a batch of {len(prompt)} prompts is not supported: send one prompt per request",
-                               code="unsupported_parameter", param="prompt")
+                raise ApiError(
+                    400,
+                    f"a batch of {len(prompt)} prompts is not supported: send one prompt per request",
+                    code="unsupported_parameter",
+                    param="prompt",
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self.target.encode(prompt)
@@ -376,19 +461,31 @@ class Server:
         """Prompt ids of a chat request: the messages in the model's chat template, ready for the
         assistant's turn."""
         if req.tools:
-            raise ApiError(400, "tools are not supported by this server; leave the field out",
-                           code="unsupported_parameter", param="tools")
+            raise ApiError(
+                400,
+                "tools are not supported by this server; leave the field out",
+                code="unsupported_parameter",
+                param="tools",
+            )
         tokenizer = self.target.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, f"{self.model_name} has no chat template: use /v1/completions with a plain prompt",
-                           code="no_chat_template", param="messages")
+            raise ApiError(
+                400,
+                f"{self.model_name} has no chat template: use /v1/completions with a plain prompt",
+                code="no_chat_template",
+                param="messages",
+            )
         messages = []
         for i, m in enumerate(req.messages):
             if isinstance(m.content, list):
                 other = [p.type for p in m.content if p.type != "text"]
                 if other:
-                    raise ApiError(400, f"messages.{i}.content: only text parts are supported, got {other[0]!r}",
-                                   code="unsupported_parameter", param=f"messages.{i}.content")
+                    raise ApiError(
+                        400,
+                        f"messages.{i}.content: only text parts are supported, got {other[0]!r}",
+                        code="unsupported_parameter",
+                        param=f"messages.{i}.content",
+                    )
                 content = "".join(p.text or "" for p in m.content)
             else:
                 content = m.content or ""
@@ -396,8 +493,9 @@ class Server:
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # the template's own checks (jinja raise_exception), e.g. role order
-            raise ApiError(400, f"the model's chat template rejected the messages: {e}",
-                           code="invalid_messages", param="messages") from None
+            raise ApiError(
+                400, f"the model's chat template rejected the messages: {e}", code="invalid_messages", param="messages"
+            ) from None
         if hasattr(ids, "keys"):  # a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -433,13 +531,15 @@ def _finite(x: float) -> float | None:
 
 # ---- responses --------------------------------------------------------------------------------
 
+
 class _EventStream(StreamingResponse):
     """A text/event-stream response that calls on_close however it ends: finished, or cut short
     by a client that went away (starlette then cancels the body iterator)."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -461,6 +561,7 @@ async def _until_disconnect(request: Request) -> None:
 
 # ---- the app ----------------------------------------------------------------------------------
 
+
 def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int, cache=None) -> dict[str, Drafter]:
     """One instance of every registered drafter whose required options the server has (all but the
     model drafter, which comes only with `draft`), each built with the server's settings it takes
@@ -475,10 +576,20 @@ def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int, cach
     return out
 
 
-def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | str = "auto", *,
-               draft: Model | None = None, drafters: Mapping[str, Drafter] | None = None,
-               model_name: str | None = None, max_queue: int = 64, max_tokens: int = 256,
-               max_ngram: int = 3, min_ngram: int = 1, cache=None) -> FastAPI:
+def create_app(
+    target: Model,
+    drafter: str | None = "prompt-lookup",
+    k: int | str = "auto",
+    *,
+    draft: Model | None = None,
+    drafters: Mapping[str, Drafter] | None = None,
+    model_name: str | None = None,
+    max_queue: int = 64,
+    max_tokens: int = 256,
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+    cache=None,
+) -> FastAPI:
     """The FastAPI app serving `target`; run it with uvicorn (see run_server).
 
     drafter: the default drafter of a request that names none: a name in specdec.DRAFTERS
@@ -503,7 +614,9 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
         hint = " (pass draft=MODEL, or --draft MODEL on the command line)" if drafter == "model" else ""
         raise ValueError(f"unknown drafter {drafter!r}; available: {', '.join([*available, 'none'])}{hint}")
     if isinstance(k, bool) or (isinstance(k, int) and k < 0) or not isinstance(k, (int, str)):
-        raise ValueError(f"k (draft length) must be an integer >= 0 (or a mode the engine takes, such as 'auto'), got {k!r}")
+        raise ValueError(
+            f"k (draft length) must be an integer >= 0 (or a mode the engine takes, such as 'auto'), got {k!r}"
+        )
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_tokens < 0:
@@ -518,15 +631,22 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
         finally:
             await asyncio.to_thread(server.stop)
 
-    app = FastAPI(title="specdec", summary="Exact speculative decoding behind an OpenAI-compatible API",
-                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="specdec",
+        summary="Exact speculative decoding behind an OpenAI-compatible API",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.server = server
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            message = (f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
-                       "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics")
+            message = (
+                f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
+                "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+            )
         else:
             message = f"{request.method} {request.url.path}: {exc.detail}"
         return ApiError(exc.status_code, message, code=str(exc.status_code)).response()
@@ -540,15 +660,30 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
     async def health():
         if not server.alive:
             return JSONResponse({"status": "error", "message": "the generation worker is not running"}, status_code=503)
-        return {"status": "ok", "model": server.model_name, "queue_depth": server.queue.qsize(), "running": server.running}
+        return {
+            "status": "ok",
+            "model": server.model_name,
+            "queue_depth": server.queue.qsize(),
+            "running": server.running,
+        }
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "specdec",
-            "max_model_len": server.target.n_ctx, "drafters": [*server.drafters, "none"],
-            "default_drafter": server.drafter, "default_k": server.k,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "specdec",
+                    "max_model_len": server.target.n_ctx,
+                    "drafters": [*server.drafters, "none"],
+                    "default_drafter": server.drafter,
+                    "default_k": server.k,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -590,8 +725,13 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": server.model_name, "choices": [choice]}
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": server.model_name,
+            "choices": [choice],
+        }
 
     async def _events(job: _Job, chat: bool, ident: str, include_usage: bool) -> AsyncIterator[str]:
         sent = 0
@@ -635,13 +775,24 @@ def create_app(target: Model, drafter: str | None = "prompt-lookup", k: int | st
         gen: Generation = value
         finish = FINISH_REASONS[gen.stats.stop_reason]
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": gen.text}, "logprobs": None,
-                      "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": finish}
-        return JSONResponse({"id": ident, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": server.model_name, "choices": [choice],
-                             "usage": server.usage(gen.stats, job.drafter_name)})
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": server.model_name,
+                "choices": [choice],
+                "usage": server.usage(gen.stats, job.drafter_name),
+            }
+        )
 
     return app
 

@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.models.load import Model
-from specdec.train.train import plot_loss, training_rows
 from specdec.models.weights import atomic_write, cache_dir
+from specdec.train.train import plot_loss, training_rows
 
 
 def spaced_layers(n_layers: int, n: int) -> list[int]:
@@ -105,9 +106,21 @@ def _loss_and_agreement(student, batch) -> tuple[torch.Tensor, float, int]:
     return loss, float((logits.argmax(-1)[valid] == gold[valid]).sum()), int(valid.sum())
 
 
-def distill(target: Model, out: Path, n_layers: int = 2, prompts: int = 320, sampled: int = 0,
-            max_new_tokens: int = 128, epochs: int = 4, lr: float = 2e-4, batch: int = 8,
-            draft_out: Path | None = None, seed: int = 0, restart: bool = False, cache=None) -> dict:
+def distill(
+    target: Model,
+    out: Path,
+    n_layers: int = 2,
+    prompts: int = 320,
+    sampled: int = 0,
+    max_new_tokens: int = 128,
+    epochs: int = 4,
+    lr: float = 2e-4,
+    batch: int = 8,
+    draft_out: Path | None = None,
+    seed: int = 0,
+    restart: bool = False,
+    cache=None,
+) -> dict:
     """Distill a draft of n_layers of the target's layers (module docstring); returns the
     summary dict (also out/summary.json), its "draft" the folder written.
 
@@ -165,20 +178,41 @@ def distill(target: Model, out: Path, n_layers: int = 2, prompts: int = 320, sam
             total, n = total + float(loss.detach()), n + 1
             bar.set_postfix(loss=f"{total / n:.3f}")
         acc = agreement()
-        history.append({"epoch": epoch + 1, "loss": total / n, "heldout_acc": acc, "seconds": time.perf_counter() - start})
+        history.append(
+            {"epoch": epoch + 1, "loss": total / n, "heldout_acc": acc, "seconds": time.perf_counter() - start}
+        )
         print(f"epoch {epoch + 1}: loss {total / n:.4f}, held-out agreement with the target {acc:.3f}")
-        state = {"trained": {k: v for k, v in student.state_dict().items() if k in set(names)}, "names": names,
-                 "opt": opt.state_dict(), "sched": sched.state_dict(), "history": history, "layers": layers}
-        atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
+        state = {
+            "trained": {k: v for k, v in student.state_dict().items() if k in set(names)},
+            "names": names,
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "history": history,
+            "layers": layers,
+        }
+        atomic_write(ckpt, partial(torch.save, state))
 
     dest = Path(draft_out) if draft_out else draft_folder(target.name, len(layers), cache)
     _save_folder(student, target.tokenizer, dest)
-    summary = {"target": target.name, "layers": layers, "prompts": prompts, "sampled_prompts": sampled,
-               "sequences": len(rows), "answer_tokens": sum(len(r["answer"]) for r in rows),
-               "max_new_tokens": max_new_tokens, "epochs": epochs, "history": history, "draft": str(dest)}
+    summary = {
+        "target": target.name,
+        "layers": layers,
+        "prompts": prompts,
+        "sampled_prompts": sampled,
+        "sequences": len(rows),
+        "answer_tokens": sum(len(r["answer"]) for r in rows),
+        "max_new_tokens": max_new_tokens,
+        "epochs": epochs,
+        "history": history,
+        "draft": str(dest),
+    }
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
-    plot_loss(history[1:] or history, out / "loss.png", "cross-entropy vs the target's token",
-              "held-out agreement with the target")
+    plot_loss(
+        history[1:] or history,
+        out / "loss.png",
+        "cross-entropy vs the target's token",
+        "held-out agreement with the target",
+    )
     return summary
 
 

@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.backends.lean import attention_shape, cached_attention, causal_mask, rope, rope_inv_freq, rotate
+from specdec.backends.linear import Linear
 from specdec.cache import grown
 from specdec.errors import SpecdecError
-from specdec.backends.linear import Linear
-from specdec.backends.lean import attention_shape, cached_attention, causal_mask, rope, rope_inv_freq, rotate
 from specdec.models.weights import atomic_write, cache_dir
 
 PACKAGED = Path(__file__).resolve().parents[1] / "data" / "heads"  # heads that ship with specdec
@@ -72,16 +72,24 @@ class DraftHead(nn.Module):
         return sorted({min(2, n_layers - 1), n_layers // 2})
 
     @classmethod
-    def for_target(cls, model, vocab_ids: torch.Tensor, taps: list[int] | None = None) -> "DraftHead":
+    def for_target(cls, model, vocab_ids: torch.Tensor, taps: list[int] | None = None) -> DraftHead:
         """A fresh head shaped like the target (a Llama-family specdec Model): its decoder layer
         starts as a copy of the target's last one and fc passes the feature through, a better
         start than random. taps: decoder layers (0-based) whose outputs the first step also reads
         (default none); fuse starts by passing the final feature through and ignoring them."""
         c, last = model.hf.config, model.hf.model.layers[-1]
         hd, theta = attention_shape(c)
-        config = {"hidden": c.hidden_size, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
-                  "head_dim": hd, "intermediate": c.intermediate_size, "rope_theta": theta,
-                  "eps": float(c.rms_norm_eps), "target": model.name, "taps": list(taps or [])}
+        config = {
+            "hidden": c.hidden_size,
+            "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads,
+            "head_dim": hd,
+            "intermediate": c.intermediate_size,
+            "rope_theta": theta,
+            "eps": float(c.rms_norm_eps),
+            "target": model.name,
+            "taps": list(taps or []),
+        }
         head = cls(config, vocab_ids)
         a, m = last.self_attn, last.mlp
         with torch.no_grad():
@@ -99,7 +107,7 @@ class DraftHead(nn.Module):
                 head.fuse.weight[:, :d] = torch.eye(d)
         return head
 
-    def packed(self, device: torch.device | None = None) -> "DraftHead":
+    def packed(self, device: torch.device | None = None) -> DraftHead:
         """A copy for drafting, on `device` (default: where this head is), whose projections run as
         specdec.backends.lean.Linear (weights reordered once for oneDNN on CPU; one draft step's products are
         memory-bound, and MKL's path for a single row reads them several times slower). Inference
@@ -121,8 +129,10 @@ class DraftHead(nn.Module):
         if features.shape[-1] == d:
             return features
         if self.fuse is None or features.shape[-1] != d * (1 + len(self.taps)):
-            raise HeadError(f"features of width {features.shape[-1]} for a head of hidden size {d} and taps "
-                            f"{list(self.taps)}: the target's cache must keep those layers (LeanKVCache(taps=...))")
+            raise HeadError(
+                f"features of width {features.shape[-1]} for a head of hidden size {d} and taps "
+                f"{list(self.taps)}: the target's cache must keep those layers (LeanKVCache(taps=...))"
+            )
         parts = features.unflatten(-1, (1 + len(self.taps), d))
         normed = torch.cat([parts[..., :1, :], F.rms_norm(parts[..., 1:, :], (d,), eps=self.eps)], dim=-2)
         return self.fuse(normed.flatten(-2))
@@ -134,9 +144,10 @@ class DraftHead(nn.Module):
         x = self.fc(torch.cat([embeds, self.fused(features)], dim=-1))
         cos, sin = rope(self.inv_freq, start, start + T, x.dtype)
         qk, v = self.qkv(F.rms_norm(x, (x.shape[-1],), self.norm_in, self.eps)).split(
-            ((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1)
+            ((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1
+        )
         qk = rotate(qk.reshape(T, self.n_heads + self.n_kv, hd), cos, sin)
-        return x, qk[:, : self.n_heads], qk[:, self.n_heads:], v.reshape(T, self.n_kv, hd)
+        return x, qk[:, : self.n_heads], qk[:, self.n_heads :], v.reshape(T, self.n_kv, hd)
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream x (T, d) after attention's output attn (T, heads * head_dim)
@@ -145,17 +156,22 @@ class DraftHead(nn.Module):
         gate, up = self.gate_up(F.rms_norm(x, (x.shape[-1],), self.norm_post, self.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
-    def forward(self, features: torch.Tensor, embeds: torch.Tensor, start: int = 0,
-                cache: "HeadCache | None" = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, embeds: torch.Tensor, start: int = 0, cache: HeadCache | None = None
+    ) -> torch.Tensor:
         """features, embeds: (T, d) for positions start..start+T-1 -> predicted next features
         (T, d). Without a cache the T positions attend causally among themselves (training);
         with one they also attend to its first `start` positions, and theirs are written to it."""
         T = features.shape[0]
         x, q, k, v = self._project(features, embeds, start)
         if cache is None:  # training: differentiable, no cache
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                  v.transpose(0, 1)[None], is_causal=True,
-                                                  enable_gqa=self.n_kv != self.n_heads)[0]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=self.n_kv != self.n_heads,
+            )[0]
             attn = attn.transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
         else:
             cache.reserve(start, start + T)
@@ -176,7 +192,7 @@ class DraftHead(nn.Module):
         such path; callers ignore them.
         """
         T, hd, rep = features.shape[0], self.head_dim, self.n_heads // self.n_kv
-        scale = hd ** -0.5
+        scale = hd**-0.5
 
         def down(x: torch.Tensor, m: int) -> torch.Tensor:  # row t <- row t - m, zeros on top
             return torch.cat([x.new_zeros((m,) + x.shape[1:]), x[: T - m]]) if m else x
@@ -233,8 +249,9 @@ def save_head(head: DraftHead, path: str | os.PathLike, meta: dict | None = None
     renamed when complete. meta: extra JSON-able facts (training data, losses) kept in the file."""
     from safetensors.torch import save_file
 
-    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-               for k, v in head.state_dict().items()}
+    tensors = {
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in head.state_dict().items()
+    }
     metadata = {"config": json.dumps(head.config), "meta": json.dumps(meta or {})}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
@@ -255,8 +272,10 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None) -> tuple[
     except Exception as e:  # safetensors raises several types on a damaged file
         raise HeadError(f"{path} is not a readable draft head ({e}); train it again with `specdec train`") from None
     if hidden_size is not None and config["hidden"] != hidden_size:
-        raise HeadError(f"{path} was trained for {config.get('target')!r} (hidden size {config['hidden']}), "
-                        f"not this target (hidden size {hidden_size}): train one for it with `specdec train`")
+        raise HeadError(
+            f"{path} was trained for {config.get('target')!r} (hidden size {config['hidden']}), "
+            f"not this target (hidden size {hidden_size}): train one for it with `specdec train`"
+        )
     head = DraftHead(config, tensors["vocab_ids"])
     head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
     return head.eval(), json.loads(meta.get("meta", "{}"))

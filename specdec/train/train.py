@@ -26,6 +26,7 @@ import json
 import math
 import random
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,18 +34,51 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.cache import LeanKVCache
-from specdec.train.head import DraftHead, head_file, save_head
 from specdec.models.load import Model
 from specdec.models.weights import atomic_write
+from specdec.train.head import DraftHead, head_file, save_head
 
 TOPICS = [
-    "the ocean", "a small village", "climate change", "machine learning", "the Roman Empire", "coffee",
-    "a lost dog", "space travel", "friendship", "the stock market", "volcanoes", "a job interview",
-    "electric cars", "the human heart", "a rainy day", "chess", "photosynthesis", "a birthday party",
-    "the French Revolution", "social media", "honey bees", "a mountain hike", "renewable energy",
-    "a haunted house", "vaccines", "the moon landing", "learning a language", "a robot", "gardening",
-    "the internet", "a bakery", "black holes", "democracy", "a train journey", "sleep", "pirates",
-    "recycling", "music festivals", "ancient Egypt", "a new smartphone",
+    "the ocean",
+    "a small village",
+    "climate change",
+    "machine learning",
+    "the Roman Empire",
+    "coffee",
+    "a lost dog",
+    "space travel",
+    "friendship",
+    "the stock market",
+    "volcanoes",
+    "a job interview",
+    "electric cars",
+    "the human heart",
+    "a rainy day",
+    "chess",
+    "photosynthesis",
+    "a birthday party",
+    "the French Revolution",
+    "social media",
+    "honey bees",
+    "a mountain hike",
+    "renewable energy",
+    "a haunted house",
+    "vaccines",
+    "the moon landing",
+    "learning a language",
+    "a robot",
+    "gardening",
+    "the internet",
+    "a bakery",
+    "black holes",
+    "democracy",
+    "a train journey",
+    "sleep",
+    "pirates",
+    "recycling",
+    "music festivals",
+    "ancient Egypt",
+    "a new smartphone",
 ]
 TEMPLATES = [
     "Write a short blog post about {t}.",
@@ -107,8 +141,15 @@ def sampled_prompts(target: Model, n: int, seed: int = 0, batch: int = 32, max_t
     found: dict[str, None] = {}
     with tqdm(total=n, desc="sampled prompts", unit="prompt") as bar:
         for _ in range(4 * (n // batch + 1)):
-            for seq in _batched_generate(target, [start] * batch, _pad_id(target), do_sample=True, temperature=1.0,
-                                         top_p=0.95, max_new_tokens=max_tokens):
+            for seq in _batched_generate(
+                target,
+                [start] * batch,
+                _pad_id(target),
+                do_sample=True,
+                temperature=1.0,
+                top_p=0.95,
+                max_new_tokens=max_tokens,
+            ):
                 text = tok.decode(seq, skip_special_tokens=True).strip()
                 if len(text) >= 12 and text not in found and len(found) < n:
                     found[text] = None
@@ -118,8 +159,9 @@ def sampled_prompts(target: Model, n: int, seed: int = 0, batch: int = 32, max_t
     return list(found)
 
 
-def self_distilled_data(target: Model, prompts: list[str], max_new_tokens: int, path: Path,
-                        batch: int = 16) -> list[dict]:
+def self_distilled_data(
+    target: Model, prompts: list[str], max_new_tokens: int, path: Path, batch: int = 16
+) -> list[dict]:
     """[{"text", "prompt": ids, "answer": ids}] of the target's greedy answers (EOS included when
     reached). Answers already in `path` for the same target and length are reused; the rest are
     generated, and the file is rewritten (atomically) with all of them."""
@@ -142,8 +184,9 @@ def self_distilled_data(target: Model, prompts: list[str], max_new_tokens: int, 
     return [known[p] for p in dict.fromkeys(prompts)]
 
 
-def training_rows(target: Model, out: Path, prompts: int, sampled: int, max_new_tokens: int, batch: int = 16,
-                  seed: int = 0) -> list[dict]:
+def training_rows(
+    target: Model, out: Path, prompts: int, sampled: int, max_new_tokens: int, batch: int = 16, seed: int = 0
+) -> list[dict]:
     """Steps 1-2: `prompts` template prompts plus `sampled` target-written ones (stored in
     out/sampled_prompts.json), and the target's greedy answers (out/data.json); both reused on a
     rerun in the same folder. `specdec distill` trains on the same rows."""
@@ -159,8 +202,9 @@ def training_rows(target: Model, out: Path, prompts: int, sampled: int, max_new_
     return self_distilled_data(target, texts, max_new_tokens, out / "data.json", batch)
 
 
-def features_and_labels(target: Model, rows: list[dict], taps: tuple[int, ...] = ()
-                        ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def features_and_labels(
+    target: Model, rows: list[dict], taps: tuple[int, ...] = ()
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per sequence (tokens (T,), features (T, d (1 + len(taps))) fp32: the final-normed hidden
     state, then those after the decoder layers `taps`; labels (T,): the target's greedy token
     after each position), from one lean forward each."""
@@ -177,7 +221,7 @@ def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
     """The n token ids the head may draft: those the target emits most in the data, then the
     lowest ids not chosen yet (BPE gives frequent merges low ids)."""
     counts = torch.zeros(vocab_size)
-    for tokens, _, labels in data:
+    for _, _, labels in data:
         counts += torch.bincount(labels, minlength=vocab_size)[:vocab_size].float()
     seen = [int(i) for i in counts.argsort(descending=True) if counts[i] > 0][:n]
     chosen = set(seen)
@@ -185,8 +229,19 @@ def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
     return torch.tensor(sorted(seen + rest))
 
 
-def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, noise: float, ce_weight: float,
-          steps: int = 1, decay: float = 0.8):
+def _loss(
+    head: DraftHead,
+    embed,
+    out_weight,
+    index,
+    tokens,
+    feats,
+    labels,
+    noise: float,
+    ce_weight: float,
+    steps: int = 1,
+    decay: float = 0.8,
+):
     """(total, regression, cross-entropy, accuracy per draft step) on one sequence.
 
     Step j (1..steps) is the head drafting its j-th token from its own earlier predictions
@@ -207,20 +262,34 @@ def _loss(head: DraftHead, embed, out_weight, index, tokens, feats, labels, nois
     total, first, accs = 0.0, None, []
     for j, pred in enumerate(preds):  # rows before j have no j-step path
         logits = pred[j:] @ out_weight.T
-        reg = F.smooth_l1_loss(pred[j:], feats[1 + j:])
+        reg = F.smooth_l1_loss(pred[j:], feats[1 + j :])
         ce = F.cross_entropy(logits, target_ids[j:], ignore_index=-1)
         valid = target_ids[j:] >= 0
         accs.append(float((logits.argmax(-1)[valid] == target_ids[j:][valid]).float().mean()) if valid.any() else 0.0)
-        total = total + decay ** j * (reg + ce_weight * ce)
+        total = total + decay**j * (reg + ce_weight * ce)
         first = first or (reg, ce)
     return total, *first, accs
 
 
-def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int = 128, epochs: int = 12,
-               sampled: int = 0,
-               lr: float = 1e-3, vocab: int = 8192, noise: float = 0.1, ce_weight: float = 0.5, steps: int = 3,
-               head_out: Path | None = None, batch: int = 16, seed: int = 0, restart: bool = False,
-               cache=None, taps: list[int] | None = None) -> dict:
+def train_head(
+    target: Model,
+    out: Path,
+    prompts: int = 320,
+    max_new_tokens: int = 128,
+    epochs: int = 12,
+    sampled: int = 0,
+    lr: float = 1e-3,
+    vocab: int = 8192,
+    noise: float = 0.1,
+    ce_weight: float = 0.5,
+    steps: int = 3,
+    head_out: Path | None = None,
+    batch: int = 16,
+    seed: int = 0,
+    restart: bool = False,
+    cache=None,
+    taps: list[int] | None = None,
+) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
 
     taps: decoder layers (0-based) whose hidden states the head's first step also reads (EAGLE-3's
@@ -254,7 +323,11 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
     ckpt = out / "checkpoint.pt"
     if ckpt.is_file() and not restart:
         state = torch.load(ckpt, weights_only=False)
-        if state["config"] == head.config and torch.equal(state["vocab_ids"], vocab_ids) and state.get("steps") == steps:
+        if (
+            state["config"] == head.config
+            and torch.equal(state["vocab_ids"], vocab_ids)
+            and state.get("steps") == steps
+        ):
             head.load_state_dict(state["head"])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
@@ -277,30 +350,61 @@ def train_head(target: Model, out: Path, prompts: int = 320, max_new_tokens: int
             for j, v in enumerate((total, reg, ce)):
                 sums[j] += float(v.detach())
             acc_sums = [a + b for a, b in zip(acc_sums, accs)]
-            bar.set_postfix(loss=f"{sums[0] / (bar.n + 1):.3f}", acc=" ".join(f"{a / (bar.n + 1):.2f}" for a in acc_sums))
+            bar.set_postfix(
+                loss=f"{sums[0] / (bar.n + 1):.3f}", acc=" ".join(f"{a / (bar.n + 1):.2f}" for a in acc_sums)
+            )
         head.eval()
         with torch.no_grad():
             scores = [_loss(head, embed, out_weight, index, *s, 0.0, ce_weight, steps)[3] for s in valid]
         v_accs = [sum(a[j] for a in scores) / len(scores) for j in range(steps)]
         n = len(train)
-        history.append({"epoch": epoch + 1, "loss": sums[0] / n, "regression": sums[1] / n, "ce": sums[2] / n,
-                        "train_acc": acc_sums[0] / n, "heldout_acc": v_accs[0], "heldout_acc_by_step": v_accs,
-                        "seconds": time.perf_counter() - start})
-        print(f"epoch {epoch + 1}: loss {sums[0] / n:.4f}, step-one accuracy train {acc_sums[0] / n:.3f}, "
-              f"held-out by draft step {' '.join(f'{a:.3f}' for a in v_accs)}")
-        state = {"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                 "history": history, "config": head.config, "vocab_ids": vocab_ids, "steps": steps}
-        atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "loss": sums[0] / n,
+                "regression": sums[1] / n,
+                "ce": sums[2] / n,
+                "train_acc": acc_sums[0] / n,
+                "heldout_acc": v_accs[0],
+                "heldout_acc_by_step": v_accs,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+        print(
+            f"epoch {epoch + 1}: loss {sums[0] / n:.4f}, step-one accuracy train {acc_sums[0] / n:.3f}, "
+            f"held-out by draft step {' '.join(f'{a:.3f}' for a in v_accs)}"
+        )
+        state = {
+            "head": head.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "history": history,
+            "config": head.config,
+            "vocab_ids": vocab_ids,
+            "steps": steps,
+        }
+        atomic_write(ckpt, partial(torch.save, state))
 
     dest = head_out or head_file(target.name, cache)
-    summary = {"target": target.name, "prompts": prompts, "sampled_prompts": sampled, "sequences": len(data), "positions": sum(len(t) for t, _, _ in data),
-               "max_new_tokens": max_new_tokens, "epochs": epochs, "steps": steps, "vocab": len(vocab_ids), "taps": taps,
-               "history": history,
-               "head": str(dest)}
+    summary = {
+        "target": target.name,
+        "prompts": prompts,
+        "sampled_prompts": sampled,
+        "sequences": len(data),
+        "positions": sum(len(t) for t, _, _ in data),
+        "max_new_tokens": max_new_tokens,
+        "epochs": epochs,
+        "steps": steps,
+        "vocab": len(vocab_ids),
+        "taps": taps,
+        "history": history,
+        "head": str(dest),
+    }
     save_head(head, dest, meta={k: v for k, v in summary.items() if k != "head"})
     atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1)))
-    plot_loss(history, out / "loss.png", "loss (smooth L1 + w x CE, steps x 0.8^(j-1))",
-              "held-out accuracy, draft step 1")
+    plot_loss(
+        history, out / "loss.png", "loss (smooth L1 + w x CE, steps x 0.8^(j-1))", "held-out accuracy, draft step 1"
+    )
     return summary
 
 
@@ -320,8 +424,13 @@ def plot_loss(history: list[dict], path: Path, loss_label: str, acc_label: str) 
     ax2 = ax.twinx()
     by_step = [h.get("heldout_acc_by_step") or [h["heldout_acc"]] for h in history]
     for j in range(min(map(len, by_step))):  # one line per draft step where the history has them
-        ax2.plot(epochs, [a[j] for a in by_step], color=f"C{j + 1}", marker="s",
-                 label=acc_label if j == 0 else f"draft step {j + 1}")
+        ax2.plot(
+            epochs,
+            [a[j] for a in by_step],
+            color=f"C{j + 1}",
+            marker="s",
+            label=acc_label if j == 0 else f"draft step {j + 1}",
+        )
     ax2.set_ylabel("accuracy")
     fig.legend(loc="upper center", ncol=2, fontsize=8)
     fig.tight_layout()
