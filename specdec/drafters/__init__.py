@@ -4,7 +4,7 @@ tree), one module per drafter, and a factory that builds them by name (factory).
 from specdec.drafters.base import Drafter, KeepGoing
 from specdec.drafters.draft import Draft
 from specdec.drafters.eagle import EagleDrafter
-from specdec.drafters.factory import DRAFTERS, make_drafter
+from specdec.drafters.factory import DRAFTERS, drafter_from_options, make_drafter
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.lookup import PromptLookup
 from specdec.drafters.model import ModelDrafter
@@ -22,5 +22,6 @@ __all__ = [
     "PromptLookup",
     "RandomDrafter",
     "SuffixDrafter",
+    "drafter_from_options",
     "make_drafter",
 ]
