@@ -2,16 +2,13 @@
 
 A plain decoding step multiplies one row by each weight, a one-token verify two rows: matrix-vector
 products, bound by how fast memory delivers the weights. oneDNN's fp32 kernels (specdec.backends.lean's
-default) fall short of that on the 2-core AMD EPYC these figures come from; a loop that reads each
-weight row once, front to back, gets closer. SmolLM2-135M's four projection shapes and a
-Qwen2.5-Coder-1.5B MLP weight, 2 threads, weights streamed from memory, GB/s of weights read
-(medians of 9): one row 22-25 against oneDNN's 17-23, two rows 22-27 against 14-22 (a plain
-`sum` over memory reads 31-35 there). A SmolLM2-135M fp32 one-token step (lean backend, 200
-tokens of context) took 0.77x the time with it (interleaved medians of 12). From three rows on
-oneDNN's blocked kernels are faster (this loop, which re-reads the input rows for every weight
-row, is bound by loads there) and specdec.backends.lean uses them.
+default) read the weights well below memory speed at one and two rows; a loop that reads each
+weight row once, front to back, gets closer to it, and so shortens a one-token step (GB/s and
+step times: docs/lean-backend.md). From three rows on oneDNN's blocked kernels are faster (this
+loop, which re-reads the input rows for every weight row, is bound by loads there) and
+specdec.backends.lean uses them.
 
-The kernel is built with torch's C++ extension loader (a C++ compiler and ninja, about 30 s once;
+The kernel is built with torch's C++ extension loader (a C++ compiler and ninja, once per machine;
 cached under ~/.cache/torch_extensions) for the machine it runs on (-march=native). Where it cannot
 be built, or with SPECDEC_GEMV=0 in the environment, `kernel()` returns None and specdec.backends.lean runs
 every product through oneDNN; `status()` says which and why. The build is for this CPU: a home

@@ -1,9 +1,9 @@
 """The lean decode path: a plain-torch forward for Llama-family models (Llama, SmolLM2, Qwen2)
 over a preallocated, position-indexed KV cache, with weights prepacked for the CPU's BLAS.
 
-Why it exists (issue #6, numbers in ../shared/reference/models.md): with transformers on this CPU a
-forward over 2..16 new tokens costs 2-3x a one-token forward, because MKL's general matrix product
-re-packs each weight on every call and its small-M path is far off the memory floor. oneDNN with
+Why it exists (measurements: docs/lean-backend.md): with transformers on a CPU a forward over a
+few new tokens costs several one-token forwards, because MKL's general matrix product re-packs
+each weight on every call and its small-M path is far off the memory floor. oneDNN with
 the weights reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`, the kernels
 inductor's CPU freezing pass uses) reads a weight once for M up to about 16 tokens, so a verify pass
 costs about what a one-token step costs, the premise of speculative decoding. q/k/v and gate/up

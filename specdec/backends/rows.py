@@ -1,20 +1,20 @@
 """Row padding: run a short forward with more rows when oneDNN's kernel for more rows is faster.
 
-On a CPU, oneDNN picks its matrix-product kernel by the number of rows, and the one-row path can
-be slower than the four-row one: on a 2-core EPYC, Qwen2.5-Coder-1.5B in fp32 takes V(4) = 0.73
-V(1) and V(2) = 1.28 V(1) (V(n): one forward over n new tokens, lean backend, 64 cached tokens).
-So a plain decoding step, or a verify of one drafted token, is faster when padded with filler
-rows whose outputs are discarded. The filler comes after the real tokens, so causal attention
-keeps it out of their results; its cache rows lie past the sequence's length and are overwritten
-by the next forward. Only the kernel changes, as it does between a plain step and a verify: the
-output agrees with the unpadded forward to floating-point rounding.
+On a CPU, oneDNN picks its matrix-product kernel by the number of rows, and its one- and two-row
+kernels can be slower than its four-row one: V(4) < V(1) on some models (V(n): one forward over n
+new tokens; figures per model in docs/lean-backend.md). A plain decoding step, or a verify of one
+drafted token, is then faster when padded with filler rows whose outputs are discarded. The
+filler comes after the real tokens, so causal attention keeps it out of their results; its cache
+rows lie past the sequence's length and are overwritten by the next forward. Only the kernel
+changes, as it does between a plain step and a verify: the output agrees with the unpadded
+forward to floating-point rounding.
 
 The table is timed once per model when its lean form is built (tune_rows), at a short context;
 a length is padded only when that saves a clear `gain` (default 15%), since the attention over a
-long context adds per-row cost the short timing does not see (SmolLM2-135M fp32's one-token step
-would gain 7% as 4-6 rows at 64 tokens and lose 3% at 768: it is left unpadded, while its slow
-two-row forward, 1.15 V(1), was padded until specdec.backends.gemv made one and two rows its fastest
-forwards; its table is now empty).
+long context adds per-row cost the short timing does not see: a small gain at a short context can
+turn into a loss at a long one. The timing runs the real forward, specdec.backends.gemv's one- and
+two-row kernel included where it is built, so a model on which that kernel makes one and two rows
+the fastest forwards gets an empty table.
 """
 
 from __future__ import annotations

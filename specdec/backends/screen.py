@@ -2,8 +2,8 @@
 could be the argmax.
 
 Greedy decoding and greedy verification need only each row's argmax of the logits, yet an fp32
-output layer is a large part of what a decode step reads (SmolLM2-135M: 113 of 538 MB, tied
-embeddings; Qwen2.5-Coder-1.5B: 933 MB of 6.2 GB). So the logits are first computed from a bf16
+output layer is a large part of what a decode step reads (a large vocabulary over a small model:
+weight sizes in docs/lean-backend.md). So the logits are first computed from a bf16
 copy of the weight (half the bytes), with a bound on how far each can be from the fp32 product;
 every token whose bf16 logit, raised by its bound, reaches the best lowered one is recomputed from
 the fp32 weight. The fp32 argmax is always among them, so the row's argmax is the fp32 output
@@ -15,9 +15,9 @@ The bound, per row h (fp32, d) and token v with fp32 weight row w_v: rounding h 
 dot product by at most that times ||h|| ||w_v|| (Cauchy-Schwarz); the bf16 result is rounded once
 more (2^-8 of its magnitude); fp32 accumulation, in the bf16 product and in the fp32 one it is
 compared with, adds about d 2^-24 of ||h|| ||w_v|| each. The bound used is twice the first two
-terms, whose spare 2^-7 ||h|| ||w_v|| covers the accumulation for d up to 2^16. On SmolLM2-135M
-(Spec-Bench answers, 2-core EPYC) the largest error seen was 7% of the bound, and a row kept a
-median 4 tokens for recomputation (90th percentile 21, at most 1519 of 49152).
+terms, whose spare 2^-7 ||h|| ||w_v|| covers the accumulation for d up to 2^16. The bound is loose
+(the errors seen, and how few tokens a row keeps for recomputation: docs/lean-backend.md), so the
+recomputation usually reads a handful of fp32 rows, not the layer.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ takes draft(m) (draft_catchup(m) after a round that accepted all it drafted), ve
 tokens V(n + 1), and every round `overhead_ms`. The drafter runs for real (its drafts, a draft
 model's confidences, auto's early stops); only the clock is simulated. Two policies' replayed
 speeds thus differ by their choices alone, where the measured ones also differ by the machine:
-one prompt's repeated runs spread by 5-20% (SmolLM2-135M and Qwen2.5-Coder-1.5B fp32, Spec-Bench
-dev, a shared 2-core EPYC), more than the 3% that issue 5's per-category test asks to resolve.
+on a shared machine one prompt's repeated runs spread by more than the few percent that tell
+k = "auto" from the best fixed k in one category (figures: docs/bench.md).
 
 What a replay leaves out: the verify curve is the one measured at the bench's typical context
 (the engine's own curve follows the context length); drafters that read the target's KV cache

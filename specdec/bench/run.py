@@ -162,7 +162,8 @@ def measure_costs(
     )
     sampler = Sampler(SamplingParams(temperature=0.0 if greedy else 1.0), torch.Generator().manual_seed(0))
     propose = lambda k: lambda: drafter.propose(context, k, sampler)  # noqa: E731
-    lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # leaves a model drafter at context[:-n]  # noqa: E731
+    # lag(n) leaves a model drafter at context[:-n]
+    lag = lambda n: lambda: drafter.propose(context[:-n], 1, sampler)  # noqa: E731
     draft_cost = _interleaved_medians({str(k): (lag(1), propose(k)) for k in ks}, repeats, device=dev)
     catchup_cost = _interleaved_medians({str(k): (lag(2), propose(k)) for k in ks}, repeats, device=dev)
     return {
@@ -550,7 +551,8 @@ def _categories(records: list[dict]) -> dict[str, list[int]]:
 
 
 def _auto_summary(configs: list[dict]) -> dict | None:
-    """How k = "auto" did (issue 5's test), from the measured speed-ups and, under "replayed", from
+    """How k = "auto" did against the best fixed k (overall and per category) and against plain
+    decoding on its worst category, from the measured speed-ups and, under "replayed", from
     the replayed ones when every config has them (specdec.bench.replay); see _auto_versus_fixed."""
     auto = next((c for c in configs if c["k"] == "auto"), None)
     if auto is None:
@@ -607,10 +609,10 @@ def run_bench(
     per config is its median run's. More repeats narrow the noise of a shared machine. interleave:
     a repeat runs its configs together, round by round (run_all), so that the host's slow spells
     fall on all of them alike; else one after another (plain, k1, k2, ..., then k1, k2, ..., plain:
-    each repeat rotates the order; the speed ratio of two configs on one prompt so spread 11% between
-    repeats, against 3% together: SmolLM2-135M fp32 lean, prompt lookup, Spec-Bench dev, 128 tokens,
-    a shared 2-core Xeon). replay: also replay every config without noise where that is possible
-    (see bench_pair). Raises ValueError on bad ks, repeats < 1 or an empty selection."""
+    each repeat rotates the order; the speed ratio of two configs on one prompt then spreads several
+    times more between repeats than together, figures in docs/bench.md). replay: also replay every
+    config without noise where that is possible (see bench_pair). Raises ValueError on bad ks,
+    repeats < 1 or an empty selection."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if not ks or any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):

@@ -16,7 +16,7 @@ def continuation(context: list[int], at: int, k: int) -> list[int]:
     """k tokens from context[at:], and where those run out, the draft's own tokens again: an
     occurrence d tokens back predicts that the text repeats with period d (LZ77's overlapping
     copy), so a loop of d < k tokens is drafted k tokens deep, not d (a model looping on one
-    token got one-token drafts before, as the suffix automaton's continuation already did)."""
+    token gets k-token drafts, as from the suffix automaton's continuation)."""
     out: list[int] = []
     for i in range(at, at + k):
         out.append(context[i] if i < len(context) else out[i - len(context)])

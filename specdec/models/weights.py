@@ -166,8 +166,8 @@ def _download(requirement: str, folder: Path) -> Path:
 
 def convert_gguf(gguf: Path, sha256: str, root: Path, source: str) -> Path:
     """Dequantize a GGUF file to fp32 safetensors (plus config and tokenizer) under
-    converted/<sha256>/, once; returns that folder. Takes about 20 s for SmolLM2-135M, minutes for
-    the Qwen models (transformers' GGUF loader); later loads take seconds."""
+    converted/<sha256>/, once; returns that folder. transformers' GGUF loader dequantizes slowly
+    (seconds to minutes, growing with the model); later loads of the folder take seconds."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -224,7 +224,7 @@ def calibrate_skip(
     last tried (0: every layer at every step, the exact greedy search, about L/beam times slower).
     max_keep: the choice keeps at most this many of the L layers (default L - 1; Draft & Verify
     skips about half the layers of 13B models, but on a small model each layer matters more and
-    the output layer alone is a large share of a step, see the README).
+    the output layer alone is a large share of a step, see docs/drafters.md).
     patience: once within max_keep layers, stop after this many steps without a better estimate.
     verify_ratio: v, else timed. progress: called with a line per step. bar: show progress bars
     on stderr, over the reference prompts, then over the search's steps (at most L - 1).
