@@ -48,8 +48,8 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: boo
         p.add_argument(
             "--draft-dtype",
             choices=sorted(DTYPES),
-            help="the draft model's dtype (default: --dtype); bfloat16 halved the Qwen 0.5B draft's "
-            "step on a 2-core EPYC, and the output stays the target's own",
+            help="the draft model's dtype (default: --dtype); bfloat16 can make a draft model's step much "
+            "cheaper on a CPU, and the output stays the target's own",
         )
     p.add_argument(
         "--backend",
