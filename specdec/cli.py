@@ -205,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--peer-k", type=int, default=4, help="draft length the peers use (default 4)")
     b.add_argument(
-        "--quick", action="store_true", help="5 categories x 1 prompt, k 1,2,4, 48 tokens: about 3 minutes on 2 cores"
+        "--quick", action="store_true", help="5 categories x 1 prompt, k auto,1,2,4, 48 tokens: 2-3 minutes on 2 cores"
     )
     b.add_argument(
         "--out", type=Path, default=Path("specdec-bench"), help="folder for results.json, report.md and plots"
