@@ -76,7 +76,7 @@ def session_verify_cost_cache(tmp_path_factory):
     (a server's) go to a temporary folder, never to the user's cache."""
     folder = tmp_path_factory.mktemp("verify-costs-session")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("specdec.adaptive.costs.folder", lambda: folder)
+        patch.setattr("specdec.adaptive.costs.folder", lambda cache=None: folder)
         yield folder
 
 
@@ -85,7 +85,7 @@ def verify_cost_cache(tmp_path_factory, monkeypatch):
     """Each test caches verify-cost curves in a folder of its own, so no test reads a curve that
     another one timed."""
     folder = tmp_path_factory.mktemp("verify-costs")
-    monkeypatch.setattr("specdec.adaptive.costs.folder", lambda: folder)
+    monkeypatch.setattr("specdec.adaptive.costs.folder", lambda cache=None: folder)
     return folder
 
 

@@ -22,7 +22,7 @@ def controller(v: dict[int, float], acceptance: list[float] | None = None, round
     backed by `rounds` observations so the prior no longer matters."""
     ctl = AdaptiveK(VerifyCosts(ms=dict(v)), **kw)
     for j, a in enumerate(acceptance or []):
-        ctl.reached[0][j], ctl.accepted[0][j] = rounds, rounds * a
+        ctl.estimates.reached[0][j], ctl.estimates.accepted[0][j] = rounds, rounds * a
     return ctl
 
 
@@ -302,10 +302,10 @@ def test_free_drafts_are_learned_from_by_shadow_verification():
     ctl.resolve(seq[:5])  # covers the first draft up to its first 2 tokens only: still pending
     assert len(ctl.estimates.pending) == 2
     ctl.resolve(seq)
-    assert ctl.reached[4][:4] == [1, 1, 1, 0] and ctl.accepted[4][:3] == [1, 1, 0]
+    assert ctl.estimates.reached[4][:4] == [1, 1, 1, 0] and ctl.estimates.accepted[4][:3] == [1, 1, 0]
     assert len(ctl.estimates.pending) == 1  # the second waits for its second token
     ctl.resolve(seq, final=True)
-    assert ctl.reached[1][:2] == [1, 0] and ctl.accepted[1][:1] == [1] and not ctl.estimates.pending
+    assert ctl.estimates.reached[1][:2] == [1, 0] and ctl.estimates.accepted[1][:1] == [1] and not ctl.estimates.pending
     for _ in range(40):  # long matches always right, short ones never
         assert ctl.plan(4, incremental=False) == 4
         ctl.cut([1, 2, 3, 4], True, 0, match_length=12)
@@ -385,10 +385,12 @@ def test_the_policy_passed_to_generate_is_the_one_that_learns_and_carries_over()
     policy = AdaptiveK(VerifyCosts(), k_max=4)
     first = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=12, policy=policy)
     assert policy.verify.shapes and set(range(1, 6)) <= set(policy.verify.ms)  # calibrated up to k_max + 1
-    learnt = sum(map(sum, policy.reached))
+    learnt = sum(map(sum, policy.estimates.reached))
     assert learnt > 0  # shadow-verified lookup drafts were counted
     again = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=12, policy=policy)
-    assert again.tokens == first.tokens and sum(map(sum, policy.reached)) > learnt  # the same policy went on learning
+    assert (
+        again.tokens == first.tokens and sum(map(sum, policy.estimates.reached)) > learnt
+    )  # the same policy went on learning
     with pytest.raises(ValueError, match="k_max"):
         AdaptiveK(VerifyCosts(), k_max=0)
 

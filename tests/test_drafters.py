@@ -31,10 +31,10 @@ from specdec.sampling import Sampler, SamplingParams
 from specdec.train.calibrate import (
     _run_from,
     calibrate_skip,
-    load_skip_layers,
     save_skip_layers,
     simulated_tau,
     skip_file,
+    skip_layers_for,
 )
 
 from .conftest import VOCAB, make_model, prompt_ids
@@ -317,12 +317,12 @@ def test_calibration_is_written_atomically_and_loaded(tmp_path, monkeypatch):
     runs = [generate(target, p, LayerSkipDrafter(res["layers"]), k=3, max_new_tokens=12).stats for p in prompts]
     assert res["tau"] == pytest.approx(sum(r.new_tokens for r in runs) / sum(r.rounds for r in runs))
 
-    with pytest.raises(ValueError, match="calibrate-skip --target tiny/qwen2"):
-        load_skip_layers(target, tmp_path)
     path = save_skip_layers(res, tmp_path)
     assert path == skip_file("tiny/qwen2", tmp_path) and path.parent == tmp_path / "layer-skip"
     assert json.loads(path.read_text())["layers"] == res["layers"]
-    assert load_skip_layers(target, tmp_path) == res["layers"]
+    with monkeypatch.context() as m:  # read from the cache, not calibrated again
+        m.setattr("specdec.train.calibrate.calibrate_skip", lambda *a, **kw: pytest.fail("calibrated again"))
+        assert skip_layers_for(target, tmp_path) == res["layers"]
     drafter = LayerSkipDrafter(cache=tmp_path)
     drafter.prepare(target)
     assert drafter.view.hf.config.num_hidden_layers == 1
@@ -337,12 +337,7 @@ def test_calibration_is_written_atomically_and_loaded(tmp_path, monkeypatch):
         save_skip_layers({**res, "layers": [0]}, tmp_path)
     monkeypatch.undo()
     assert json.loads(path.read_text())["layers"] == res["layers"]
-    assert os.listdir(path.parent) == [path.name]
-
-    other = make_model("llama", seed=1, name="tiny/qwen2")
-    other.hf.model.layers.append(other.hf.model.layers[0])  # now 3 layers: the stored file does not fit
-    with pytest.raises(ValueError, match="again"):
-        load_skip_layers(other, tmp_path)
+    assert os.listdir(path.parent) == [path.name]  # (a stale file is made again: tests/test_layerskip.py)
 
 
 def test_cli_suffix_layer_skip_and_calibrate(model_dir, tmp_path, capsys):

@@ -107,9 +107,9 @@ def test_auto_drafts_deep_again_after_prompts_that_left_deep_positions_looking_b
     def speed(explore: float, pessimistic: bool):
         policy = controller(flat, explore=explore)
         if pessimistic:
-            policy.reached[0][0], policy.accepted[0][0] = 8.0, 6.0
+            policy.estimates.reached[0][0], policy.estimates.accepted[0][0] = 8.0, 6.0
             for j in range(1, 8):
-                policy.reached[0][j], policy.accepted[0][j] = 8.0, 2.0
+                policy.estimates.reached[0][j], policy.estimates.accepted[0][j] = 8.0, 2.0
         stats = replay(target, prompt, plain, make_drafter("model", draft=target), "auto", flat, policy=policy)
         return stats.decode_tokens_per_s, max(stats.k_per_round)
 

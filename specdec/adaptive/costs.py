@@ -92,7 +92,7 @@ def cache_file(key: dict, cache: str | Path | None = None) -> Path:
     """The cache file of a key: the model's name (readable) and a hash of the whole key."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(str(key["model"])).name)[:64] or "model"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return (folder(cache) if cache is not None else folder()) / f"{name}-{digest}.json"
+    return folder(cache) / f"{name}-{digest}.json"
 
 
 @dataclass

@@ -118,24 +118,6 @@ class AdaptiveK:
         self.confidence: list[float] = []  # the drafter's probability for each token drafted
         self._t_last = 0.0  # when the last draft step ended
 
-    @property
-    def reached(self) -> list[list[float]]:
-        """Decayed counts per match class and draft position of drafts that reached it."""
-        return self.estimates.reached
-
-    @reached.setter
-    def reached(self, counts: list[list[float]]) -> None:
-        self.estimates.reached = counts
-
-    @property
-    def accepted(self) -> list[list[float]]:
-        """Decayed counts per match class and draft position of drafts accepted there."""
-        return self.estimates.accepted
-
-    @accepted.setter
-    def accepted(self, counts: list[list[float]]) -> None:
-        self.estimates.accepted = counts
-
     # ---- estimates ----------------------------------------------------------------------------
     def acceptances(self, n: int, cls: int = 0, optimistic: bool = False) -> list[float]:
         """[P(draft token j accepted | tokens 1..j-1 accepted) for j = 1..n] for this round's

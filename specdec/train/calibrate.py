@@ -92,26 +92,6 @@ def save_skip_layers(result: dict, cache=None) -> Path:
     return atomic_write(path, write)
 
 
-def load_skip_layers(target: Model, cache=None) -> list[int]:
-    """The layers stored for `target` by `specdec calibrate-skip`. Raises ValueError, saying what
-    to run, when there is none or it was made for a model with a different number of layers."""
-    path = skip_file(target.name, cache)
-    total = len(decoder_layers(target.hf))
-    if not path.is_file():
-        raise ValueError(
-            f"no layer-skip calibration for {target.name!r} ({path} is missing): run "
-            f"`specdec calibrate-skip --target {target.name}`, or give the layers to keep "
-            "(--layers 0,1,2,... / layers=[...])"
-        )
-    layers = _read_layers(path, total)
-    if layers is None:
-        raise ValueError(
-            f"{path} does not describe {target.name!r} ({total} decoder layers): run "
-            f"`specdec calibrate-skip --target {target.name}` again"
-        )
-    return layers
-
-
 def skip_layers_for(target: Model, cache=None) -> list[int]:
     """The layers a layer-skip draft of `target` keeps when none are given: the calibration stored
     in the cache, else the one shipped with the package (registry models), else one made now with
