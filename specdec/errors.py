@@ -24,3 +24,7 @@ class TokenizerMismatchError(SpecdecError, ValueError):
 
 class ContextLengthError(SpecdecError, ValueError):
     """A prompt that leaves no room to generate in the model's context."""
+
+
+class GGUFError(SpecdecError, ValueError):
+    """A GGUF file that cannot be read: missing, not GGUF, truncated or malformed."""
