@@ -22,7 +22,7 @@ from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pull
 from specdec.sampling import SamplingParams
 from specdec.textstream import TextDeltas
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +43,18 @@ def main(argv: list[str] | None = None) -> int:
 def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: bool = True) -> None:
     """--dtype, --backend, --pull and --cache-dir (and --draft-dtype, --device), shared by the
     commands that load models; those without --device (training, calibration) run on the CPU."""
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="auto" if device else "float32",
+        help="default auto (float32 for training and calibration, which run transformers' forward). auto: a GGUF model (registry name or .gguf file) runs at its own precision, its "
+        "quantized blocks multiplied by specdec's batch-invariant kernels; other models float32. float32: "
+        "the GGUF weights dequantized (the reference)",
+    )
     if draft:
         p.add_argument(
             "--draft-dtype",
-            choices=sorted(DTYPES),
+            choices=list(DTYPES),
             help="the draft model's dtype (default: --dtype); bfloat16 can make a draft model's step much "
             "cheaper on a CPU, and the output stays the target's own",
         )
@@ -588,7 +595,7 @@ def _train(args) -> int:
     if args.taps == "none":
         taps = []
     elif args.taps == "auto":
-        taps = DraftHead.default_taps(target.hf.config.num_hidden_layers)
+        taps = DraftHead.default_taps(target.config.num_hidden_layers)
     else:
         try:
             taps = [int(x) for x in args.taps.split(",")]

@@ -26,5 +26,9 @@ class ContextLengthError(SpecdecError, ValueError):
     """A prompt that leaves no room to generate in the model's context."""
 
 
+class KernelBuildError(SpecdecError, RuntimeError):
+    """A compiled kernel that a chosen precision needs could not be built on this machine."""
+
+
 class GGUFError(SpecdecError, ValueError):
     """A GGUF file that cannot be read: missing, not GGUF, truncated or malformed."""

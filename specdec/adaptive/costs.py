@@ -70,16 +70,21 @@ def cache_key(model) -> dict:
     """What a model's verify costs depend on: the model (its name, shape, dtypes and parameter
     count, which tell weights of another size apart cheaply), the backend, the device and its
     processor, torch's thread count and version."""
-    config = model.hf.config
-    params = list(model.hf.parameters())
+    config = model.config
+    if model.gguf is not None:  # quantized: the file's types and size tell it apart
+        dtype, parameters = model.precision, model.gguf.file_bytes
+    else:
+        params = list(model.hf.parameters())
+        dtype = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        parameters = sum(p.numel() for p in params)
     return {
         "model": model.name,
         "arch": getattr(config, "model_type", None),
         "hidden_size": getattr(config, "hidden_size", None),
         "layers": getattr(config, "num_hidden_layers", None),
         "vocab": getattr(config, "vocab_size", None),
-        "dtype": ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
-        "parameters": sum(p.numel() for p in params),
+        "dtype": dtype,
+        "parameters": parameters,
         "backend": model.backend,
         "device": model.device.type,
         "processor": processor(model.device),

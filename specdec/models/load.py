@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -14,7 +14,7 @@ import torch
 
 from specdec.errors import ModelNotFoundError, TokenizerMismatchError
 from specdec.models.registry import REGISTRY
-from specdec.models.weights import cache_dir, convert_gguf, converted_path, is_pulled, pull, sha256_of
+from specdec.models.weights import cache_dir, convert_gguf, converted_folder, gguf_path, is_pulled, pull, sha256_of
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../x" are paths
 
@@ -50,57 +50,109 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@dataclass(eq=False)
 class Model:
-    """A causal LM (a transformers `PreTrainedModel`) with its tokenizer.
+    """A causal LM with its tokenizer: a transformers `PreTrainedModel`, or a GGUF file run at its own
+    precision by specdec's quantized kernels.
 
     `name` is what it was loaded from. The KV cache lives outside, in `specdec.cache`, so one model
-    can serve several runs. backend: how forwards run. "lean" is specdec.backends.lean's forward over
-    prepacked weights and a preallocated cache (Llama and Qwen2 models; built at first use, about
-    one more copy of the linear weights); "hf" is the transformers model itself; "auto" (default)
-    picks lean where it can run the model. Raises ValueError for backend="lean" on a model it
-    cannot run, or an unknown backend.
+    can serve several runs. backend: how forwards run. "lean" is specdec's own forward over a
+    preallocated cache (Llama and Qwen2 models): over the GGUF file's quantized blocks
+    (specdec.backends.quant) when `gguf` is given, else over prepacked fp32/bf16 weights
+    (specdec.backends.lean; built at first use, about one more copy of the linear weights); "hf" is
+    the transformers model itself; "auto" (default) picks lean where it can run the model.
+
+    A quantized model has no transformers model until something asks for `hf` (a transformers
+    peer, training): `hf_loader` then loads the fp32 dequantization, once. Raises ValueError for
+    backend="lean" on a model it cannot run, or an unknown backend.
     """
 
-    hf: torch.nn.Module
-    tokenizer: object
-    name: str
-    eos_token_ids: frozenset[int] = frozenset()  # ids that end generation; empty: never stop on EOS
-    backend: str = "auto"
-    _lean: object = field(default=None, repr=False)
-
-    def __post_init__(self):
+    def __init__(
+        self,
+        hf: torch.nn.Module | None,
+        tokenizer,
+        name: str,
+        eos_token_ids: frozenset[int] = frozenset(),
+        backend: str = "auto",
+        lean=None,
+        *,
+        gguf=None,
+        config=None,
+        hf_loader: Callable[[], torch.nn.Module] | None = None,
+    ):
         from specdec.backends.lean import unsupported_reason
 
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        reason = unsupported_reason(self.hf) if self.backend != "hf" else None
-        if self.backend == "lean" and reason:
-            raise ValueError(f"the lean backend cannot run {self.name}: {reason}; use backend 'hf' or 'auto'")
-        if self.backend == "auto":
-            self.backend = "hf" if reason else "lean"
+        self._hf, self.tokenizer, self.name = hf, tokenizer, name
+        self.eos_token_ids = frozenset(eos_token_ids)  # ids that end generation; empty: never stop on EOS
+        self.gguf, self._config, self._hf_loader, self._lean = gguf, config, hf_loader, lean
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if gguf is not None:
+            if backend == "hf":
+                raise ValueError(f"{name} runs at the GGUF file's precision on the lean backend; for hf, load it as float32")
+            self.backend = "lean"
+            return
+        reason = unsupported_reason(hf) if backend != "hf" else None
+        if backend == "lean" and reason:
+            raise ValueError(f"the lean backend cannot run {name}: {reason}; use backend 'hf' or 'auto'")
+        self.backend = ("hf" if reason else "lean") if backend == "auto" else backend
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r}, backend={self.backend!r}, precision={self.precision!r})"
+
+    @property
+    def hf(self) -> torch.nn.Module:
+        """The transformers model; for a quantized model, its fp32 dequantization, loaded at the first
+        access (seconds to minutes). Raises ValueError where there is none (a layer-skip view of a
+        quantized model)."""
+        if self._hf is None:
+            if self._hf_loader is None:
+                raise ValueError(f"{self.name} has no transformers model; load it with dtype float32")
+            self._hf = self._hf_loader()
+        return self._hf
+
+    @property
+    def config(self):
+        """The transformers config (shapes, layer count, token ids)."""
+        return self._config if self._config is not None else self.hf.config
+
+    @property
+    def precision(self) -> str:
+        """What the weights are: "float32" or "bfloat16" (a transformers model), or the GGML types of a
+        GGUF file run as they are, e.g. "gguf Q4_1+Q8_0"."""
+        if self.gguf is not None:
+            kinds = sorted({t.qtype for t in self.gguf.tensors.values() if len(t.shape) == 2})
+            return "gguf " + "+".join(kinds)
+        return str(self.hf.dtype).removeprefix("torch.")
 
     def lean(self):
-        """The specdec.backends.lean.LeanModel of this model, built at the first call."""
+        """The lean forward of this model (specdec.backends.quant.QuantModel for a GGUF model, else
+        specdec.backends.lean.LeanModel), built at the first call."""
         if self._lean is None:
-            from specdec.backends.lean import LeanModel
+            if self.gguf is not None:
+                from specdec.backends.quant import QuantModel
 
-            self._lean = LeanModel(self.hf)
+                self._lean = QuantModel(self.gguf, self.config)
+            else:
+                from specdec.backends.lean import LeanModel
+
+                self._lean = LeanModel(self.hf)
         return self._lean
 
     @property
     def device(self) -> torch.device:
         """Where the weights live (and the KV cache and logits of its forwards)."""
-        return self.hf.device
+        return torch.device("cpu") if self.gguf is not None else self.hf.device
 
     @property
     def n_ctx(self) -> int:
         """Context length in tokens (the model's max_position_embeddings)."""
-        return int(self.hf.config.max_position_embeddings)
+        return int(self.config.max_position_embeddings)
 
     @property
     def vocab_size(self) -> int:
         """Width of the logits (may exceed the tokenizer's size when the embedding is padded)."""
+        if self.gguf is not None:
+            return int(self.gguf.tensors["token_embd.weight"].shape[0])
         return int(self.hf.config.vocab_size)
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
@@ -120,7 +172,7 @@ class Model:
 
 def load_model(
     spec: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     pull_missing: bool = False,
     cache: str | os.PathLike | None = None,
     backend: str = "auto",
@@ -129,21 +181,23 @@ def load_model(
     """Load a model and its tokenizer, in eval mode.
 
     spec: a registry name (`smollm2-135m`, `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`,
-    `gemma-3-270m`), a local Hugging Face model folder, a local `.gguf` file (converted once to
-    safetensors in the cache, keyed by its sha256), or a hub id such as `HuggingFaceTB/SmolLM2-360M`.
-    dtype: the weights' dtype (default fp32). pull_missing: pull a registry model that is not in the
-    cache yet instead of raising. device: "cpu" (default), "cuda", "cuda:N" or "auto" (a CUDA GPU
-    when torch sees one), see resolve_device; the CLI's --device defaults to auto.
+    `gemma-3-270m`), a local `.gguf` file, a local Hugging Face model folder, or a hub id such as
+    `HuggingFaceTB/SmolLM2-360M`. dtype: None (default) runs a GGUF model (registry or file) at its
+    own precision, its 4-8 bit blocks multiplied by specdec's batch-invariant kernels
+    (specdec.backends.quant; Llama and Qwen2 on the CPU), and anything else in fp32; a torch dtype
+    loads the weights in that dtype, a GGUF model's dequantized once to safetensors in the cache
+    (keyed by its sha256). pull_missing: pull a registry model that is not in the cache yet instead
+    of raising. device: "cpu" (default), "cuda", "cuda:N" or "auto" (a CUDA GPU when torch sees one),
+    see resolve_device; the CLI's --device defaults to auto.
 
     Raises ValueError for a device torch cannot use; ModelNotFoundError with the command that fixes
     it: a registry model not pulled, a path that does not exist, a hub id that cannot be reached
-    (fails within seconds when offline).
+    (fails within seconds when offline); GGUFError (a ValueError) for a damaged GGUF file.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dev = resolve_device(device)
     root = cache_dir(cache)
     path = Path(spec).expanduser()
+    gguf_file = None
     if spec in REGISTRY:
         if not is_pulled(spec, root):
             if not pull_missing:
@@ -151,31 +205,60 @@ def load_model(
                     f"model {spec!r} is not pulled yet: run `specdec models pull {spec}` (or pass --pull)"
                 )
             pull(spec, root)
-        folder, kwargs = converted_path(REGISTRY[spec].sha256, root), {}
+        gguf_file = gguf_path(REGISTRY[spec], root)
     elif path.is_file() and path.suffix == ".gguf":
-        folder, kwargs = convert_gguf(path, sha256_of(path, progress=True), root, source=str(path)), {}
-    elif path.is_dir():
-        folder, kwargs = path, {}
-    elif HUB_ID.match(spec) and not path.exists():
-        folder, kwargs = spec, _hub_kwargs(spec)
-    else:
+        gguf_file = path
+    elif not (path.is_dir() or (HUB_ID.match(spec) and not path.exists())):
         raise ModelNotFoundError(
             f"{spec!r} is not a registry name ({', '.join(REGISTRY)}), an existing folder or .gguf "
             "file, or a hub id of the form org/name"
         )
+    if gguf_file is not None and dtype is None and dev.type == "cpu" and backend != "hf":
+        return _load_quantized(spec, gguf_file, root, backend)
+    return _load_transformers(spec, gguf_file, root, dtype or torch.float32, backend, dev)
+
+
+def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str) -> Model:
+    """A GGUF model run at its own precision; its fp32 transformers model is loaded only if asked for."""
+    from transformers import GenerationConfig
+
+    from specdec.models.gguf import hf_config, hf_tokenizer, read_gguf
+
+    gguf = read_gguf(gguf_file)
+    config = hf_config(gguf)
+    tokenizer = hf_tokenizer(gguf, root / "gguf-meta")
+    eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer)
+    loader = lambda: _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
+    return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader)
+
+
+def _load_transformers(
+    spec: str, gguf_file: Path | None, root: Path, dtype: torch.dtype, backend: str, dev: torch.device
+) -> Model:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if spec in REGISTRY:
+        folder = converted_folder(spec, root)
+    elif gguf_file is not None:
+        folder = convert_gguf(gguf_file, sha256_of(gguf_file, progress=True), root, source=str(gguf_file))
+    elif Path(spec).expanduser().is_dir():
+        folder = Path(spec).expanduser()
+    else:
+        folder, kwargs = spec, _hub_kwargs(spec)
     try:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     except OSError as e:
         raise ModelNotFoundError(f"could not load {spec!r}: {e}") from e
     hf.to(dev).eval()
-    return Model(hf, tokenizer, spec, default_eos_ids(hf, tokenizer), backend)
+    return Model(hf, tokenizer, spec, default_eos_ids(hf.generation_config, tokenizer), backend)
 
 
-def default_eos_ids(hf, tokenizer) -> frozenset[int]:
+def default_eos_ids(generation_config, tokenizer) -> frozenset[int]:
     """The generation config's eos ids plus the tokenizer's eos id."""
     ids: set[int] = set()
-    gen = getattr(hf, "generation_config", None)
+    gen = generation_config
     for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(source, int):
             ids.add(source)

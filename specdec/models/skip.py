@@ -81,7 +81,7 @@ def skip_view(model: Model, layers: Sequence[int] | str) -> Model:
     On the lean backend the view runs the target's lean model over the kept layers.
     Raises ValueError on bad indices or an unsupported architecture.
     """
-    return build_view(model, parse_layers(layers, len(decoder_layers(model.hf))))
+    return build_view(model, parse_layers(layers, model.config.num_hidden_layers))
 
 
 def build_view(model: Model, kept: list[int]) -> Model:
@@ -114,7 +114,7 @@ def build_view(model: Model, kept: list[int]) -> Model:
     return Model(
         view,
         model.tokenizer,
-        f"{model.name}[layers {_ranges(kept) if kept else 'none'}]",
+        name,
         model.eos_token_ids,
         model.backend,
         lean,

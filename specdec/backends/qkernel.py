@@ -1,0 +1,51 @@
+"""specdec's batch-invariant CPU kernels for GGUF weights (specdec/backends/csrc/quant.cpp), compiled
+at first use.
+
+The module's functions: `matmul(x, parts, types, bias)` (x (M, K) fp32 times the stacked quantized
+parts, each (N_p, row_bytes) uint8 of a GGML type id; returns (M, sum N_p)), `dequantize_rows(w,
+type, K, ids)`, `rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope(x, positions, inv_freq)` (in place)
+and `attention(q, k_cache, v_cache, start, mask, scale)`. Each output is reduced in one fixed
+order by one thread, so row i of an n-row call has the bits of a one-row call (quant.cpp says how).
+
+Built with torch's C++ extension loader (a C++ compiler and ninja, once per machine, cached under
+~/.cache/torch_extensions) for the machine it runs on (-march=native); -ffp-contract=off keeps
+the compiler from fusing multiply-adds differently in different places. A home directory shared by
+machines with different CPUs wants TORCH_EXTENSIONS_DIR set per machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.errors import KernelBuildError
+
+SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
+
+# GGML type ids (ggml.h) the kernels multiply in their blocks; other types are dequantized to fp32 at load.
+TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+_module = None
+
+
+def kernels():
+    """The compiled module, built at the first call (tens of seconds, once per machine). Raises
+    KernelBuildError, with the compiler's first error line and what to do, when it cannot be built."""
+    global _module
+    if _module is None:
+        try:
+            from torch.utils.cpp_extension import load
+
+            from specdec.backends.gemv import _ninja_on_path
+
+            _ninja_on_path()
+            _module = load(
+                "specdec_quant", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as e:
+            raise KernelBuildError(
+                f"specdec's quantized kernels could not be built ({str(e).splitlines()[0][:300]}). They need a C++ "
+                "compiler (g++ or clang++) and ninja; or run the dequantized weights with --dtype float32."
+            ) from None
+    return _module

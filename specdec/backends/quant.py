@@ -1,0 +1,199 @@
+"""The quantized decode path: a Llama/Qwen2 forward over GGUF weights kept in their 4-8 bit blocks,
+every op batch-invariant.
+
+Decoding on a CPU is bound by reading the weights. A GGUF file's blocks (Q4_1, Q4_K, ...) are 4-7x
+fewer bytes than their fp32 dequantization, so this forward multiplies them directly with
+specdec's kernels (specdec/backends/csrc/quant.cpp), decoding each block in registers. Every op of
+the forward (products, RMSNorm, rotary embedding, attention, SwiGLU, the output layer) gives row i
+of an n-row call the bits of a one-row call, for any n and any thread count; so one forward over
+k+1 tokens equals k+1 one-token forwards bit for bit, and greedy speculative decoding equals plain
+greedy decoding by construction, for every drafter, k and token tree (docs/lean-backend.md).
+
+It has the interface of specdec.backends.lean.LeanModel (forward, subset, the cache's shapes), so
+the engine, the KV cache and rollback are the same. Tensors of a GGML type the kernels do not
+handle are dequantized to fp32 at load, said once on stderr, and run through the same kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+
+import torch
+
+from specdec.backends.lean import causal_mask, rope_inv_freq
+
+SUPPORTED = ("llama", "qwen2")
+
+
+class QuantLinear:
+    """y = x W^T + b for W the row-wise concatenation of GGUF matrices (`parts`, each a
+    specdec.models.gguf.QTensor with K columns) and b the concatenation of their biases (fp32 or
+    None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
+    dequantized to fp32 because the kernels do not handle their type."""
+
+    def __init__(self, parts, biases=None, fallback: set[str] | None = None):
+        from specdec.backends.qkernel import TYPES
+
+        self.data, self.types = [], []
+        for p in parts:
+            if p.qtype in TYPES:
+                self.data.append(p.data)
+                self.types.append(TYPES[p.qtype])
+            else:
+                if fallback is not None:
+                    fallback.add(p.qtype)
+                self.data.append(p.dequantize().float().contiguous().view(torch.uint8))
+                self.types.append(TYPES["F32"])
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None
+        if biases is not None and any(b is not None for b in biases):
+            self.bias = torch.cat(
+                [b if b is not None else torch.zeros(p.shape[0]) for p, b in zip(parts, biases)]
+            ).float()
+        self.nbytes = sum(d.numel() for d in self.data)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from specdec.backends.qkernel import kernels
+
+        return kernels().matmul(x, self.data, self.types, self.bias)
+
+
+class _Layer:
+    def __init__(self, t: dict, i: int, fallback: set[str]):
+        def get(name):
+            return t.get(f"blk.{i}.{name}")
+
+        def bias(name):
+            b = get(f"{name}.bias")
+            return None if b is None else b.data
+
+        self.qkv = QuantLinear(
+            [get("attn_q.weight"), get("attn_k.weight"), get("attn_v.weight")],
+            [bias("attn_q"), bias("attn_k"), bias("attn_v")],
+            fallback,
+        )
+        self.o = QuantLinear([get("attn_output.weight")], [bias("attn_output")], fallback)
+        self.gate_up = QuantLinear([get("ffn_gate.weight"), get("ffn_up.weight")], None, fallback)
+        self.down = QuantLinear([get("ffn_down.weight")], None, fallback)
+        self.norm_in = get("attn_norm.weight").data.float().contiguous()
+        self.norm_post = get("ffn_norm.weight").data.float().contiguous()
+
+
+class QuantModel:
+    """A Llama/Qwen2 GGUF model (specdec.models.gguf.GGUFModel) laid out for the batch-invariant
+    quantized forward, with its transformers `config` for the shapes. Memory: the weights are the
+    memory-mapped file's blocks (llama's q and k rows, un-permuted, are the only copies). Raises
+    ValueError for an architecture other than llama or qwen2, or a tensor missing from the file."""
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+    screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
+    rows: dict[int, int] = {}  # never padded: a forward's cost is its own (specdec.backends.rows)
+
+    def __init__(self, gguf, config):
+        from specdec.backends.qkernel import kernels
+
+        if gguf.arch not in SUPPORTED:
+            raise ValueError(
+                f"{gguf.path.name}: the quantized backend runs {', '.join(SUPPORTED)} models, not {gguf.arch!r}; "
+                "run it with --dtype float32"
+            )
+        self.kernels = kernels()
+        c = config
+        self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
+        self.hidden_size = c.hidden_size
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        self.inv_freq = rope_inv_freq(float(theta), self.head_dim)
+        self.eps = float(c.rms_norm_eps)
+        t = gguf.tensors
+        missing = [
+            name
+            for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight")
+            if name not in t
+        ]
+        if missing:
+            raise ValueError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {gguf.arch} model file")
+        fallback: set[str] = set()
+        self.embed_tensor = t["token_embd.weight"]
+        self.layers = [_Layer(t, i, fallback) for i in range(c.num_hidden_layers)]
+        self.norm = t["output_norm.weight"].data.float().contiguous()
+        self.lm_head = QuantLinear([t.get("output.weight", self.embed_tensor)], None, fallback)
+        self._embed = QuantLinear([self.embed_tensor], None, fallback)  # its rows are gathered, never multiplied
+        self.vocab_size = self.embed_tensor.shape[0]
+        if fallback:
+            print(
+                f"{gguf.path.name}: GGML types {', '.join(sorted(fallback))} are dequantized to fp32 at load "
+                f"(specdec's kernels multiply {', '.join(_kernel_types())} in their blocks)",
+                file=sys.stderr,
+            )
+        self.fallback = sorted(fallback)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file."""
+        return self.kernels.dequantize_rows(self._embed.data[0], self._embed.types[0], self.hidden_size, ids)
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The whole input embedding table, dequantized: (V, hidden) fp32 (for the draft heads)."""
+        return self.embed_rows(torch.arange(self.vocab_size))
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads: every matrix in its blocks, the output layer included,
+        the embedding table not (a forward gathers only its n rows), except when it is the output layer."""
+        layers = sum(m.nbytes for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return layers + self.lm_head.nbytes
+
+    def subset(self, kept: list[int]) -> QuantModel:
+        """The same model running only the decoder layers `kept` (layer-skip self-speculation); shares
+        every weight with this one."""
+        view = copy.copy(self)
+        view.layers = [self.layers[i] for i in kept]
+        return view
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        features: torch.Tensor,
+        start: int,
+        keep: int,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+        argmax_only: bool = False,
+        taps: tuple[int, ...] = (),
+    ) -> torch.Tensor:
+        """As specdec.backends.lean.LeanModel.forward (same arguments, same cache layout), with
+        batch-invariant ops: row i of the returned logits (keep, V) has the bits the same token
+        would get from a forward over fewer or more new tokens. argmax_only changes nothing here
+        (the logits are always exact)."""
+        k = self.kernels
+        n, hd, heads, kv = ids.shape[0], self.head_dim, self.n_heads, self.n_kv
+        positions, mask = tree if tree is not None else (torch.arange(start, start + n), causal_mask(start, n))
+        h = self.embed_rows(ids)  # (n, d)
+        d = h.shape[1]
+        scale = 1.0 / math.sqrt(hd)
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
+            qkv = layer.qkv(k.rms_norm(h, layer.norm_in, self.eps))
+            qk = qkv[:, : (heads + kv) * hd].reshape(n, heads + kv, hd).contiguous()
+            k.rope(qk, positions, self.inv_freq)
+            k_cache[:, start : start + n] = qk[:, heads:].transpose(0, 1)
+            v_cache[:, start : start + n] = qkv[:, (heads + kv) * hd :].view(n, kv, hd).transpose(0, 1)
+            h = h + layer.o(k.attention(qk[:, :heads], k_cache, v_cache, start, mask, scale))
+            h = h + layer.down(k.swiglu(layer.gate_up(k.rms_norm(h, layer.norm_post, self.eps))))
+            if i in taps:
+                column = d * (1 + taps.index(i))
+                features[start : start + n, column : column + d] = h
+        h = k.rms_norm(h, self.norm, self.eps)
+        features[start : start + n, :d] = h
+        return self.lm_head(h[n - keep :])
+
+
+def _kernel_types() -> list[str]:
+    from specdec.backends.qkernel import TYPES
+
+    return [name for name in TYPES if name != "F32"]
