@@ -47,9 +47,10 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: boo
         "--dtype",
         choices=list(DTYPES),
         default="auto" if device else "float32",
-        help="default auto (float32 for training and calibration, which run transformers' forward). auto: a GGUF model (registry name or .gguf file) runs at its own precision, its "
-        "quantized blocks multiplied by specdec's batch-invariant kernels; other models float32. float32: "
-        "the GGUF weights dequantized (the reference)",
+        help="auto (the default, except for training and calibration, which run float32): a GGUF model "
+        "(registry name or .gguf file) runs at its own precision, its quantized blocks multiplied by "
+        "specdec's batch-invariant kernels, other models in float32. float32: the GGUF weights dequantized "
+        "(the reference)",
     )
     if draft:
         p.add_argument(

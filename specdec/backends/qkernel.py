@@ -39,7 +39,9 @@ def kernels():
 
             _ninja_on_path()
             _module = load(
-                "specdec_quant", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                "specdec_quant",
+                [str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

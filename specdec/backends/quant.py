@@ -17,7 +17,6 @@ handle are dequantized to fp32 at load, said once on stderr, and run through the
 from __future__ import annotations
 
 import copy
-import math
 import sys
 
 import torch
@@ -75,7 +74,7 @@ class _Layer:
             [bias("attn_q"), bias("attn_k"), bias("attn_v")],
             fallback,
         )
-        self.o = QuantLinear([get("attn_output.weight")], [bias("attn_output")], fallback)
+        self.o = QuantLinear([get("attn_output.weight")], None, fallback)
         self.gate_up = QuantLinear([get("ffn_gate.weight"), get("ffn_up.weight")], None, fallback)
         self.down = QuantLinear([get("ffn_down.weight")], None, fallback)
         self.norm_in = get("attn_norm.weight").data.float().contiguous()
@@ -172,19 +171,17 @@ class QuantModel:
         would get from a forward over fewer or more new tokens. argmax_only changes nothing here
         (the logits are always exact)."""
         k = self.kernels
-        n, hd, heads, kv = ids.shape[0], self.head_dim, self.n_heads, self.n_kv
+        n = ids.shape[0]
         positions, mask = tree if tree is not None else (torch.arange(start, start + n), causal_mask(start, n))
         h = self.embed_rows(ids)  # (n, d)
         d = h.shape[1]
-        scale = 1.0 / math.sqrt(hd)
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
-            qkv = layer.qkv(k.rms_norm(h, layer.norm_in, self.eps))
-            qk = qkv[:, : (heads + kv) * hd].reshape(n, heads + kv, hd).contiguous()
-            k.rope(qk, positions, self.inv_freq)
-            k_cache[:, start : start + n] = qk[:, heads:].transpose(0, 1)
-            v_cache[:, start : start + n] = qkv[:, (heads + kv) * hd :].view(n, kv, hd).transpose(0, 1)
-            h = h + layer.o(k.attention(qk[:, :heads], k_cache, v_cache, start, mask, scale))
-            h = h + layer.down(k.swiglu(layer.gate_up(k.rms_norm(h, layer.norm_post, self.eps))))
+            qkv, o, gate_up, down = layer.qkv, layer.o, layer.gate_up, layer.down
+            h = k.decoder_layer(
+                h, layer.norm_in, layer.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
+                gate_up.data, gate_up.types, down.data, down.types, k_cache, v_cache, start, positions,
+                self.inv_freq, mask, self.n_heads, self.eps,
+            )  # fmt: skip
             if i in taps:
                 column = d * (1 + taps.index(i))
                 features[start : start + n, column : column + d] = h

@@ -88,7 +88,7 @@ class Model:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if gguf is not None:
             if backend == "hf":
-                raise ValueError(f"{name} runs at the GGUF file's precision on the lean backend; for hf, load it as float32")
+                raise ValueError(f"{name} runs at its GGUF precision on the lean backend; for hf, load it as float32")
             self.backend = "lean"
             return
         reason = unsupported_reason(hf) if backend != "hf" else None

@@ -111,6 +111,7 @@ def build_view(model: Model, kept: list[int]) -> Model:
     view.model = inner
     view.config = config
     lean = model.lean().subset(kept) if model.backend == "lean" else None
+    name = f"{model.name}[layers {_ranges(kept) if kept else 'none'}]"
     return Model(
         view,
         model.tokenizer,

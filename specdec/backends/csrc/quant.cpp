@@ -131,7 +131,7 @@ struct Layout {
 
 inline Layout layout(int64_t type) {
   switch (type) {
-    case F32: return {L, 4 * L};
+    case F32: return {32, 128};
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
     case Q5_0: return {32, 22};
@@ -169,24 +169,24 @@ inline ivec lanes_from(int start) {
   return v;
 }
 
-// Writes the row's K weights, dequantized as ggml dequantizes them (dequantize_row_*: scale times
-// the quantized integer, plus the block's minimum where the type has one), to w[0..K) in fp32.
-// Scale times integer is exact in fp32 for every type here, so the only rounding is the minimum's
-// addition.
-template <int64_t type>
-void decode_blocks(const uint8_t* row, int64_t K, float* w) {
+// Dequantizes a row of K weights as ggml does (dequantize_row_*: scale times the quantized integer,
+// plus the block's minimum where the type has one) and hands them to emit(c, w0, w1) 32 at a time,
+// in order: w0 holds weights c..c+15, w1 weights c+16..c+31. Scale times integer is exact in fp32
+// for every type here, so the only rounding is the minimum's addition.
+template <int64_t type, typename Emit>
+inline void decode_blocks(const uint8_t* row, int64_t K, Emit&& emit) {
   const Layout lay = layout(type);
   const int64_t blocks = K / lay.block;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = row + b * lay.bytes;
-    float* out = w + b * lay.block;
+    const int64_t c = b * lay.block;
     if constexpr (type == F32) {
-      std::memcpy(out, p, L * sizeof(float));
+      const float* f = reinterpret_cast<const float*>(p);
+      emit(c, load(f), load(f + 16));
     } else if constexpr (type == Q4_0 || type == Q4_1) {
       const vec d = splat(half_to_float(p)), m = splat(type == Q4_1 ? half_to_float(p + 2) : 0.0f);
       const ivec q = widen_u8(p + (type == Q4_1 ? 4 : 2)), shift = ivec{} + (type == Q4_0 ? 8 : 0);
-      store(out, to_float((q & 15) - shift) * d + m);
-      store(out + 16, to_float((q >> 4) - shift) * d + m);
+      emit(c, to_float((q & 15) - shift) * d + m, to_float((q >> 4) - shift) * d + m);
     } else if constexpr (type == Q5_0 || type == Q5_1) {
       const int head = type == Q5_1 ? 4 : 2;
       const vec d = splat(half_to_float(p)), m = splat(type == Q5_1 ? half_to_float(p + 2) : 0.0f);
@@ -194,102 +194,124 @@ void decode_blocks(const uint8_t* row, int64_t K, float* w) {
       std::memcpy(&qh, p + head, 4);
       const ivec high = ivec{} + static_cast<int32_t>(qh), shift = ivec{} + (type == Q5_0 ? 16 : 0);
       const ivec q = widen_u8(p + head + 4);
-      store(out, to_float(((q & 15) | (((high >> lanes_from(0)) & 1) << 4)) - shift) * d + m);
-      store(out + 16, to_float(((q >> 4) | (((high >> lanes_from(16)) & 1) << 4)) - shift) * d + m);
+      emit(c, to_float(((q & 15) | (((high >> lanes_from(0)) & 1) << 4)) - shift) * d + m,
+           to_float(((q >> 4) | (((high >> lanes_from(16)) & 1) << 4)) - shift) * d + m);
     } else if constexpr (type == Q8_0) {
       const vec d = splat(half_to_float(p));
-      store(out, to_float(widen_s8(p + 2)) * d);
-      store(out + 16, to_float(widen_s8(p + 18)) * d);
+      emit(c, to_float(widen_s8(p + 2)) * d, to_float(widen_s8(p + 18)) * d);
     } else if constexpr (type == Q4_K) {
       const float d = half_to_float(p), dmin = half_to_float(p + 2);
       const uint8_t* sc = p + 4;
       const uint8_t* qs = p + 16;
       for (int j = 0; j < 8; ++j) {  // sub-block j: 32 weights, a 6-bit scale and minimum (get_scale_min_k4)
-        int a, c;
+        int a, e;
         if (j < 4) {
           a = sc[j] & 63;
-          c = sc[j + 4] & 63;
+          e = sc[j + 4] & 63;
         } else {
           a = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-          c = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          e = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
         }
-        const vec s = splat(d * static_cast<float>(a)), m = splat(dmin * static_cast<float>(c));
+        const vec s = splat(d * static_cast<float>(a)), m = splat(dmin * static_cast<float>(e));
         const uint8_t* q = qs + 32 * (j / 2);  // even sub-blocks take the low nibbles, odd ones the high
         const ivec q0 = widen_u8(q), q1 = widen_u8(q + 16);
-        store(out + 32 * j, to_float(j % 2 ? q0 >> 4 : q0 & 15) * s - m);
-        store(out + 32 * j + 16, to_float(j % 2 ? q1 >> 4 : q1 & 15) * s - m);
+        emit(c + 32 * j, to_float(j % 2 ? q0 >> 4 : q0 & 15) * s - m, to_float(j % 2 ? q1 >> 4 : q1 & 15) * s - m);
       }
     } else if constexpr (type == Q6_K) {
-      const uint8_t* ql = p;
-      const uint8_t* qh = p + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
       const float d = half_to_float(p + 208);
-      for (int half = 0; half < 2; ++half) {
-        const uint8_t* l = ql + 64 * half;
-        const uint8_t* h = qh + 32 * half;
+      for (int half = 0; half < 2; ++half) {  // 128 weights: four quarters of 32, each two scales of 16
+        const uint8_t* l = p + 64 * half;
+        const uint8_t* h = p + 128 + 32 * half;
         const int8_t* s = sc + 8 * half;
-        float* o = out + 128 * half;
-        for (int part = 0; part < 2; ++part) {  // lanes 16 * part .. 16 * part + 15 of each quarter
-          const ivec a = widen_u8(l + 16 * part), c = widen_u8(l + 32 + 16 * part), hb = widen_u8(h + 16 * part);
-          const ivec q1 = ((a & 15) | ((hb & 3) << 4)) - 32;
-          const ivec q2 = ((c & 15) | (((hb >> 2) & 3) << 4)) - 32;
-          const ivec q3 = ((a >> 4) | (((hb >> 4) & 3) << 4)) - 32;
-          const ivec q4 = ((c >> 4) | (((hb >> 6) & 3) << 4)) - 32;
-          store(o + 16 * part, to_float(q1) * splat(d * s[part]));
-          store(o + 32 + 16 * part, to_float(q2) * splat(d * s[part + 2]));
-          store(o + 64 + 16 * part, to_float(q3) * splat(d * s[part + 4]));
-          store(o + 96 + 16 * part, to_float(q4) * splat(d * s[part + 6]));
-        }
+        const ivec a0 = widen_u8(l), a1 = widen_u8(l + 16), c0 = widen_u8(l + 32), c1 = widen_u8(l + 48);
+        const ivec h0 = widen_u8(h), h1 = widen_u8(h + 16);
+        const int64_t o = c + 128 * half;
+        emit(o, to_float(((a0 & 15) | ((h0 & 3) << 4)) - 32) * splat(d * s[0]),
+             to_float(((a1 & 15) | ((h1 & 3) << 4)) - 32) * splat(d * s[1]));
+        emit(o + 32, to_float(((c0 & 15) | (((h0 >> 2) & 3) << 4)) - 32) * splat(d * s[2]),
+             to_float(((c1 & 15) | (((h1 >> 2) & 3) << 4)) - 32) * splat(d * s[3]));
+        emit(o + 64, to_float(((a0 >> 4) | (((h0 >> 4) & 3) << 4)) - 32) * splat(d * s[4]),
+             to_float(((a1 >> 4) | (((h1 >> 4) & 3) << 4)) - 32) * splat(d * s[5]));
+        emit(o + 96, to_float(((c0 >> 4) | (((h0 >> 6) & 3) << 4)) - 32) * splat(d * s[6]),
+             to_float(((c1 >> 4) | (((h1 >> 6) & 3) << 4)) - 32) * splat(d * s[7]));
       }
     }
   }
 }
 
-void decode_row(int64_t type, const uint8_t* row, int64_t K, float* w) {
+// Calls f.template operator()<type>() for a run-time GGML type id.
+template <typename F>
+inline void dispatch(int64_t type, F&& f) {
   switch (type) {
-    case F32: return decode_blocks<F32>(row, K, w);
-    case Q4_0: return decode_blocks<Q4_0>(row, K, w);
-    case Q4_1: return decode_blocks<Q4_1>(row, K, w);
-    case Q5_0: return decode_blocks<Q5_0>(row, K, w);
-    case Q5_1: return decode_blocks<Q5_1>(row, K, w);
-    case Q8_0: return decode_blocks<Q8_0>(row, K, w);
-    case Q4_K: return decode_blocks<Q4_K>(row, K, w);
-    case Q6_K: return decode_blocks<Q6_K>(row, K, w);
+    case F32: return f.template operator()<F32>();
+    case Q4_0: return f.template operator()<Q4_0>();
+    case Q4_1: return f.template operator()<Q4_1>();
+    case Q5_0: return f.template operator()<Q5_0>();
+    case Q5_1: return f.template operator()<Q5_1>();
+    case Q8_0: return f.template operator()<Q8_0>();
+    case Q4_K: return f.template operator()<Q4_K>();
+    case Q6_K: return f.template operator()<Q6_K>();
   }
   TORCH_CHECK(false, "specdec quant: unsupported GGML type ", type);
 }
 
-// ---- products ------------------------------------------------------------------------------
+void decode_row(int64_t type, const uint8_t* row, int64_t K, float* w) {
+  dispatch(type, [&]<int64_t t>() {
+    decode_blocks<t>(row, K, [&](int64_t c, vec w0, vec w1) {
+      store(w + c, w0);
+      store(w + c + 16, w1);
+    });
+  });
+}
 
-// y[m] = w . x[m] for the T rows m of one tile: each 32 weights' first 16 lanes go to one
-// accumulator, the next 16 to a second (two independent chains), then one lane reduction of their
-// sum. The order depends on K alone.
-template <int T>
-void tile(const float* w, int64_t K, const float* x, float* y, int64_t y_stride) {
+// ---- products ------------------------------------------------------------------------------
+//
+// Every output y[m, j] = w_j . x_m is summed the same way: over the row's 32-weight chunks in order,
+// the first 16 lanes of each chunk into one accumulator and the next 16 into a second (two
+// independent chains), then one lane reduction of their sum. The order depends on K alone. Input
+// rows go in tiles of up to TILE, each tile dequantizing the weight row again in registers: the
+// same values, the same operations, whatever the tile.
+
+constexpr int TILE = 8;
+
+template <int64_t type, int T>
+void rows_fused(const uint8_t* row, int64_t K, const float* x, float* y, int64_t y_stride) {
   vec even[T] = {}, odd[T] = {};
-  int64_t c = 0;
-  for (; c + 32 <= K; c += 32) {
-    const vec w0 = load(w + c), w1 = load(w + c + 16);
+  decode_blocks<type>(row, K, [&](int64_t c, vec w0, vec w1) {
     for (int m = 0; m < T; ++m) {
       even[m] = fma(w0, load(x + m * K + c), even[m]);
       odd[m] = fma(w1, load(x + m * K + c + 16), odd[m]);
     }
-  }
-  if (c < K) {  // K = 32 j + 16 (fp32 rows only)
-    const vec w0 = load(w + c);
-    for (int m = 0; m < T; ++m) even[m] = fma(w0, load(x + m * K + c), even[m]);
-  }
+  });
   for (int m = 0; m < T; ++m) y[m * y_stride] = lane_sum(even[m] + odd[m]);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
-constexpr int TILE = 6;
-const TileFn tiles[TILE + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+// y[:, j] for j in [lo, hi) of one part: rows (hi - lo, row_bytes) of type `type`; x (M, K); y (M, N).
+template <int64_t type>
+void part_outputs(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, int64_t K, const float* x,
+                  int64_t M, float* y, int64_t N) {
+  using Fn = void (*)(const uint8_t*, int64_t, const float*, float*, int64_t);
+  static constexpr Fn tiles[TILE + 1] = {nullptr,
+                                         rows_fused<type, 1>,
+                                         rows_fused<type, 2>,
+                                         rows_fused<type, 3>,
+                                         rows_fused<type, 4>,
+                                         rows_fused<type, 5>,
+                                         rows_fused<type, 6>,
+                                         rows_fused<type, 7>,
+                                         rows_fused<type, 8>};
+  for (int64_t j = lo; j < hi; ++j) {
+    const uint8_t* row = rows + (j - lo) * row_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += TILE)
+      tiles[std::min<int64_t>(TILE, M - m0)](row, K, x + m0 * K, y + m0 * N + j, N);
+  }
+}
 
 // x: (M, K) fp32; parts: matrices (N_p, row_bytes) uint8 of GGML types `types`, each with K columns;
 // bias: (sum N_p,) fp32 or None. Returns (M, sum N_p) = x W^T + b, W the parts stacked and
-// dequantized. Each output is one thread's dot product in a fixed order (tile), so its bits do not
-// depend on M, on the other rows, or on the thread count.
+// dequantized. Each output is one thread's dot product in a fixed order, so its bits do not depend
+// on M, on the other rows, or on the thread count.
 torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
                      c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quant.matmul: x must be (M, K) fp32");
@@ -315,22 +337,18 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   const float* xp = x.data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(K);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (size_t p = 0; p < parts.size(); ++p) {
       const int64_t lo = std::max(begin, offsets[p]), hi = std::min(end, offsets[p + 1]);
       if (lo >= hi) continue;
       const int64_t row_bytes = parts[p].size(1);
-      const uint8_t* wp = parts[p].data_ptr<uint8_t>();
-      for (int64_t j = lo; j < hi; ++j) {
-        decode_row(types[p], wp + (j - offsets[p]) * row_bytes, K, w.data());
-        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-          const int t = static_cast<int>(std::min<int64_t>(TILE, M - m0));
-          tiles[t](w.data(), K, xp + m0 * K, yp + m0 * N + j, N);
-        }
-        if (b)
-          for (int64_t m = 0; m < M; ++m) yp[m * N + j] += b[j];
-      }
+      const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
+      dispatch(types[p], [&]<int64_t t>() {
+        part_outputs<t>(rows, row_bytes, lo, hi, K, xp, M, yp, N);
+      });
+      if (b)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = lo; j < hi; ++j) yp[m * N + j] += b[j];
     }
   });
   return y;
@@ -393,24 +411,21 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
   return y;
 }
 
-// Rotary embedding (Su et al. 2021), rotate-half layout: x (n, heads, D) in place, at `positions` (n,);
-// inv_freq (D/2,). Angle = float(position) * inv_freq[i], cos and sin from the C library.
-void rope(torch::Tensor x, torch::Tensor positions, torch::Tensor inv_freq) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "quant.rope: x must be contiguous fp32");
-  positions = positions.to(torch::kLong).contiguous();
-  const int64_t n = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const float* f = inv_freq.data_ptr<float>();
-  float* xp = x.data_ptr<float>();
+// Rotary embedding (Su et al. 2021), rotate-half layout, in place on `heads` vectors of D floats at
+// the start of each of n rows (row i at x + i * stride), row i at positions[i]; inv_freq (D/2,).
+// Angle = float(position) * inv_freq[k], its cos and sin from the C library.
+void rope_rows(float* x, int64_t n, int64_t stride, int64_t heads, int64_t D, const int64_t* positions,
+               const float* inv_freq) {
+  const int64_t half = D / 2;
   std::vector<float> c(half), s(half);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t k = 0; k < half; ++k) {
-      const float angle = static_cast<float>(pos[i]) * f[k];
+      const float angle = static_cast<float>(positions[i]) * inv_freq[k];
       c[k] = std::cos(angle);
       s[k] = std::sin(angle);
     }
     for (int64_t h = 0; h < heads; ++h) {
-      float* v = xp + (i * heads + h) * D;
+      float* v = x + i * stride + h * D;
       for (int64_t k = 0; k < half; ++k) {
         const float a = v[k], b = v[k + half];
         v[k] = a * c[k] - b * s[k];
@@ -420,35 +435,30 @@ void rope(torch::Tensor x, torch::Tensor positions, torch::Tensor inv_freq) {
   }
 }
 
-// Attention of n new positions over a cache (Vaswani et al. 2017), one (position, head) per task:
-// q (n, H, D); k_cache, v_cache (KVH, capacity, D) holding the new keys and values at start..start+n-1
-// already; mask (n, start+n) bool or None (causal: position i sees 0..start+i). Grouped-query heads
-// share a key head. The visible keys are visited in cache order, so a token sees the same keys in
-// the same order however many positions the call has. Returns (n, H * D).
-torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
-                        c10::optional<torch::Tensor> mask, double scale) {
-  q = q.contiguous();
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), cap = k_cache.size(1);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && H % KVH == 0 && start + n <= cap,
-              "quant.attention: bad cache");
-  const bool* mp = nullptr;
-  torch::Tensor m;
-  if (mask.has_value()) {
-    m = mask->to(torch::kBool).contiguous();
-    TORCH_CHECK(m.size(0) == n && m.size(1) == start + n, "quant.attention: mask must be (n, start + n)");
-    mp = m.data_ptr<bool>();
-  }
-  auto out = torch::empty({n, H * D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+// x (n, heads, D) fp32 contiguous, in place; positions (n,) integers; inv_freq (D/2,) fp32.
+void rope(torch::Tensor x, torch::Tensor positions, torch::Tensor inv_freq) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "quant.rope: x must be contiguous fp32 (n, heads, D)");
+  positions = positions.to(torch::kLong).contiguous();
+  inv_freq = inv_freq.contiguous();
+  rope_rows(x.data_ptr<float>(), x.size(0), x.size(1) * x.size(2), x.size(1), x.size(2), positions.data_ptr<int64_t>(),
+            inv_freq.data_ptr<float>());
+}
+
+// Attention of n new positions over a cache (Vaswani et al. 2017), one (position, head) per task.
+// q: n rows of H heads of D floats (row i at q + i * q_stride); caches (KVH, capacity, D) holding the
+// new keys and values at start..start+n-1 already; mask (n, start+n) or null (causal: position i
+// sees 0..start+i). Grouped-query heads share a key head. The visible keys are visited in cache
+// order, so a token sees the same keys in the same order however many positions the call has.
+// Writes out (n, H * D).
+void attend(const float* q, int64_t q_stride, int64_t n, int64_t H, int64_t D, const float* kp, const float* vp,
+            int64_t KVH, int64_t cap, int64_t start, const bool* mp, float sc, float* op) {
   at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> score(start + n);
     std::vector<int64_t> seen(start + n);
     std::vector<float> acc(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / H, h = task % H, g = h / (H / KVH);
-      const float* qv = qp + (i * H + h) * D;
+      const float* qv = q + i * q_stride + h * D;
       const float* kg = kp + g * cap * D;
       const float* vg = vp + g * cap * D;
       int64_t count = 0;
@@ -483,7 +493,70 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
       for (int64_t e = 0; e < D; ++e) o[e] = acc[e] / sum;
     }
   });
+}
+
+const bool* mask_data(const c10::optional<torch::Tensor>& mask, torch::Tensor& holder, int64_t n, int64_t keys) {
+  if (!mask.has_value()) return nullptr;
+  holder = mask->to(torch::kBool).contiguous();
+  TORCH_CHECK(holder.dim() == 2 && holder.size(0) == n && holder.size(1) == keys, "quant: mask must be (n, start + n)");
+  return holder.data_ptr<bool>();
+}
+
+// q (n, H, D); k_cache, v_cache (KVH, capacity, D) fp32 contiguous, the new keys and values already at
+// start..start+n-1; mask (n, start+n) bool or None (causal). Returns (n, H * D).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
+                        c10::optional<torch::Tensor> mask, double scale) {
+  q = q.contiguous();
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), cap = k_cache.size(1);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && H % KVH == 0 && start + n <= cap,
+              "quant.attention: bad cache");
+  torch::Tensor holder;
+  const bool* mp = mask_data(mask, holder, n, start + n);
+  auto out = torch::empty({n, H * D}, q.options());
+  attend(q.data_ptr<float>(), H * D, n, H, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), KVH, cap, start, mp,
+         static_cast<float>(scale), out.data_ptr<float>());
   return out;
+}
+
+// One Llama/Qwen2 decoder layer over n new positions (pre-norm attention and SwiGLU MLP, residuals),
+// its ops the batch-invariant ones above, in one call so that a forward is one call per layer.
+// h (n, d) fp32 is updated in place and returned. The fused projections: qkv (q, k, v rows stacked,
+// with their bias or None), o, gate_up (gate rows then up rows), down; each a list of parts with
+// their GGML types. keys and values of the new positions are written to the caches (KVH, capacity,
+// D) at start..start+n-1. positions (n,): rotary positions; mask (n, start+n) or None (causal).
+torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post,
+                            std::vector<torch::Tensor> qkv, std::vector<int64_t> qkv_types,
+                            c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o,
+                            std::vector<int64_t> o_types, std::vector<torch::Tensor> gate_up,
+                            std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
+                            std::vector<int64_t> down_types, torch::Tensor k_cache, torch::Tensor v_cache,
+                            int64_t start, torch::Tensor positions, torch::Tensor inv_freq,
+                            c10::optional<torch::Tensor> mask, int64_t H, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.decoder_layer: bad h");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "quant.decoder_layer: caches must be contiguous");
+  const int64_t n = h.size(0), KVH = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(start + n <= cap && H % KVH == 0, "quant.decoder_layer: the cache is too short");
+  positions = positions.to(torch::kLong).contiguous();
+  torch::Tensor holder;
+  const bool* mp = mask_data(mask, holder, n, start + n);
+
+  auto t = matmul(rms_norm(h, norm_in, eps), qkv, qkv_types, qkv_bias);  // (n, (H + 2 KVH) D)
+  const int64_t stride = t.size(1);
+  TORCH_CHECK(stride == (H + 2 * KVH) * D, "quant.decoder_layer: qkv rows do not match the heads");
+  float* tp = t.data_ptr<float>();
+  rope_rows(tp, n, stride, H + KVH, D, positions.data_ptr<int64_t>(), inv_freq.contiguous().data_ptr<float>());
+  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < KVH; ++g) {
+      std::memcpy(kp + (g * cap + start + i) * D, tp + i * stride + (H + g) * D, D * sizeof(float));
+      std::memcpy(vp + (g * cap + start + i) * D, tp + i * stride + (H + KVH + g) * D, D * sizeof(float));
+    }
+  auto a = torch::empty({n, H * D}, h.options());
+  attend(tp, stride, n, H, D, kp, vp, KVH, cap, start, mp, 1.0f / std::sqrt(static_cast<float>(D)), a.data_ptr<float>());
+  h.add_(matmul(a, o, o_types, c10::nullopt));
+  h.add_(matmul(swiglu(matmul(rms_norm(h, norm_post, eps), gate_up, gate_up_types, c10::nullopt)), down, down_types,
+                c10::nullopt));
+  return h;
 }
 
 }  // namespace
@@ -495,4 +568,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu, "silu(gate) * up");
   m.def("rope", &rope, "rotary embedding in place, rotate-half layout");
   m.def("attention", &attention, "causal or masked attention over a KV cache, one task per position and head");
+  m.def("decoder_layer", &decoder_layer, "one Llama/Qwen2 decoder layer, h updated in place");
 }
