@@ -17,6 +17,7 @@ from specdec.engine import AUTO_K_MAX, generate
 from specdec.errors import SpecdecError
 from specdec.exactness import first_divergence
 from specdec.models.load import BACKENDS, DEVICES, load_model
+from specdec.models.quantize import QUANTIZE
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from specdec.sampling import SamplingParams
@@ -67,6 +68,12 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: boo
         "hf: the transformers model; auto (default): lean where it runs",
     )
     if device:
+        p.add_argument(
+            "--quantize",
+            choices=QUANTIZE,
+            help="quantize a Hugging Face Llama/Qwen2 model's matrices at load to this GGUF type and run them on "
+            "the quantized backend (GGUF models already run at their own precision)",
+        )
         p.add_argument(
             "--device",
             choices=DEVICES,
@@ -124,6 +131,7 @@ def _load_kwargs(args, draft: bool = False) -> dict:
         cache=args.cache_dir,
         backend=args.backend,
         device=getattr(args, "device", "cpu"),
+        quantize=None if draft else getattr(args, "quantize", None),
     )
 
 

@@ -177,6 +177,7 @@ def load_model(
     cache: str | os.PathLike | None = None,
     backend: str = "auto",
     device: str | torch.device = "cpu",
+    quantize: str | None = None,
 ) -> Model:
     """Load a model and its tokenizer, in eval mode.
 
@@ -188,7 +189,9 @@ def load_model(
     loads the weights in that dtype, a GGUF model's dequantized once to safetensors in the cache
     (keyed by its sha256). pull_missing: pull a registry model that is not in the cache yet instead
     of raising. device: "cpu" (default), "cuda", "cuda:N" or "auto" (a CUDA GPU when torch sees one),
-    see resolve_device; the CLI's --device defaults to auto.
+    see resolve_device; the CLI's --device defaults to auto. quantize: for a Hugging Face Llama/Qwen2
+    model, quantize its matrices at load to this GGUF type (specdec.models.quantize.QUANTIZE, e.g.
+    "q8_0") and run them on the quantized backend.
 
     Raises ValueError for a device torch cannot use; ModelNotFoundError with the command that fixes
     it: a registry model not pulled, a path that does not exist, a hub id that cannot be reached
@@ -213,6 +216,15 @@ def load_model(
             f"{spec!r} is not a registry name ({', '.join(REGISTRY)}), an existing folder or .gguf "
             "file, or a hub id of the form org/name"
         )
+    if quantize is not None:
+        if gguf_file is not None:
+            raise ValueError(f"{spec} is a GGUF model, already quantized: --quantize is for Hugging Face models")
+        if dev.type != "cpu" or backend == "hf" or dtype not in (None, torch.float32):
+            raise ValueError(
+                "--quantize runs on the CPU's quantized backend: use it with --device cpu, without --backend hf "
+                "or another --dtype"
+            )
+        return _quantize_at_load(spec, root, quantize, backend)
     if gguf_file is not None and dtype is None and dev.type == "cpu" and backend != "hf":
         return _load_quantized(spec, gguf_file, root, backend)
     return _load_transformers(spec, gguf_file, root, dtype or torch.float32, backend, dev)
@@ -230,6 +242,19 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str) -> Mod
     eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer)
     loader = lambda: _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
     return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader)
+
+
+def _quantize_at_load(spec: str, root: Path, qtype: str, backend: str) -> Model:
+    """A Hugging Face model with its matrices quantized to `qtype` (specdec.models.quantize); the fp32
+    model is dropped after quantizing and reloaded only if asked for."""
+    from specdec.models.quantize import quantize_model
+
+    fp32 = _load_transformers(spec, None, root, torch.float32, "hf", torch.device("cpu"))
+    gguf = quantize_model(fp32.hf, qtype, spec)
+    loader = lambda: _load_transformers(spec, None, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
+    return Model(
+        None, fp32.tokenizer, spec, fp32.eos_token_ids, backend, gguf=gguf, config=fp32.hf.config, hf_loader=loader
+    )
 
 
 def _load_transformers(
