@@ -188,13 +188,22 @@ class LeanModel:
             self.layers = [_Layer(layer) for layer in hf.model.layers]
             self.norm = hf.model.norm.weight.detach()
             out = hf.get_output_embeddings()
-            self.lm_head = Linear(out.weight.detach())
+            self.output_weight = out.weight.detach()  # (V, d), the transformers model's own
+            self.lm_head = Linear(self.output_weight)
             # greedy steps read the output layer in bf16 and recompute only the possible argmaxes
             # (specdec.backends.screen)
             self.screen = ScreenedHead(out.weight.detach()) if out.bias is None and screening_pays(out.weight) else None
         self.rows: dict[int, int] = {}  # forward n new tokens as rows[n] rows (specdec.backends.rows); absent: n
         if self.device.type == "cpu" and weight_bytes(hf) >= rows.TUNE_MIN_BYTES:
             self.rows = rows.tune_rows(self)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of token ids (n,): (n, hidden) in the model's dtype."""
+        return self.embed[ids]
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (n,) of the output layer's weight: (n, hidden) fp32 (a draft head's vocabulary)."""
+        return self.output_weight[ids].float()
 
     def subset(self, kept: list[int]) -> LeanModel:
         """The same model running only the decoder layers `kept` (layer-skip self-speculation,

@@ -135,10 +135,10 @@ class QuantModel:
         """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file."""
         return self.kernels.dequantize_rows(self._embed.data[0], self._embed.types[0], self.hidden_size, ids)
 
-    @property
-    def embed(self) -> torch.Tensor:
-        """The whole input embedding table, dequantized: (V, hidden) fp32 (for the draft heads)."""
-        return self.embed_rows(torch.arange(self.vocab_size))
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (n,) of the output layer's weight, dequantized: (n, hidden) fp32 (a draft head's
+        vocabulary)."""
+        return self.kernels.dequantize_rows(self.lm_head.data[0], self.lm_head.types[0], self.hidden_size, ids)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads: every matrix in its blocks, the output layer included,

@@ -78,9 +78,9 @@ class EagleDrafter(Drafter):
                 head, _ = load_head(path, target.lean().hidden_size)
             self.head = head.packed(target.device)  # projections reordered for oneDNN on CPU (DraftHead.packed)
             self.ids = self.head.vocab_ids.cpu()  # (N,) the token id of each of the head's logits
-            weight = target.hf.get_output_embeddings().weight.detach()[head.vocab_ids].float()
+            weight = target.lean().output_rows(head.vocab_ids.cpu()).to(target.device)
             self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
-            self.embed = target.lean().embed
+            self.embed_rows = target.lean().embed_rows  # (n,) ids -> (n, d)
             self.vocab = target.vocab_size
             self._target = target
         self.hcache = HeadCache(self.head)
@@ -120,7 +120,7 @@ class EagleDrafter(Drafter):
         # head position t reads (f_t, e(x_{t+1})); it is valid while x_0..x_{t+1} are unchanged
         start = max(0, min(common_prefix(self.seen, context) - 1, n - 2))  # re-run at least the last position
         feats = self.kv.features[start : n - 1].float()
-        embeds = self.embed[torch.tensor(context[start + 1 : n], device=self.embed.device)].float()
+        embeds = self.embed_rows(torch.tensor(context[start + 1 : n], device=self.kv.features.device)).float()
         pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
         self.seen = list(context)
         ids = self.ids
@@ -145,7 +145,8 @@ class EagleDrafter(Drafter):
                     break
             if len(tokens) >= k:  # also ends the last depth: no head step whose output goes unused
                 break
-            pred = self.head(pred, self.embed[token][None].float(), n - 1 + i, self.hcache)
+            embed = self.embed_rows(torch.tensor([token], device=self.kv.features.device)).float()  # (1, d)
+            pred = self.head(pred, embed, n - 1 + i, self.hcache)
         draft = Draft(
             tokens,
             torch.stack(probs) if probs else None,
