@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -226,7 +227,15 @@ def load_model(
             )
         return _quantize_at_load(spec, root, quantize, backend)
     if gguf_file is not None and dtype is None and dev.type == "cpu" and backend != "hf":
-        return _load_quantized(spec, gguf_file, root, backend)
+        from specdec.backends.qkernel import kernels
+        from specdec.errors import KernelBuildError
+
+        try:
+            kernels()
+        except KernelBuildError as e:
+            print(f"{e}\nRunning {spec} dequantized to float32 instead.", file=sys.stderr)
+        else:
+            return _load_quantized(spec, gguf_file, root, backend)
     return _load_transformers(spec, gguf_file, root, dtype or torch.float32, backend, dev)
 
 
