@@ -172,7 +172,8 @@ inline ivec lanes_from(int start) {
 // Dequantizes a row of K weights as ggml does (dequantize_row_*: scale times the quantized integer,
 // plus the block's minimum where the type has one) and hands them to emit(c, w0, w1) 32 at a time,
 // in order: w0 holds weights c..c+15, w1 weights c+16..c+31. Scale times integer is exact in fp32
-// for every type here, so the only rounding is the minimum's addition.
+// for every type here, so the only rounding is the minimum's addition, and a fused multiply-add
+// gives the same bits as ggml's multiply then add.
 template <int64_t type, typename Emit>
 inline void decode_blocks(const uint8_t* row, int64_t K, Emit&& emit) {
   const Layout lay = layout(type);
@@ -186,7 +187,7 @@ inline void decode_blocks(const uint8_t* row, int64_t K, Emit&& emit) {
     } else if constexpr (type == Q4_0 || type == Q4_1) {
       const vec d = splat(half_to_float(p)), m = splat(type == Q4_1 ? half_to_float(p + 2) : 0.0f);
       const ivec q = widen_u8(p + (type == Q4_1 ? 4 : 2)), shift = ivec{} + (type == Q4_0 ? 8 : 0);
-      emit(c, to_float((q & 15) - shift) * d + m, to_float((q >> 4) - shift) * d + m);
+      emit(c, fma(to_float((q & 15) - shift), d, m), fma(to_float((q >> 4) - shift), d, m));
     } else if constexpr (type == Q5_0 || type == Q5_1) {
       const int head = type == Q5_1 ? 4 : 2;
       const vec d = splat(half_to_float(p)), m = splat(type == Q5_1 ? half_to_float(p + 2) : 0.0f);
@@ -194,8 +195,8 @@ inline void decode_blocks(const uint8_t* row, int64_t K, Emit&& emit) {
       std::memcpy(&qh, p + head, 4);
       const ivec high = ivec{} + static_cast<int32_t>(qh), shift = ivec{} + (type == Q5_0 ? 16 : 0);
       const ivec q = widen_u8(p + head + 4);
-      emit(c, to_float(((q & 15) | (((high >> lanes_from(0)) & 1) << 4)) - shift) * d + m,
-           to_float(((q >> 4) | (((high >> lanes_from(16)) & 1) << 4)) - shift) * d + m);
+      emit(c, fma(to_float(((q & 15) | (((high >> lanes_from(0)) & 1) << 4)) - shift), d, m),
+           fma(to_float(((q >> 4) | (((high >> lanes_from(16)) & 1) << 4)) - shift), d, m));
     } else if constexpr (type == Q8_0) {
       const vec d = splat(half_to_float(p));
       emit(c, to_float(widen_s8(p + 2)) * d, to_float(widen_s8(p + 18)) * d);
@@ -212,10 +213,10 @@ inline void decode_blocks(const uint8_t* row, int64_t K, Emit&& emit) {
           a = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
           e = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
         }
-        const vec s = splat(d * static_cast<float>(a)), m = splat(dmin * static_cast<float>(e));
+        const vec s = splat(d * static_cast<float>(a)), m = splat(-(dmin * static_cast<float>(e)));
         const uint8_t* q = qs + 32 * (j / 2);  // even sub-blocks take the low nibbles, odd ones the high
         const ivec q0 = widen_u8(q), q1 = widen_u8(q + 16);
-        emit(c + 32 * j, to_float(j % 2 ? q0 >> 4 : q0 & 15) * s - m, to_float(j % 2 ? q1 >> 4 : q1 & 15) * s - m);
+        emit(c + 32 * j, fma(to_float(j % 2 ? q0 >> 4 : q0 & 15), s, m), fma(to_float(j % 2 ? q1 >> 4 : q1 & 15), s, m));
       }
     } else if constexpr (type == Q6_K) {
       const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
