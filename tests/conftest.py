@@ -70,6 +70,24 @@ def make_model(
     return Model(hf, tokenizer if tokenizer is not None else make_tokenizer(), name or f"tiny-{arch}-{seed}", eos)
 
 
+def remake(model: Model, **changes) -> Model:
+    """A new Model with `model`'s fields except `changes` (hf, tokenizer, name, eos_token_ids, backend,
+    lean, gguf, config, hf_loader), built (and checked) by Model's constructor; the lean forward is
+    shared unless `lean` is given."""
+    fields = dict(
+        hf=model._hf,
+        tokenizer=model.tokenizer,
+        name=model.name,
+        eos_token_ids=model.eos_token_ids,
+        backend=model.backend,
+        lean=model._lean,
+        gguf=model.gguf,
+        config=model._config,
+        hf_loader=model._hf_loader,
+    )
+    return Model(**{**fields, **changes})
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_verify_cost_cache(tmp_path_factory):
     """Verify-cost curves (specdec.adaptive.costs) cached by session- and module-scoped fixtures

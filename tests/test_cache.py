@@ -4,7 +4,6 @@ DynamicCache, with Gemma 3's sliding-window layers, and the lean backend's preal
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 
@@ -14,7 +13,7 @@ import torch
 from specdec import ContextLengthError
 from specdec.cache import KVCache, LeanKVCache, common_prefix, grown, new_cache
 
-from .conftest import N_CTX, VOCAB, make_model, prompt_ids
+from .conftest import N_CTX, VOCAB, make_model, prompt_ids, remake
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 WINDOW = 8  # conftest's gemma3: a sliding-window layer of 8 tokens, then a full-attention one
@@ -27,7 +26,7 @@ def models() -> dict:
     llama = make_model("llama", seed=11)
     return {
         "lean-llama": llama,
-        "hf-llama": dataclasses.replace(llama, backend="hf", _lean=None),
+        "hf-llama": remake(llama, backend="hf", lean=None),
         "lean-qwen2": make_model("qwen2", seed=12),
         "hf-gemma3": make_model("gemma3", seed=13),
     }

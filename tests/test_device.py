@@ -8,7 +8,6 @@ seed repeats itself, and the bench runs unchanged, recording where it ran.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -24,14 +23,14 @@ from specdec.drafters import EagleDrafter, make_drafter
 from specdec.models.load import Model, load_model, resolve_device
 from specdec.train.head import DraftHead
 
-from .conftest import make_model, prompt_ids
+from .conftest import make_model, prompt_ids, remake
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def on(model: Model, device: str) -> Model:
     """A fresh test model moved to `device` (its weights move; its lean form is rebuilt there)."""
-    return dataclasses.replace(model, hf=model.hf.to(device), _lean=None)
+    return remake(model, hf=model.hf.to(device), lean=None)
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -43,7 +42,7 @@ def device(request) -> str:
 def test_lean_forward_matches_transformers_on_the_device(device, arch):
     lean = on(make_model(arch, seed=1), device)
     assert lean.backend == "lean" and lean.device.type == device
-    hf = dataclasses.replace(lean, backend="hf", _lean=None)
+    hf = remake(lean, backend="hf", lean=None)
     prompt = prompt_ids(20)
     a, b = LeanKVCache(lean, capacity=8), KVCache(hf)
     for chunk in (prompt[:9], prompt[9:10], prompt[10:]):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -17,7 +16,7 @@ from specdec.sampling import Sampler, SamplingParams
 from specdec.train.head import DraftHead, HeadCache, HeadError, load_head, save_head
 from specdec.train.train import train_head, training_prompts
 
-from .conftest import make_model, prompt_ids
+from .conftest import make_model, prompt_ids, remake
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +192,7 @@ def test_head_file_round_trip_and_errors(target, head, tmp_path):
     with pytest.raises(HeadError, match="not a readable draft head"):
         load_head(bad)
     with pytest.raises(ValueError, match="lean backend"):
-        EagleDrafter(head).prepare(dataclasses.replace(target, backend="hf", _lean=None))
+        EagleDrafter(head).prepare(remake(target, backend="hf", lean=None))
     with pytest.raises(HeadError, match="specdec train"):
         EagleDrafter(cache=tmp_path).prepare(make_model("llama", seed=2, name="no-head-for-this"))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from specdec.drafters import Draft, ModelDrafter
 from specdec.drafters.base import Drafter
 from specdec.engine import stepwise
 
-from .conftest import N_CTX, VOCAB, make_model, make_tokenizer, prompt_ids
+from .conftest import N_CTX, VOCAB, make_model, make_tokenizer, prompt_ids, remake
 
 N_NEW = 40
 
@@ -121,7 +120,7 @@ def test_eos_at_every_offset_of_a_block(target):
     base = plain(target, prompt)
     k = 8
     for offset, eos_token in enumerate(base.tokens[: 2 * (k + 1)]):
-        with_eos = dataclasses.replace(target, eos_token_ids=frozenset({eos_token}))
+        with_eos = remake(target, eos_token_ids=frozenset({eos_token}))
         end = base.tokens.index(eos_token) + 1  # plain greedy stops at the first occurrence
         expected = plain(with_eos, prompt)
         assert expected.tokens == base.tokens[:end] and expected.stats.stop_reason == "eos"

