@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,9 +15,20 @@ import torch
 from torch.utils import cpp_extension
 
 from specdec.backends import gemv
-from specdec.bench import costmodel, results
+from specdec.bench import costmodel, memory, peers, results
 from specdec.bench.report import markdown_report
-from specdec.bench.run import Pair, _auto_summary, fit, git_commit, ratio_noise, run_all, run_bench
+from specdec.bench.run import (
+    QUANT_KERNEL,
+    Pair,
+    _agreement,
+    _auto_summary,
+    fit,
+    git_commit,
+    load_measured,
+    ratio_noise,
+    run_all,
+    run_bench,
+)
 from specdec.bench.workloads import load_workload
 from specdec.cli import main
 from specdec.drafters import ModelDrafter, make_drafter
@@ -295,15 +308,25 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload, monkeypatch):
         for config in pair["configs"]:
             assert set(config["replayed"]["by_category"]) == {"qa", "summarization"}
             assert config["replayed"]["speedup"]["median"] > 0
-    assert lookup["backend"] == "lean" and model["draft_dtype"] == "float32"
+    assert lookup["backend"] == "lean" and model["draft_dtype"] == model["draft_precision"] == "float32"
+    assert lookup["dtype"] == lookup["precision"] == "float32"  # "dtype": the key older readers know
     assert lookup["products"] == model["products"] == "kernels named by a stand-in"
-    assert "Matrix products (fp32, CPU): kernels named by a stand-in." in markdown_report(res)
+    assert lookup["kernel"] == model["draft_kernel"] == "kernels named by a stand-in"
+    report = markdown_report(res)
+    assert "Matrix products (fp32, CPU): kernels named by a stand-in." in report
+    assert "precision float32, backend lean" in report and "### Resident memory" in report
+    for mem in (lookup["memory"], model["memory"], model["draft_memory"]):
+        assert mem["rss_growth_mb"] == pytest.approx(mem["rss_after_mb"] - mem["rss_before_mb"])
+        assert mem["peak_rss_mb"] >= mem["rss_after_mb"] > 0
+        assert mem["file_mb"] is None and mem["growth_per_file_byte"] is None  # not a GGUF file
+    assert lookup["draft_memory"] is None
     roof = lookup["costs"]["roofline"]
     assert roof["bandwidth_gbs"] == res["environment"]["memory_bandwidth_gbs"] > 0
     for n, frac in roof["fraction"].items():
         assert frac == pytest.approx(roof["floor_ms"] / lookup["costs"]["verify_ms"][n])
     peers = {p["name"]: p for p in lookup["peer_summary"]}
     assert peers["hf"]["identical"] == [2, 2] and peers["hf-lookup"]["identical"] == [2, 2]
+    assert peers["hf"]["agreement"] == 1.0 and peers["hf"]["weights"] == "float32" and peers["hf"]["same_weights"]
 
 
 def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path, capsys):
@@ -389,3 +412,64 @@ def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path):
     (tmp_path / "pkg" / "b.py").unlink()
     (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
     assert git_commit(tmp_path / "pkg") == head + "-dirty"
+
+
+def test_agreement_is_the_share_of_our_output_a_peer_reproduced():
+    assert _agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert _agreement([1, 2, 9, 4], [1, 2, 3, 4]) == 0.5
+    assert _agreement([1, 2], [1, 2, 3, 4]) == 0.5  # stopped early
+    assert _agreement([], []) == 1.0
+
+
+def test_llama_cpp_peer_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # an import of it fails
+    with pytest.raises(RuntimeError, match=r"pip install llama-cpp-python==0\.3\.36 diskcache"):
+        peers.llama_cpp_generate("any.gguf", [1, 2], 4, frozenset())
+
+
+def test_memory_counts_the_pages_of_a_mapped_file_once_read(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\1" * (8 << 20))
+    before = memory.rss_bytes()
+    mapped = np.memmap(path, mode="r", dtype=np.uint8)
+    assert memory.mapped_rss_bytes(path) == 0  # mapped, not read: nothing resident yet
+    assert int(mapped.sum()) == 8 << 20  # read every page
+    assert memory.mapped_rss_bytes(path) == 8 << 20
+    file = SimpleNamespace(path=path, file_bytes=8 << 20)  # what footprint reads of a gguf.GGUFModel
+    m = memory.footprint(before, file)
+    assert m["file_mb"] == pytest.approx(8.388608) and m["file_resident_mb"] == pytest.approx(8.388608)
+    assert m["rss_growth_mb"] == pytest.approx(m["file_resident_mb"] + m["other_mb"])
+    assert m["growth_per_file_byte"] == pytest.approx(m["rss_growth_mb"] / m["file_mb"])
+    assert 0.9 < m["growth_per_file_byte"] < 2  # the file, and little else
+    assert m["peak_rss_mb"] >= m["rss_after_mb"]
+    del mapped
+
+
+def test_bench_runs_a_quantized_model_without_its_fp32_dequantization(workload, monkeypatch):
+    """smollm2-135m at its own precision (the packaged GGUF, when pulled): precision, kernel, memory and
+    roofline come from the quantized model, and nothing loads the transformers model."""
+    from specdec.models import load
+    from specdec.models.weights import cache_dir, is_pulled
+
+    if not is_pulled("smollm2-135m", cache_dir()):
+        pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the bench loaded the fp32 dequantization of a quantized model")
+
+    monkeypatch.setattr(load, "_load_transformers", refuse)
+    res = run_bench([Pair("smollm2-135m")], load_workload(workload, ["qa"], 1), workload.name, [2], 8, progress=False)
+    results.validate(res)
+    pair = res["pairs"][0]
+    assert pair["dtype"] == pair["precision"] == "gguf Q4_1+Q8_0" and pair["backend"] == "lean"
+    assert pair["kernel"] == QUANT_KERNEL and pair["products"] is None
+    target, _ = load_measured("smollm2-135m")
+    roof = pair["costs"]["roofline"]
+    assert roof["weight_mb"] == target.lean().weight_bytes() / 1e6 and roof["weights"] == "gguf Q4_1+Q8_0"
+    assert roof["weight_mb"] < target.gguf.file_bytes / 1e6  # its blocks, not a dequantization
+    mem = pair["memory"]
+    assert mem["file_mb"] == target.gguf.file_bytes / 1e6
+    assert mem["file_resident_mb"] > 0.9 * mem["file_mb"]  # a forward reads (nearly) the whole file
+    assert mem["growth_per_file_byte"] == pytest.approx(mem["rss_growth_mb"] / mem["file_mb"])
+    report = markdown_report(res)
+    assert "precision gguf Q4_1+Q8_0" in report and f"Matrix products: {QUANT_KERNEL}." in report

@@ -1,9 +1,10 @@
 """A markdown report of a bench results file (see specdec.bench.results); it reads only the file.
 
-Up front the environment and the settings, then per (target, drafter) pair: the measured costs,
-one row per draft length k (alpha, tau, acceptance by position, measured speed-up, exactness,
-both predictions and their errors), the best k three ways, speed-up by category, the replayed
-speed-ups (specdec.bench.replay), peers, and any divergence from plain greedy decoding.
+Up front the environment and the settings, then per (target, drafter) pair: its precision and
+kernels, the resident memory its models took, the measured costs and the roofline, one row per draft
+length k (alpha, tau, acceptance by position, measured speed-up, exactness, both predictions and
+their errors), the best k three ways, speed-up by category, the replayed speed-ups
+(specdec.bench.replay), peers, and any divergence from plain greedy decoding.
 """
 
 from __future__ import annotations
@@ -117,6 +118,58 @@ def _header(results: dict) -> list[str]:
     return out
 
 
+def _precision(pair: dict) -> str:
+    """What the target's weights are: "precision" (files before it: "dtype")."""
+    return pair.get("precision") or pair["dtype"]
+
+
+def _memory(pair: dict) -> list[str]:
+    """Resident memory of each model's load (specdec.bench.memory), where the file records it."""
+    rows = []
+    for key, who in (("memory", pair["target"]), ("draft_memory", pair.get("draft"))):
+        m = pair.get(key)
+        if not m:
+            continue
+        rows.append(
+            [
+                f"{'draft' if key == 'draft_memory' else 'target'} {who}",
+                _f(m.get("rss_growth_mb"), ".0f"),
+                _f(m.get("file_mb"), ".0f"),
+                _f(m.get("growth_per_file_byte"), ".2f"),
+                _f(m.get("file_resident_mb"), ".0f"),
+                _f(m.get("other_mb"), ".0f"),
+                _f(m.get("rss_after_mb"), ".0f"),
+                _f(m.get("peak_rss_mb"), ".0f"),
+            ]
+        )
+    if not rows:
+        return []
+    return (
+        ["### Resident memory", ""]
+        + _table(
+            [
+                "model",
+                "RSS growth MB",
+                "GGUF file MB",
+                "growth / file",
+                "file resident MB",
+                "other MB",
+                "RSS after MB",
+                "peak RSS MB",
+            ],
+            rows,
+        )
+        + [
+            "",
+            "RSS growth: the process's resident set after the load and a warm-up forward (its KV cache freed), "
+            "minus before the load: the weights as the backend keeps them, and whatever the load used for the "
+            "first time (tokenizer, kernels, library code). A GGUF file run at its own precision is memory-mapped: "
+            "file resident is its pages mapped in, other the rest of the growth. Peak RSS: the process's highest "
+            "so far (the interpreter, torch and the bandwidth probe included).",
+        ]
+    )
+
+
 def _costs(pair: dict) -> list[str]:
     costs = pair["costs"]
     curve = sorted((int(n), v) for n, v in costs["verify_ms"].items())
@@ -139,13 +192,17 @@ def _costs(pair: dict) -> list[str]:
         screened = " (its output layer in bf16, screened)" if roof.get("screened_output_layer") else ""
         out += [
             "",
-            f"Roofline ({pair.get('backend', 'hf')} backend, {pair['dtype']}): a forward reads{screened} "
-            f"{roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured here that takes "
-            f"at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
+            f"Roofline ({pair.get('backend', 'hf')} backend, {roof.get('weights') or _precision(pair)}): a forward "
+            f"reads{screened} {roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured "
+            f"here that takes at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
             f"V({widest}) {frac[widest]:.0%}.",
         ]
     if pair.get("products"):
         out += ["", f"Matrix products (fp32, CPU): {pair['products']}."]
+    elif pair.get("kernel"):
+        out += ["", f"Matrix products: {pair['kernel']}."]
+    if pair.get("draft_kernel"):
+        out += ["", f"Draft model's matrix products: {pair['draft_kernel']}."]
     for key, who in (("padded_rows", "target"), ("draft_padded_rows", "draft")):
         table = pair.get(key)
         if table:
@@ -278,22 +335,64 @@ def _peers(pair: dict) -> list[str]:
     out = []
     summary = pair.get("peer_summary") or []
     if summary:
-        rows = [[p["name"], _x(p["vs_plain"]), _x(p["vs_speculative"]), _count(p["identical"])] for p in summary]
+        ours = _precision(pair)
+        ctx = [p["n_ctx"] for p in summary if p.get("n_ctx")]
+        rows = [
+            [
+                p["name"],
+                _x(p["vs_plain"]),
+                _x(p["vs_speculative"]),
+                _x(p.get("decode_vs_plain")),
+                _count(p["identical"]),
+                _f(p.get("agreement")),
+                _f(p.get("rss_growth_mb"), ".0f"),
+                _weights(p, ours),
+            ]
+            for p in summary
+        ]
         out += [
             "### Peers",
             "",
-            "Ratios are the peer's end-to-end tokens/s (prefill included) over ours on the same "
-            'prompts (above 1.00x: the peer is faster); the speculative one is our best k. "identical" '
-            "compares with our plain greedy tokens: llama.cpp runs the quantized GGUF weights, a "
-            "different precision from our fp32 dequantization, so it need not match.",
+            "Ratios are the peer's tokens/s over ours on the same prompt ids (above 1.00x: the peer is "
+            "faster): end to end (prefill included), against our plain decoding and our best k; decode only "
+            "(after the first new token), where the peer gives the split, against our plain decoding. "
+            '"same output": prompts whose greedy tokens equal our plain output; "common prefix": the share of '
+            "our plain output the peer reproduced before its first differing token (mean over prompts). This "
+            "is agreement, not an exactness check: even on the same weights, other kernels round differently "
+            "and a near-tie of the top two logits can go either way; llama.cpp also rounds the activations to "
+            "8-bit blocks before its quantized products, so its logits differ from ours by more than rounding. "
+            "RSS MB: resident memory the peer's load added to this process"
+            + (f" (llama.cpp's with its KV cache for {ctx[0]} tokens)" if ctx else "")
+            + ".",
             "",
         ]
-        out += _table(["peer", "vs our plain", "vs our speculative", "identical"], rows)
+        out += _table(
+            [
+                "peer",
+                "vs our plain",
+                "vs our speculative",
+                "decode vs our plain",
+                "same output",
+                "common prefix",
+                "RSS MB",
+                "weights",
+            ],
+            rows,
+            "lrrrrrrl",
+        )
     failed = [p for p in pair.get("peers") or [] if p.get("error")]
     if failed:
         out += ["", "Peer runs that failed:", ""]
         out += [f"- {p['name']} on `{p['prompt_id']}`: {p['error']}" for p in failed]
     return out
+
+
+def _weights(peer: dict, ours: str) -> str:
+    """What the peer ran, beside ours: "same (gguf Q4_1+Q8_0)" or "float32 (ours: gguf ...)"."""
+    weights = peer.get("weights")
+    if not weights:
+        return "-"
+    return f"same ({weights})" if peer.get("same_weights") else f"{weights} (ours: {ours})"
 
 
 def _in_ulp(d: dict) -> str:
@@ -330,15 +429,18 @@ def markdown_report(results: dict) -> str:
     pair its costs, the per-k table, best k, by-category table, peers and divergences."""
     out = _header(results)
     for pair in results["pairs"]:
+        draft = pair.get("draft_precision") or pair.get("draft_dtype")
         out += [
             "",
             f"## {_pair_name(pair)}",
             "",
-            f"dtype {pair['dtype']}, device {pair.get('device', 'cpu')}, workload {pair['workload']}, "
-            f"{len(pair['prompts'])} prompts.",
+            f"precision {_precision(pair)}, backend {pair.get('backend', 'hf')}, device {pair.get('device', 'cpu')}, "
+            f"workload {pair['workload']}, {len(pair['prompts'])} prompts"
+            + (f"; draft precision {draft}." if draft else "."),
             "",
         ]
         for section in (
+            _memory(pair),
             _costs(pair),
             _configs(pair),
             _categories(pair),

@@ -15,11 +15,28 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                    "interleave": bool},   # a repeat's configs ran together, round by round
                    # (specdec.bench.run.run_all); absent in older files, whose configs ran one after another
       "pairs": [{
-        "target": str, "drafter": str, "draft": str | null, "dtype": str, "workload": str,
+        "target": str, "drafter": str, "draft": str | null, "workload": str,
+        "dtype": str,                   # the target's precision (Model.precision): "float32", "bfloat16",
+                                        # or a GGUF file's matrix types run as they are, "gguf Q4_1+Q8_0"
+        "precision": str,               # the same (absent in older files, where "dtype" is a torch dtype)
         "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
+        "kernel": str | null,           # which kernels ran the target's products: "specdec quant
+                                        # (batch-invariant)" (GGUF at its own precision; "; <types> dequantized
+                                        # to fp32 at load" when some were), gemv's status (lean fp32 on CPU),
+                                        # null otherwise (absent in older files)
         "device": str,                  # where they ran: "cpu", "cuda:0" (absent in files before it)
-        "draft_dtype": str | null,      # a draft model's dtype
-        "products": str | null,         # lean on CPU: which kernels ran the fp32 products (specdec.backends.gemv)
+        "draft_dtype": str | null,      # a draft model's precision
+        "draft_precision": str | null,  # the same; "draft_kernel": str | null, as "kernel" (absent in older files)
+        "products": str | null,         # lean fp32 on CPU: which kernels ran the products (specdec.backends.gemv)
+        "memory": {                     # resident memory of the target's load (specdec.bench.memory), MB;
+          "rss_before_mb": float, "rss_after_mb": float,   # fields null without /proc; absent in older files
+          "rss_growth_mb": float,       # after the load and a warm-up forward, minus before
+          "peak_rss_mb": float,         # the process's ru_maxrss so far
+          "file_mb": float | null,      # GGUF at its own precision: the file's size,
+          "file_resident_mb": float | null,   # its pages mapped in, the rest of the growth,
+          "other_mb": float | null,     # and the growth per byte of file
+          "growth_per_file_byte": float | null},
+        "draft_memory": {as "memory"} | null,   # a draft model's load
         "ratio_noise": float | null,    # timing noise (specdec.bench.run.ratio_noise); null under 2 repeats
                                         # (absent in older files)
         "costs": {                      # medians after warm-up, ms
@@ -29,6 +46,8 @@ read only this file and never run a model. Schema `specdec.bench/1`:
           "draft_catchup_ms": {"1": float, ...}, # the same, 2 tokens behind (after a fully accepted round)
           "overhead_ms": float,         # per round, outside draft and verify (sampling, bookkeeping)
           "roofline": {"weight_mb": float, "bandwidth_gbs": float, "floor_ms": float,  # specdec.bench.roofline
+                       "weights": str,  # what weight_mb is: the model's precision (quantized blocks for
+                                        # "gguf ..."; absent in older files)
                        "fraction": {"1": float, ...},   # floor_ms / V(n)
                        "screened_output_layer": bool}   # greedy read the output layer in bf16 (specdec.backends.screen)
         },
@@ -47,7 +66,13 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                      # with --no-replay, and in older files
         }],
         "peers": [{"name": str, "prompt_id": str, "tokens_per_s": float, "identical": bool | null,
-                   "error": str | null}],
+                   "error": str | null,
+                   # absent in older files and in failed runs' rows:
+                   "decode_tokens_per_s": float | null,   # after the first new token (llama.cpp)
+                   "agreement": float | null,   # share of our plain output reproduced before the first difference
+                   "weights": str, "same_weights": bool,   # what the peer ran; whether it is what we ran
+                   "rss_growth_mb": float | null,   # its load's resident memory (llama.cpp, first prompt)
+                   "n_ctx": int | null}],           # llama.cpp's context (its KV cache)
         "configs": [{                   # the fit: one per k, over all prompts
           "k": int | "auto", "alpha": float, "tau": float, "acceptance_per_position": [float],
           "mean_k": float,              # tokens drafted per round, mean over prompts
@@ -64,7 +89,11 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                         "worst_category": str, "worst_category_vs_plain": float,
                         "vs_best_fixed_by_category": {"<category>": float},  # over that category's best
                         "replayed": null | {the same fields, from the replayed speed-ups}},
-        "peer_summary": [{"name": str, "vs_plain": float, "vs_speculative": float, "identical": [int, int]}]
+        "peer_summary": [{"name": str, "vs_plain": float, "vs_speculative": float, "identical": [int, int],
+                          # absent in older files:
+                          "decode_vs_plain": float | null, "agreement": float | null (mean over prompts),
+                          "weights": str | null, "same_weights": bool | null, "rss_growth_mb": float | null,
+                          "n_ctx": int | null}]
       }]
     }
 

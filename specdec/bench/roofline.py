@@ -1,6 +1,10 @@
 """The memory roofline of a decode step: a forward over a few tokens must read every weight once,
 so on a CPU it can be no faster than (bytes of weights) / (memory bandwidth). The bench reports
 that floor beside the measured V(n), and the fraction of it reached.
+
+The bytes are those the forward actually reads: a GGUF model run at its own precision reads its
+quantized blocks (specdec.backends.quant.QuantModel.weight_bytes), a transformers or lean model its
+parameters in their dtype (a greedy lean forward its output layer in bf16 where screened).
 """
 
 from __future__ import annotations
@@ -30,21 +34,32 @@ def memory_bandwidth_gbs(device: torch.device = torch.device("cpu"), size_mb: in
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def forward_bytes(model: Model, greedy: bool = False) -> tuple[int, bool]:
+    """(bytes of weights one forward of `model` reads, whether its output layer is read screened in
+    bf16). A GGUF model run at its own precision: its quantized blocks as they lie in the file (never
+    its fp32 dequantization, which is not loaded). greedy: the forward is a greedy one, which reads a
+    lean model's output layer in bf16 where it is screened (specdec.backends.screen)."""
+    if model.gguf is not None:
+        return model.lean().weight_bytes(), False
+    screen = model.lean().screen if greedy and model.backend == "lean" else None
+    return weight_bytes(model.hf) - (screen.saved_bytes if screen is not None else 0), screen is not None
+
+
 def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float, greedy: bool = False) -> dict:
     """The floor of one forward and the fraction of it reached.
 
     forward_ms: measured ms of one forward over n new tokens, by str(n) (the bench's verify_ms).
-    greedy: the forwards were greedy ones, which read a lean model's output layer in bf16 where it
-    is screened (specdec.backends.screen). Returns {"weight_mb", "bandwidth_gbs", "floor_ms", "fraction":
-    {n: floor_ms / forward_ms[n]}, "screened_output_layer"} (1.0 would be reading the weights at
-    full bandwidth and nothing else)."""
-    screen = model.lean().screen if greedy and model.backend == "lean" else None
-    nbytes = weight_bytes(model.hf) - (screen.saved_bytes if screen is not None else 0)
+    greedy: the forwards were greedy ones (see forward_bytes). Returns {"weight_mb", "weights",
+    "bandwidth_gbs", "floor_ms", "fraction": {n: floor_ms / forward_ms[n]}, "screened_output_layer"}
+    (1.0 would be reading the weights at full bandwidth and nothing else); "weights" says what
+    the bytes are: the model's precision (Model.precision), e.g. "gguf Q4_1+Q8_0" or "float32"."""
+    nbytes, screened = forward_bytes(model, greedy)
     floor_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
     return {
         "weight_mb": nbytes / 1e6,
+        "weights": model.precision,
         "bandwidth_gbs": bandwidth_gbs,
         "floor_ms": floor_ms,
         "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0},
-        "screened_output_layer": screen is not None,
+        "screened_output_layer": screened,
     }

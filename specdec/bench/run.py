@@ -6,11 +6,13 @@ For each pair (target, drafter) the bench
      KV length, and one drafter proposal of k tokens (medians after warm-up);
   2. runs, prompt by prompt, plain decoding (k = 0) and speculative decoding for every k together,
      round by round (run_all), checking greedy outputs token for token against plain decoding;
-  3. runs the peers on the same model and prompt;
+  3. runs the peers on the same model (or, for llama.cpp, the same GGUF file) and prompt ids;
   4. fits: per k, alpha, tau, acceptance by position, the median per-prompt speed-up, and both
      predictions (specdec.bench.costmodel) with their errors.
-Then results.json (specdec.bench.results) and a markdown report are written; plots are a separate stage
-(`specdec plot`).
+Beside the speeds it records what each model is (its precision and the kernels that ran it), the
+memory roofline of its forward over the bytes it reads (specdec.bench.roofline), and the resident
+memory its load took (specdec.bench.memory). Then results.json (specdec.bench.results) and a markdown
+report are written; plots are a separate stage (`specdec plot`).
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ from tqdm import tqdm
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.backends import gemv
 from specdec.bench import costmodel
+from specdec.bench.memory import MB, footprint, rss_bytes
 from specdec.bench.peers import hf_generate, llama_cpp_generate
 from specdec.bench.replay import controller, replayable
 from specdec.bench.replay import replay as replay_run
 from specdec.bench.results import SCHEMA
 from specdec.bench.roofline import memory_bandwidth_gbs, roofline
 from specdec.bench.workloads import Prompt
-from specdec.cache import new_cache
+from specdec.cache import common_prefix, new_cache
 from specdec.drafters import Drafter
 from specdec.drafters.factory import MAIN_OPTION, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, Generation, generate, stepwise
-from specdec.exactness import first_divergence
+from specdec.exactness import Divergence, first_divergence, ulp
 from specdec.models.load import Model, load_model, resolve_device, synchronize
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, gguf_path
@@ -175,13 +178,69 @@ def measure_costs(
     }
 
 
-def _gguf_of(spec: str, cache) -> str:
-    """The GGUF file behind a registry name or a .gguf path, for the llama.cpp peer."""
+QUANT_KERNEL = "specdec quant (batch-invariant)"
+
+
+def kernel(model: Model | None) -> str | None:
+    """Which kernels ran a model's products, for the results: specdec's batch-invariant quantized
+    kernels for a GGUF model run at its own precision (naming GGML types dequantized to fp32 at load,
+    if any), gemv's status (specdec.backends.gemv) for the lean backend in fp32 on the CPU, else None
+    (transformers' forward, bf16, a GPU: not ours to describe)."""
+    if model is None:
+        return None
+    if model.gguf is not None:
+        fallback = getattr(model.lean(), "fallback", None)
+        return QUANT_KERNEL + (f"; {', '.join(fallback)} dequantized to fp32 at load" if fallback else "")
+    if model.backend == "lean" and model.device.type == "cpu" and model.precision == "float32":
+        return gemv.status()
+    return None
+
+
+def load_measured(spec: str, greedy: bool = True, **load_kwargs) -> tuple[Model, dict]:
+    """load_model(spec, **load_kwargs) and the resident memory it took (specdec.bench.memory.footprint):
+    measured after the backend's weights are built and a warm-up forward over one token (the BOS
+    token, else id 0) has read every matrix (a GGUF model's memory map counts only once touched), its
+    KV cache freed again. greedy: warm up greedy's forward (a lean fp32 model builds its bf16 screen
+    of the output layer for it)."""
+    before = rss_bytes()
+    model = load_model(spec, **load_kwargs)
+    kv = new_cache(model)
+    kv.argmax_only = greedy
+    kv.extend([getattr(model.config, "bos_token_id", None) or 0], all_logits=False)
+    del kv
+    return model, footprint(before, model.gguf)
+
+
+def _gguf_of(model: Model, spec: str, cache) -> str:
+    """The GGUF file behind a model, for the llama.cpp peer: the one a GGUF model runs from (at its own
+    precision), else the file of a registry name or a .gguf path (dequantized here: --dtype float32)."""
+    if model.gguf is not None:
+        return str(model.gguf.path)
     if spec in REGISTRY:
         return str(gguf_path(REGISTRY[spec], cache_dir(cache)))
     if spec.endswith(".gguf"):
         return spec
     raise ValueError(f"the llama.cpp peer needs a GGUF target (a registry name or a .gguf file), not {spec!r}")
+
+
+def _gguf_precision(path: str) -> str:
+    """The GGML types of a GGUF file's matrices, as Model.precision names them ("gguf Q4_1+Q8_0")."""
+    from specdec.models.gguf import read_gguf
+
+    return "gguf " + "+".join(sorted({t.qtype for t in read_gguf(Path(path)).tensors.values() if len(t.shape) == 2}))
+
+
+def _divergence(target: Model, prompt: list[int], plain: list[int], other: list[int]) -> Divergence | None:
+    """specdec.exactness.first_divergence, with the logit gap of a GGUF model run at its own precision
+    taken from its own quantized forward (first_divergence would load and ask its fp32 dequantization,
+    another model)."""
+    if target.gguf is None or plain == other:
+        return first_divergence(target, prompt, plain, other)
+    pos = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+    logits = new_cache(target).extend(prompt + plain[:pos], all_logits=False)[-1]
+    top2 = torch.topk(logits.float(), 2).values
+    at = lambda seq: seq[pos] if pos < len(seq) else None  # noqa: E731
+    return Divergence(pos, at(plain), at(other), float(top2[0] - top2[1]), ulp(float(top2[0]), logits.dtype))
 
 
 def _encode(model: Model, prompt: Prompt) -> list[int]:
@@ -207,20 +266,24 @@ def bench_pair(
 ) -> dict:
     """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.bench.results).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
-    bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward.
+    bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward. Each model's
+    load is measured in resident memory (load_measured).
     replay: when greedy and the drafter allows it (specdec.bench.replay), also replay every config on
     each prompt's plain output under the measured costs: speeds without the machine's noise.
     interleave: run a repeat's configs together, round by round (run_all), each with a drafter of its
     own; else one after another."""
-    target = load_model(pair.target, **load_kwargs)
+    greedy = temperature == 0
+    target, memory = load_measured(pair.target, greedy=greedy, **load_kwargs)
+    encoded = [_encode(target, p) for p in prompts]
     # The pair's third part fills its drafter's main option (MAIN_OPTION): a draft model (loaded
     # once, here, in the draft's dtype; the peers use it too), a corpus file, layers or a head file.
     main = MAIN_OPTION.get(pair.drafter)
     source = pair.draft if main else None
-    draft_model = None
+    draft_model, draft_memory = None, None
     if source and main == "draft":
-        dtype = draft_dtype or load_kwargs.get("dtype", torch.float32)
-        source = draft_model = load_model(source, **{**load_kwargs, "dtype": dtype})
+        dtype = draft_dtype or load_kwargs.get("dtype")  # None: the draft's own precision (load_model)
+        source, draft_memory = load_measured(source, greedy, **{**load_kwargs, "dtype": dtype})
+        draft_model = source
     settings = {"cache": load_kwargs.get("cache"), **({main: source} if main else {})}
     options = options_for(pair.drafter, settings)
 
@@ -228,7 +291,6 @@ def bench_pair(
         return drafter_from_options(pair.drafter, **options)
 
     drafter = new_drafter()
-    encoded = [_encode(target, p) for p in prompts]
     run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
     # The costs are measured for every fixed k, and for k = "auto" over the lengths it chooses from.
     cost_ks = sorted({k for k in ks if k != "auto"} | ({1, AUTO_K_MAX} if "auto" in ks else set()))
@@ -239,7 +301,7 @@ def bench_pair(
     ctx_len = int(statistics.median(len(e) for e in encoded)) + max_new_tokens // 2
     longest = max(encoded, key=len)
     context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
-    costs = measure_costs(target, drafter, context, cost_ks, greedy=temperature == 0)
+    costs = measure_costs(target, drafter, context, cost_ks, greedy=greedy)
     own = {k: new_drafter() if interleave else drafter for k in ks}
     policy = AdaptiveK(
         VerifyCosts.for_model(target, load_kwargs.get("cache")), k_max=AUTO_K_MAX
@@ -248,8 +310,10 @@ def bench_pair(
         for d in own.values():  # at a fixed k: warm it without starting auto's policy
             generate(target, encoded[0], d, k=max(cost_ks), **{**run, "max_new_tokens": 8})
     if bandwidth_gbs:
-        costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=temperature == 0)
+        costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=greedy)
 
+    # llama.cpp allocates its whole KV cache up front: room for the longest prompt and its output
+    peer_ctx = min(target.n_ctx, -(-(max(map(len, encoded)) + max_new_tokens + peer_k + 16) // 256) * 256)
     records, peer_rows, outputs = [], [], []
     bar = tqdm(
         total=len(prompts) * (len(ks) + 1 + len(peers)),
@@ -279,7 +343,7 @@ def bench_pair(
             d["decode_tokens_per_s_repeats"] = [g.stats.decode_tokens_per_s for g in timed[str(k)]]
             if temperature == 0:  # every repeat must be plain greedy's output
                 odd = next((g for g in timed[str(k)] if g.tokens != plain.tokens), spec)
-                div = first_divergence(target, ids, plain.tokens, odd.tokens)
+                div = _divergence(target, ids, plain.tokens, odd.tokens)
                 d["identical"] = div is None
                 d["divergence"] = None if div is None else vars(div)
             else:
@@ -289,22 +353,34 @@ def bench_pair(
         for name in peers:
             try:
                 if name.startswith("llama-cpp"):
+                    gguf = _gguf_of(target, pair.target, load_kwargs.get("cache"))
                     peer = llama_cpp_generate(
-                        _gguf_of(pair.target, load_kwargs.get("cache")),
+                        gguf,
                         ids,
                         max_new_tokens,
                         target.eos_token_ids,
+                        n_ctx=peer_ctx,
                         k=peer_k if name == "llama-cpp-lookup" else 0,
                     )
+                    weights = target.precision if target.gguf is not None else _gguf_precision(gguf)
+                    same_weights = target.gguf is not None
                 else:
                     peer = hf_generate(name, target, ids, max_new_tokens, draft=draft_model, k=peer_k)
-                same = peer.tokens == plain.tokens if temperature == 0 else None
+                    # transformers runs the model object's fp32 (or bf16) weights: a GGUF model's dequantization
+                    weights = str(target.hf.dtype).removeprefix("torch.")
+                    same_weights = target.gguf is None
                 peer_rows.append(
                     {
                         "name": name,
                         "prompt_id": prompt.id,
                         "tokens_per_s": peer.tokens_per_s,
-                        "identical": same,
+                        "decode_tokens_per_s": peer.decode_tokens_per_s,
+                        "identical": peer.tokens == plain.tokens if greedy else None,
+                        "agreement": _agreement(peer.tokens, plain.tokens) if greedy else None,
+                        "weights": weights,
+                        "same_weights": same_weights,
+                        "rss_growth_mb": None if peer.rss_growth_bytes is None else peer.rss_growth_bytes / MB,
+                        "n_ctx": peer.n_ctx,
                         "error": None,
                     }
                 )
@@ -354,10 +430,16 @@ def bench_pair(
         "target": pair.target,
         "drafter": pair.drafter,
         "draft": pair.draft,
-        "dtype": str(target.hf.dtype).removeprefix("torch."),
+        "dtype": target.precision,  # the key older files and readers know
+        "precision": target.precision,
         "backend": target.backend,
+        "kernel": kernel(target),
         "device": str(target.device),
-        "draft_dtype": str(draft_model.hf.dtype).removeprefix("torch.") if draft_model else None,
+        "draft_dtype": draft_model.precision if draft_model else None,
+        "draft_precision": draft_model.precision if draft_model else None,
+        "draft_kernel": kernel(draft_model),
+        "memory": memory,
+        "draft_memory": draft_memory,
         "workload": workload,
         "costs": costs,
         "prompts": records,
@@ -366,11 +448,21 @@ def bench_pair(
         "padded_rows": _padded_rows(target),
         "draft_padded_rows": _padded_rows(draft_model),
         "products": gemv.status()
-        if target.backend == "lean" and target.device.type == "cpu" and target.hf.dtype == torch.float32
+        if target.backend == "lean"
+        and target.device.type == "cpu"
+        and target.gguf is None
+        and target.precision == "float32"
         else None,
     }
     result.update(fit(result, ks))
     return result
+
+
+def _agreement(peer: list[int], plain: list[int]) -> float:
+    """The share of our plain greedy output a peer reproduced before its first differing token (1.0:
+    the same tokens; both empty: 1.0)."""
+    longest = max(len(peer), len(plain))
+    return common_prefix(peer, plain) / longest if longest else 1.0
 
 
 def _brief(stats) -> dict:
@@ -517,9 +609,13 @@ def fit(pair: dict, ks: list[int]) -> dict:
     best_k = best(lambda c: c["speedup"]["median"])
     spec_tps = {rec["id"]: rec["runs"][str(best_k)]["tokens_per_s"] for rec in records} if best_k else {}
     peer_summary = []
+    plain_decode = {rec["id"]: rec["plain"]["decode_tokens_per_s"] for rec in records}
     for name in dict.fromkeys(p["name"] for p in pair["peers"]):
         rows = [p for p in pair["peers"] if p["name"] == name and not math.isnan(p["tokens_per_s"])]
         same = [p["identical"] for p in rows if p["identical"] is not None]
+        agreement = [p["agreement"] for p in rows if p.get("agreement") is not None]
+        decode = [p["decode_tokens_per_s"] / plain_decode[p["prompt_id"]] for p in rows if p.get("decode_tokens_per_s")]
+        growth = [p["rss_growth_mb"] for p in rows if p.get("rss_growth_mb") is not None]
         peer_summary.append(
             {
                 "name": name,
@@ -528,6 +624,12 @@ def fit(pair: dict, ks: list[int]) -> dict:
                 if spec_tps
                 else float("nan"),
                 "identical": [sum(same), len(same)],
+                "agreement": statistics.fmean(agreement) if agreement else None,
+                "decode_vs_plain": _quartiles(decode)["median"] if decode else None,
+                "weights": rows[0].get("weights") if rows else None,
+                "same_weights": rows[0].get("same_weights") if rows else None,
+                "rss_growth_mb": growth[0] if growth else None,
+                "n_ctx": rows[0].get("n_ctx") if rows else None,
             }
         )
     return {
