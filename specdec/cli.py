@@ -135,6 +135,14 @@ def _load_kwargs(args, draft: bool = False) -> dict:
     )
 
 
+def _default_peers() -> str:
+    """The bench's peers: transformers always, llama.cpp where llama-cpp-python is installed."""
+    import importlib.util
+
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    return "hf,hf-lookup" + (",llama-cpp,llama-cpp-lookup" if llama else "")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for causal LMs.")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
@@ -215,9 +223,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument(
         "--peers",
-        default="hf,hf-lookup",
+        default=_default_peers(),
         help="comma-separated: hf, hf-lookup, hf-assisted (model pairs), llama-cpp, llama-cpp-lookup "
-        "(need llama-cpp-python), or none",
+        "(need `pip install -e .[llama]`), or none (default: hf,hf-lookup, and llama-cpp,llama-cpp-lookup "
+        "where llama-cpp-python is installed)",
     )
     b.add_argument("--peer-k", type=int, default=4, help="draft length the peers use (default 4)")
     b.add_argument(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.cache import new_cache
 from specdec.models.load import Model
 
 NEAR_TIE_ULP = 4  # a greedy divergence at a top-2 logit gap of at most this many ulp is rounding
@@ -47,12 +48,12 @@ class Divergence:
 
 @torch.inference_mode()
 def first_divergence(target: Model, prompt: list[int], plain: list[int], other: list[int]) -> Divergence | None:
-    """None when the two token lists are equal, else where and by how much they differ."""
+    """None when the two token lists are equal, else where and by how much they differ: the target's
+    top-2 logit gap there, from its own forward (the backend and precision that produced the tokens)."""
     if plain == other:
         return None
     pos = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
-    ids = torch.tensor([prompt + plain[:pos]], device=target.device)  # (1, len(prompt) + pos)
-    logits = target.hf(input_ids=ids, logits_to_keep=1).logits[0, -1]  # (V,)
+    logits = new_cache(target).extend(prompt + plain[:pos], all_logits=False)[-1]  # (V,)
     top2 = torch.topk(logits.float(), 2).values
     at = lambda seq: seq[pos] if pos < len(seq) else None  # noqa: E731
     return Divergence(pos, at(plain), at(other), float(top2[0] - top2[1]), ulp(float(top2[0]), logits.dtype))

@@ -46,7 +46,7 @@ from specdec.cache import common_prefix, new_cache
 from specdec.drafters import Drafter
 from specdec.drafters.factory import MAIN_OPTION, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, Generation, generate, stepwise
-from specdec.exactness import Divergence, first_divergence, ulp
+from specdec.exactness import first_divergence
 from specdec.models.load import Model, load_model, resolve_device, synchronize
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, gguf_path
@@ -230,19 +230,6 @@ def _gguf_precision(path: str) -> str:
     return "gguf " + "+".join(sorted({t.qtype for t in read_gguf(Path(path)).tensors.values() if len(t.shape) == 2}))
 
 
-def _divergence(target: Model, prompt: list[int], plain: list[int], other: list[int]) -> Divergence | None:
-    """specdec.exactness.first_divergence, with the logit gap of a GGUF model run at its own precision
-    taken from its own quantized forward (first_divergence would load and ask its fp32 dequantization,
-    another model)."""
-    if target.gguf is None or plain == other:
-        return first_divergence(target, prompt, plain, other)
-    pos = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
-    logits = new_cache(target).extend(prompt + plain[:pos], all_logits=False)[-1]
-    top2 = torch.topk(logits.float(), 2).values
-    at = lambda seq: seq[pos] if pos < len(seq) else None  # noqa: E731
-    return Divergence(pos, at(plain), at(other), float(top2[0] - top2[1]), ulp(float(top2[0]), logits.dtype))
-
-
 def _encode(model: Model, prompt: Prompt) -> list[int]:
     return model.encode(prompt.text, chat=prompt.chat and bool(getattr(model.tokenizer, "chat_template", None)))
 
@@ -343,7 +330,7 @@ def bench_pair(
             d["decode_tokens_per_s_repeats"] = [g.stats.decode_tokens_per_s for g in timed[str(k)]]
             if temperature == 0:  # every repeat must be plain greedy's output
                 odd = next((g for g in timed[str(k)] if g.tokens != plain.tokens), spec)
-                div = _divergence(target, ids, plain.tokens, odd.tokens)
+                div = first_divergence(target, ids, plain.tokens, odd.tokens)
                 d["identical"] = div is None
                 d["divergence"] = None if div is None else vars(div)
             else:
