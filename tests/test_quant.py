@@ -1,0 +1,433 @@
+"""The quantized backend (specdec.backends.quant over the kernels of specdec/backends/csrc/quant.cpp).
+
+Per GGML type the kernels handle: blocks decoded as gguf's reference dequantizer decodes them, bit
+for bit; products within fp32 rounding of a float64 reference; every op batch-invariant (row i of an
+n-row call has the bits of a one-row call, for any n and thread count). On the packaged SmolLM2 GGUF
+(pulled in CI): one forward over several tokens, or over a token tree, equals one-token forwards bit
+for bit, so greedy speculative decoding equals plain greedy; its logits are those of the fp32
+dequantized model up to rounding. Types the kernels do not handle are dequantized to fp32, said once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from specdec import generate, make_drafter
+from specdec.backends.lean import tree_layout
+from specdec.backends.qkernel import TYPES, kernels
+from specdec.backends.quant import QuantLinear, QuantModel
+from specdec.cache import LeanKVCache
+from specdec.errors import GGUFError
+from specdec.models.gguf import QTensor
+from specdec.models.load import load_model
+from specdec.models.registry import REGISTRY
+from specdec.models.weights import cache_dir, is_pulled
+from specdec.train.head import PACKAGED
+
+QTYPES = [name for name in TYPES if name != "F32"]
+# Where each block type keeps its fp16 fields (ggml-common.h): scale d, and min m / dmin where it has one.
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS["Q5_K"] = (0, 2)  # not a kernel type: the fallback test's
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    """Every test leaves torch's thread count as it found it."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _block(qtype: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of `qtype`."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+
+
+def random_blocks(qtype: str, rows: int, K: int, seed: int) -> np.ndarray:
+    """(rows, K / block * bytes) uint8 rows of `qtype`: every byte random (so every code a block can
+    hold occurs, -128 in Q8_0, every 6-bit scale of Q4_K, ...) except the fp16 fields, which are
+    finite values of either sign; plus, where gguf can quantize the type, rows it quantized from
+    Gaussian weights (what real files hold). F32: Gaussian weights."""
+    g = np.random.default_rng(seed)
+    if qtype == "F32":
+        return g.standard_normal((rows, K)).astype(np.float32).view(np.uint8)
+    block, nbytes = _block(qtype)
+    raw = g.integers(0, 256, (rows, K // block, nbytes), dtype=np.uint8)
+    for at in FP16_FIELDS[qtype]:
+        scale = g.uniform(-0.02, 0.02, (rows, K // block)).astype(np.float16)
+        raw[..., at : at + 2] = scale.view(np.uint8).reshape(rows, K // block, 2)
+    raw = raw.reshape(rows, -1)
+    try:
+        real = gguf_quantize(g.standard_normal((rows // 2, K)).astype(np.float32) * 0.05, GGMLQuantizationType[qtype])
+    except NotImplementedError:  # gguf has no quantizer for the K-quants
+        return raw
+    return np.concatenate([real, raw[: rows - rows // 2]])
+
+
+def reference(qtype: str, raw: np.ndarray) -> torch.Tensor:
+    """gguf's own dequantization of rows `raw`, fp32 (rows, K)."""
+    out = gguf_dequantize(raw, GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+
+def matmul(x, parts, types, bias=None):
+    return kernels().matmul(x, parts, types, bias)
+
+
+def fp32_part(w: torch.Tensor) -> torch.Tensor:
+    """fp32 weights (N, K) as an F32 part of the kernels: their raw bytes, (N, 4K) uint8."""
+    return w.contiguous().view(torch.uint8)
+
+
+def assert_rows_invariant(fn, x: torch.Tensor, max_n: int = 17) -> None:
+    """fn over the first n rows of x, for n = 1..max_n and 1 or 2 threads: row i always has the bits
+    of fn over row i alone (one thread)."""
+    torch.set_num_threads(1)
+    single = [fn(x[i : i + 1]) for i in range(max_n)]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for n in range(1, max_n + 1):
+            out = fn(x[:n])
+            for i in range(n):
+                assert torch.equal(out[i : i + 1], single[i]), (n, i, threads)
+
+
+# ---- products, per GGML type ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_dequantize_rows_is_ggufs_dequantization_bit_for_bit(qtype):
+    K = 768 if _block(qtype)[0] == 256 else 96
+    raw = random_blocks(qtype, 40, K, seed=1)
+    want = reference(qtype, raw)
+    assert torch.isfinite(want).all()
+    ids = torch.tensor([5, 0, 39, 5, 17, 22, 1])  # any order, repeats
+    got = kernels().dequantize_rows(torch.from_numpy(raw), TYPES[qtype], K, ids)
+    assert got.shape == (len(ids), K) and got.dtype == torch.float32
+    assert torch.equal(got, want[ids]), (got - want[ids]).abs().max()
+    got_all = kernels().dequantize_rows(torch.from_numpy(raw), TYPES[qtype], K, torch.arange(40))
+    assert torch.equal(got_all, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels().dequantize_rows(torch.from_numpy(raw), TYPES[qtype], K, torch.tensor([40]))
+
+
+@pytest.mark.parametrize("qtype", list(TYPES))
+def test_matmul_is_the_product_with_the_dequantized_weights_and_batch_invariant(qtype):
+    K = 512 if _block(qtype)[0] == 256 else 160  # 160: an odd number of 32-blocks
+    N = 37  # not a multiple of the 16 outputs a thread takes at a time
+    raw = random_blocks(qtype, N, K, seed=2)
+    w = reference(qtype, raw)
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(3))
+    part = torch.from_numpy(raw)
+    y = matmul(x, [part], [TYPES[qtype]])
+    assert y.shape == (17, N) and y.dtype == torch.float32
+    # (b) within fp32 rounding of the float64 product with gguf's dequantization
+    want = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T  # sum of |x_k w_k|: bounds the rounding error
+    assert ((y.double() - want).abs() <= 1e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
+    # the blocks decoded in registers are the dequantized weights: the same sums as an F32 part's
+    assert torch.equal(y, matmul(x, [fp32_part(w)], [TYPES["F32"]]))
+    # (c) row i of an n-row call is a one-row call, on 1 or 2 threads
+    assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]]), x)
+
+
+def test_matmul_over_parts_of_different_types_with_a_bias():
+    K, sizes = 512, {"Q4_0": 5, "Q6_K": 19, "F32": 3, "Q8_0": 16, "Q4_K": 9, "Q5_1": 2}
+    raws = {t: random_blocks(t, n, K, seed=10 + i) for i, (t, n) in enumerate(sizes.items())}
+    parts = [torch.from_numpy(r) for r in raws.values()]
+    types = [TYPES[t] for t in raws]
+    w = torch.cat([reference(t, r) for t, r in raws.items()])
+    bias = torch.randn(w.shape[0], generator=torch.Generator().manual_seed(4))
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(5))
+    y = matmul(x, parts, types, bias)
+    assert y.shape == (17, sum(sizes.values()))
+    each = torch.cat([matmul(x, [p], [t]) for p, t in zip(parts, types)], dim=1)
+    assert torch.equal(y, each + bias)  # stacking parts changes no output's bits; the bias is added once
+    want = x.double() @ w.double().T + bias.double()
+    scale = x.double().abs() @ w.double().abs().T + bias.double().abs()
+    assert ((y.double() - want).abs() <= 1e-6 * scale).all()
+    assert_rows_invariant(lambda rows: matmul(rows, parts, types, bias), x)
+    with pytest.raises(RuntimeError, match="bias"):
+        matmul(x, parts, types, bias[:-1])
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        matmul(x[:, :100], parts, types, bias)
+
+
+# ---- the other ops -------------------------------------------------------------------------------
+
+
+def test_rms_norm_is_rowwise_invariant_and_correct():
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(17, 200, generator=g) * 3, torch.randn(200, generator=g)
+    y = kernels().rms_norm(x, w, 1e-5)
+    xd = x.double()
+    want = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6)
+    assert_rows_invariant(lambda rows: kernels().rms_norm(rows, w, 1e-5), x)
+
+
+def test_swiglu_is_rowwise_invariant_and_correct():
+    F = 100  # six 16-lane vectors and a tail of 4
+    gate_up = torch.randn(17, 2 * F, generator=torch.Generator().manual_seed(7)) * 4
+    y = kernels().swiglu(gate_up)
+    assert y.shape == (17, F)
+    g, u = gate_up.double()[:, :F], gate_up.double()[:, F:]
+    want = g * torch.sigmoid(g) * u
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6)
+    assert_rows_invariant(kernels().swiglu, gate_up)
+
+
+def test_rope_is_rowwise_invariant_and_correct():
+    heads, D = 3, 64
+    x = torch.randn(17, heads, D, generator=torch.Generator().manual_seed(8))
+    positions = torch.tensor([0, 1, 2, 5, 9, 40, 41, 100, 7, 7, 3, 999, 12, 13, 14, 500, 2047])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D))
+
+    def rope(rows, pos):
+        out = rows.clone()
+        kernels().rope(out, pos, inv_freq)
+        return out
+
+    y = rope(x, positions)
+    angle = (positions.float()[:, None, None] * inv_freq).double()  # (n, 1, D/2), rounded to fp32 as the kernel does
+    a, b = x.double()[..., : D // 2], x.double()[..., D // 2 :]
+    want = torch.cat((a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()), dim=-1)
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+    torch.set_num_threads(1)
+    single = [rope(x[i : i + 1], positions[i : i + 1]) for i in range(17)]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for n in range(1, 18):
+            out = rope(x[:n], positions[:n])
+            assert all(torch.equal(out[i : i + 1], single[i]) for i in range(n)), (n, threads)
+
+
+def _attention_case(start: int, n: int, seed: int = 9):
+    H, KVH, D, cap = 4, 2, 64, 48
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, H, D, generator=g)
+    k_cache, v_cache = torch.randn(KVH, cap, D, generator=g) * 2, torch.randn(KVH, cap, D, generator=g)
+    return q, k_cache, v_cache, 1.0 / math.sqrt(D)
+
+
+def _attention_reference(q, k_cache, v_cache, keys: list[list[int]], scale):
+    """float64 attention of row i of q over the cache positions keys[i]."""
+    H, KVH = q.shape[1], k_cache.shape[0]
+    out = []
+    for i, visible in enumerate(keys):
+        kk = k_cache[:, visible].double().repeat_interleave(H // KVH, 0)  # (H, m, D)
+        vv = v_cache[:, visible].double().repeat_interleave(H // KVH, 0)
+        p = torch.softmax((kk @ q[i].double()[:, :, None])[..., 0] * scale, -1)  # (H, m)
+        out.append((p[:, None, :] @ vv)[:, 0].reshape(-1))
+    return torch.stack(out)
+
+
+def test_attention_rows_equal_one_row_calls_and_a_chain_tree_is_causal():
+    start, n = 9, 17
+    q, kc, vc, scale = _attention_case(start, n)
+    att = kernels().attention
+    y = att(q, kc, vc, start, None, scale)
+    assert y.shape == (n, q.shape[1] * q.shape[2])
+    want = _attention_reference(q, kc, vc, [list(range(start + i + 1)) for i in range(n)], scale)
+    assert torch.allclose(y.double(), want, atol=1e-5)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for m in range(1, n + 1):
+            out = att(q[:m], kc, vc, start, None, scale)
+            for i in range(m):  # position start+i alone, over the same cache
+                assert torch.equal(out[i : i + 1], att(q[i : i + 1], kc, vc, start + i, None, scale)), (m, i)
+    # a tree whose nodes form a chain is the causal sequence
+    positions, mask = tree_layout([-1] + list(range(n - 1)), start)
+    assert torch.equal(positions, torch.arange(start, start + n))
+    assert torch.equal(att(q, kc, vc, start, mask, scale), y)
+
+
+def test_attention_over_a_tree_is_each_paths_own_attention():
+    parents = [-1, 0, 0, 1, 1, 2, 3, 5, 7, 0]
+    start, n = 6, len(parents)
+    q, kc, vc, scale = _attention_case(start, n, seed=11)
+    _, mask = tree_layout(parents, start)
+    y = kernels().attention(q, kc, vc, start, mask, scale)
+    keys = [mask[i].nonzero()[:, 0].tolist() for i in range(n)]
+    assert torch.allclose(y.double(), _attention_reference(q, kc, vc, keys, scale), atol=1e-5)
+    for i in range(n):  # node i alone, seeing the cache and its ancestors: the same bits
+        one = kernels().attention(q[i : i + 1], kc, vc, start + i, mask[i : i + 1, : start + i + 1], scale)
+        assert torch.equal(y[i : i + 1], one), i
+
+
+# ---- types the kernels do not handle -----------------------------------------------------------
+
+
+def test_quant_linear_dequantizes_other_types_to_fp32():
+    K = 256
+    f16 = np.random.default_rng(12).standard_normal((7, K)).astype(np.float16)
+    q5k = random_blocks("Q5_K", 6, K, seed=13)
+    q4 = random_blocks("Q4_0", 5, K, seed=14)
+    parts = [
+        QTensor("a", "F16", (7, K), torch.from_numpy(f16.view(np.uint8))),
+        QTensor("b", "Q5_K", (6, K), torch.from_numpy(q5k)),
+        QTensor("c", "Q4_0", (5, K), torch.from_numpy(q4)),
+    ]
+    bias = [torch.randn(7), None, torch.randn(5)]
+    fallback: set[str] = set()
+    linear = QuantLinear(parts, bias, fallback)
+    assert fallback == {"F16", "Q5_K"}
+    assert linear.types == [TYPES["F32"], TYPES["F32"], TYPES["Q4_0"]] and linear.out_features == 18
+    assert linear.data[2].data_ptr() == parts[2].data.data_ptr()  # a kernel type is not copied
+    w = torch.cat([torch.from_numpy(f16.astype(np.float32)), reference("Q5_K", q5k), reference("Q4_0", q4)])
+    b = torch.cat([bias[0], torch.zeros(6), bias[2]])
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(15))
+    assert torch.equal(linear(x), matmul(x, [fp32_part(w[:13]), parts[2].data], [0, TYPES["Q4_0"]], b))
+    want = x.double() @ w.double().T + b.double()
+    assert ((linear(x).double() - want).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T + b.abs())).all()
+
+
+# ---- the real model -------------------------------------------------------------------------------
+
+SMOL = REGISTRY["smollm2-135m"]
+TEXT = (
+    "Rewrite the following text in your own words: The committee met on Tuesday. The committee approved "
+    "the budget. The committee will meet again on Tuesday to approve the budget for the next year."
+)
+CODE = "Add comments to this code:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not is_pulled(SMOL.name, cache_dir()):
+        pytest.skip(f"{SMOL.name} is not pulled: run `specdec models pull {SMOL.name}`")
+    model = load_model(SMOL.name)
+    assert model.gguf is not None and model.backend == "lean" and isinstance(model.lean(), QuantModel)
+    assert model.precision == "gguf Q4_1+Q8_0" and model.lean().fallback == []
+    return model
+
+
+def _ids(model, text=TEXT):
+    return model.encode(text, chat=True)
+
+
+def test_one_forward_over_many_tokens_is_one_token_forwards(smol):
+    ids = _ids(smol)
+    prompt, new = ids[:-12], ids[-12:]
+    many, one = LeanKVCache(smol, capacity=64), LeanKVCache(smol, capacity=64)
+    many.extend(prompt)
+    one.extend(prompt)
+    torch.set_num_threads(2)
+    logits = many.extend(new, all_logits=True)
+    torch.set_num_threads(1)  # and on another thread count
+    singles = torch.cat([one.extend([t], all_logits=True) for t in new])
+    assert logits.shape == (12, smol.vocab_size)
+    assert torch.equal(logits, singles)
+    end = len(ids)
+    for a, b in zip(many.k + many.v, one.k + one.v):
+        assert torch.equal(a[:, :end], b[:, :end])
+    assert torch.equal(many.features[:end], one.features[:end])
+    whole = LeanKVCache(smol, capacity=64)  # and the whole sequence in one forward
+    assert torch.equal(whole.extend(ids, all_logits=True)[-12:], logits)
+
+
+def test_a_token_tree_forward_is_each_paths_linear_forward(smol):
+    prompt = _ids(smol)
+    tree, parents = [504, 260, 1083, 30, 2377, 253, 216, 28], [-1, 0, 0, 1, 1, 2, 3, 6]
+    cache = LeanKVCache(smol, capacity=64)
+    cache.extend(prompt)
+    logits = cache.extend(tree, all_logits=True, parents=parents)
+    assert logits.shape == (len(tree), smol.vocab_size)
+    linear = LeanKVCache(smol, capacity=64)
+    linear.extend(prompt)
+    for node in range(len(tree)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        linear.rollback(len(prompt))
+        row = linear.extend([tree[i] for i in path], all_logits=True)[-1]
+        assert torch.equal(logits[node], row), node
+    # keeping a path leaves the cache as the linear forward along it left it
+    cache.keep_path(len(prompt), [0, 1, 3])
+    linear.rollback(len(prompt))
+    linear.extend([tree[0], tree[1], tree[3]])
+    end = len(prompt) + 3
+    assert all(torch.equal(a[:, :end], b[:, :end]) for a, b in zip(cache.k + cache.v, linear.k + linear.v))
+
+
+@pytest.mark.parametrize("text", [TEXT, CODE], ids=["rewrite", "code"])
+def test_speculative_greedy_is_plain_greedy(smol, text):
+    ids = _ids(smol, text)
+    plain = generate(smol, ids, k=0, max_new_tokens=48)
+    assert len(plain.tokens) >= 20
+    runs = [("prompt-lookup", 4), ("suffix-tree", 4)]
+    if text == TEXT:  # eagle-tree: token trees drafted by the packaged head over the quantized model's features
+        runs += [("prompt-lookup", 1), ("prompt-lookup", "auto"), ("eagle-tree", 4)]
+    for name, k in runs:
+        drafter = (
+            make_drafter(name, head=PACKAGED / "smollm2-135m.safetensors")
+            if name == "eagle-tree"
+            else make_drafter(name)
+        )
+        spec = generate(smol, ids, drafter, k=k, max_new_tokens=48)
+        first = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None)
+        assert spec.tokens == plain.tokens, (name, k, "first differs at", first)
+        if k != "auto":
+            assert spec.stats.drafted > 0 and spec.stats.rounds < plain.stats.rounds, (name, k)
+    assert smol._hf is None  # the quantized model ran alone: its fp32 transformers model was never loaded
+
+
+def test_logits_are_the_fp32_dequantized_models_up_to_rounding(smol):
+    ref = load_model(SMOL.name, dtype=torch.float32)
+    assert ref.gguf is None and ref.precision == "float32"
+    ids = _ids(smol) + _ids(smol, CODE)[1:]
+    cache = LeanKVCache(smol, capacity=128)
+    quant = cache.extend(ids, all_logits=True)
+    with torch.inference_mode():
+        want = ref.hf(input_ids=torch.tensor([ids])).logits[0].float()
+    assert quant.shape == want.shape
+    # the same (dequantized) weights: only the rounding of the sums differs
+    assert (quant - want).abs().max() < 1e-3 * want.std()  # measured: 1.3e-5 of it
+    agree = (quant.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.97, agree  # measured: 1.0 over these 132 positions
+
+
+def test_a_type_the_kernels_do_not_handle_is_dequantized_and_said_once(smol, capsys):
+    """ffn_down of two layers turned F16 (the fp16 of their weights): the model says once that it
+    dequantizes F16, and its logits are those of the same weights given as F32 blocks."""
+    capsys.readouterr()
+    tensors16, tensors32 = dict(smol.gguf.tensors), dict(smol.gguf.tensors)
+    for i in (0, 5):
+        t = smol.gguf.tensors[f"blk.{i}.ffn_down.weight"]
+        w16 = t.dequantize().half()
+        tensors16[t.name] = QTensor(t.name, "F16", t.shape, w16.contiguous().view(torch.uint8))
+        tensors32[t.name] = QTensor(t.name, "F32", t.shape, fp32_part(w16.float()))
+    m16 = QuantModel(dataclasses.replace(smol.gguf, tensors=tensors16), smol.config)
+    m32 = QuantModel(dataclasses.replace(smol.gguf, tensors=tensors32), smol.config)
+    assert m16.fallback == ["F16"] and m32.fallback == []
+    ids = torch.tensor(_ids(smol)[:20])
+
+    def run(m):
+        keys = [torch.empty(m.n_kv, 32, m.head_dim) for _ in m.layers]
+        values = [torch.empty(m.n_kv, 32, m.head_dim) for _ in m.layers]
+        return m.forward(ids, keys, values, torch.empty(32, m.hidden_size), 0, len(ids))
+
+    assert torch.equal(run(m16), run(m32))
+    run(m16)
+    err = capsys.readouterr().err
+    assert err.count("dequantized to fp32") == 1 and "F16" in err.splitlines()[0], err
+
+
+def test_a_truncated_gguf_fails_to_load_naming_the_file(tmp_path):
+    source = cache_dir() / "gguf" / SMOL.gguf_file
+    if not source.exists():
+        pytest.skip(f"{SMOL.name} is not pulled: run `specdec models pull {SMOL.name}`")
+    bad = tmp_path / "x.gguf"
+    with open(source, "rb") as src:
+        bad.write_bytes(src.read(4 << 20))  # the header and the first tensors' data
+    with pytest.raises(GGUFError, match=str(bad)):
+        load_model(str(bad))
