@@ -119,9 +119,12 @@ def test_dequantize_rows_is_ggufs_dequantization_bit_for_bit(qtype):
         kernels().dequantize_rows(torch.from_numpy(raw), TYPES[qtype], K, torch.tensor([40]))
 
 
+@pytest.mark.parametrize("long_rows", [False, True], ids=["short", "long"])
 @pytest.mark.parametrize("qtype", list(TYPES))
-def test_matmul_is_the_product_with_the_dequantized_weights_and_batch_invariant(qtype):
-    K = 512 if _block(qtype)[0] == 256 else 160  # 160: an odd number of 32-blocks
+def test_matmul_is_the_product_with_the_dequantized_weights_and_batch_invariant(qtype, long_rows):
+    # 160: an odd number of 32-blocks; long rows (over 512 columns) take the column-blocked path for several
+    # input rows, 1280 and 1184 ending in a partial column block
+    K = (1280 if long_rows else 512) if _block(qtype)[0] == 256 else (1184 if long_rows else 160)
     N = 37  # not a multiple of the 16 outputs a thread takes at a time
     raw = random_blocks(qtype, N, K, seed=2)
     w = reference(qtype, raw)
