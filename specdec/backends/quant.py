@@ -7,7 +7,7 @@ specdec's kernels (specdec/backends/csrc/quant.cpp), decoding each block in regi
 the forward (products, RMSNorm, rotary embedding, attention, SwiGLU, the output layer) gives row i
 of an n-row call the bits of a one-row call, for any n and any thread count; so one forward over
 k+1 tokens equals k+1 one-token forwards bit for bit, and greedy speculative decoding equals plain
-greedy decoding by construction, for every drafter, k and token tree (docs/lean-backend.md).
+greedy decoding by construction, for every drafter, k and token tree (docs/quantized.md).
 
 It has the interface of specdec.backends.lean.LeanModel (forward, subset, the cache's shapes), so
 the engine, the KV cache and rollback are the same. Tensors of a GGML type the kernels do not
@@ -63,10 +63,12 @@ class QuantLinear:
 class _Layer:
     def __init__(self, t: dict, i: int, fallback: set[str]):
         def get(name):
-            return t.get(f"blk.{i}.{name}")
+            if f"blk.{i}.{name}" not in t:
+                raise ValueError(f"the GGUF file has no tensor blk.{i}.{name}: not a complete Llama/Qwen2 model")
+            return t[f"blk.{i}.{name}"]
 
         def bias(name):
-            b = get(f"{name}.bias")
+            b = t.get(f"blk.{i}.{name}.bias")
             return None if b is None else b.data
 
         self.qkv = QuantLinear(
