@@ -243,9 +243,17 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str) -> Mod
     """A GGUF model run at its own precision; its fp32 transformers model is loaded only if asked for."""
     from transformers import GenerationConfig
 
+    from specdec.backends.quant import SUPPORTED
     from specdec.models.gguf import hf_config, hf_tokenizer, read_gguf
 
     gguf = read_gguf(gguf_file)
+    if gguf.arch not in SUPPORTED:
+        print(
+            f"{spec}: the quantized backend runs {', '.join(SUPPORTED)} models, not {gguf.arch!r}; "
+            "running its weights dequantized to float32 on transformers",
+            file=sys.stderr,
+        )
+        return _load_transformers(spec, gguf_file, root, torch.float32, backend, torch.device("cpu"))
     config = hf_config(gguf)
     tokenizer = hf_tokenizer(gguf, root / "gguf-meta")
     eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer)
