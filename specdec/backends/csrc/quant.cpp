@@ -484,6 +484,19 @@ void rope(torch::Tensor x, torch::Tensor positions, torch::Tensor inv_freq) {
             inv_freq.data_ptr<float>());
 }
 
+// acc[0..16 V) = sum over c < count, in order, of p[c] * values[seen[c]] (rows of 16 V floats): the
+// general loop's operations with the accumulators held in registers.
+template <int V>
+inline void weighted_values(const float* p, const int64_t* seen, int64_t count, const float* values, float* acc) {
+  vec a[V] = {};
+  for (int64_t c = 0; c < count; ++c) {
+    const float* row = values + seen[c] * (16 * V);
+    const vec w = splat(p[c]);
+    for (int e = 0; e < V; ++e) a[e] = fma(w, load(row + 16 * e), a[e]);
+  }
+  for (int e = 0; e < V; ++e) store(acc + 16 * e, a[e]);
+}
+
 // Attention of n new positions over a cache (Vaswani et al. 2017), one (position, head) per task.
 // q: n rows of H heads of D floats (row i at q + i * q_stride); caches (KVH, capacity, D) holding the
 // new keys and values at start..start+n-1 already; mask (n, start+n) or null (causal: position i
@@ -521,13 +534,19 @@ void attend(const float* q, int64_t q_stride, int64_t n, int64_t H, int64_t D, c
         score[c] = sexp(score[c] - top);
         sum += score[c];
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (c = 0; c < count; ++c) {
-        const float* vr = vg + seen[c] * D;
-        const vec p = splat(score[c]);
-        int64_t e = 0;
-        for (; e + L <= D; e += L) store(acc.data() + e, fma(p, load(vr + e), load(acc.data() + e)));
-        for (; e < D; ++e) acc[e] = std::fma(score[c], vr[e], acc[e]);
+      if (D == 64) {
+        weighted_values<4>(score.data(), seen.data(), count, vg, acc.data());
+      } else if (D == 128) {
+        weighted_values<8>(score.data(), seen.data(), count, vg, acc.data());
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (c = 0; c < count; ++c) {
+          const float* vr = vg + seen[c] * D;
+          const vec p = splat(score[c]);
+          int64_t e = 0;
+          for (; e + L <= D; e += L) store(acc.data() + e, fma(p, load(vr + e), load(acc.data() + e)));
+          for (; e < D; ++e) acc[e] = std::fma(score[c], vr[e], acc[e]);
+        }
       }
       float* o = op + i * H * D + h * D;
       for (int64_t e = 0; e < D; ++e) o[e] = acc[e] / sum;
