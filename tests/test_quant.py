@@ -28,9 +28,12 @@ from specdec.cache import LeanKVCache
 from specdec.errors import GGUFError
 from specdec.models.gguf import QTensor
 from specdec.models.load import load_model
+from specdec.models.quantize import quantize_model
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, is_pulled
 from specdec.train.head import PACKAGED
+
+from .conftest import make_model, prompt_ids, remake
 
 QTYPES = [name for name in TYPES if name != "F32"]
 # Where each block type keeps its fp16 fields (ggml-common.h): scale d, and min m / dmin where it has one.
@@ -434,3 +437,34 @@ def test_a_truncated_gguf_fails_to_load_naming_the_file(tmp_path):
         bad.write_bytes(src.read(4 << 20))  # the header and the first tensors' data
     with pytest.raises(GGUFError, match=str(bad)):
         load_model(str(bad))
+
+
+# --- --quantize: a Hugging Face model quantized at load (specdec.models.quantize) ----------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_quantized_hf_model_is_the_dequantized_model_and_batch_invariant(arch):
+    fp32 = make_model(arch, seed=3)
+    gguf = quantize_model(fp32.hf, "q8_0", "tiny")
+    assert gguf.precision == "gguf Q8_0" and "output.weight" in gguf.tensors  # the tiny models are untied
+    quant = remake(fp32, hf=None, lean=None, gguf=gguf, config=fp32.hf.config, backend="auto")
+    assert quant.backend == "lean" and isinstance(quant.lean(), QuantModel)
+    ids = prompt_ids(16)
+    many = LeanKVCache(quant, capacity=32).extend(ids, all_logits=True)
+    one = LeanKVCache(quant, capacity=32)
+    assert torch.equal(many, torch.cat([one.extend([t], all_logits=True) for t in ids]))
+    # its logits are the fp32 model's up to Q8_0's rounding of the weights
+    want = LeanKVCache(fp32, capacity=32).extend(ids, all_logits=True)
+    assert (many - want).abs().max() < 0.05 * want.std()
+    plain = generate(quant, ids, k=0, max_new_tokens=24)
+    spec = generate(quant, ids, drafter=make_drafter("prompt-lookup"), k=4, max_new_tokens=24)
+    assert spec.tokens == plain.tokens and spec.stats.drafted > 0
+
+
+def test_quantize_refuses_what_it_cannot_run(model_dir):
+    with pytest.raises(ValueError, match="q4_k"):
+        quantize_model(make_model("llama", seed=3).hf, "q4_k", "tiny")
+    with pytest.raises(ValueError, match="gemma3"):
+        quantize_model(make_model("gemma3", seed=3).hf, "q8_0", "tiny")
+    with pytest.raises(ValueError, match="--device cpu"):
+        load_model(str(model_dir), quantize="q8_0", dtype=torch.bfloat16)

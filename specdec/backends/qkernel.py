@@ -28,7 +28,7 @@ _module = None
 
 
 def kernels():
-    """The compiled module, built at the first call (tens of seconds, once per machine). Raises
+    """The compiled module, built at the first call (about a minute, once per machine). Raises
     KernelBuildError, with the compiler's first error line and what to do, when it cannot be built."""
     global _module
     if _module is None:

@@ -33,7 +33,9 @@ class QuantLinear:
     dequantized to fp32 because the kernels do not handle their type."""
 
     def __init__(self, parts, biases=None, fallback: set[str] | None = None):
-        from specdec.backends.qkernel import TYPES
+        from specdec.backends.qkernel import TYPES, kernels
+
+        self.matmul = kernels().matmul
 
         self.data, self.types = [], []
         for p in parts:
@@ -55,9 +57,7 @@ class QuantLinear:
         self.nbytes = sum(d.numel() for d in self.data)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from specdec.backends.qkernel import kernels
-
-        return kernels().matmul(x, self.data, self.types, self.bias)
+        return self.matmul(x, self.data, self.types, self.bias)
 
 
 class _Layer:
@@ -92,7 +92,6 @@ class QuantModel:
     dtype = torch.float32
     device = torch.device("cpu")
     screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
-    rows: dict[int, int] = {}  # never padded: a forward's cost is its own (specdec.backends.rows)
 
     def __init__(self, gguf, config):
         from specdec.backends.qkernel import kernels
@@ -103,6 +102,7 @@ class QuantModel:
                 "run it with --dtype float32"
             )
         self.kernels = kernels()
+        self.rows: dict[int, int] = {}  # never padded: a forward's cost is its own (specdec.backends.rows)
         c = config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.hidden_size = c.hidden_size
@@ -175,14 +175,15 @@ class QuantModel:
         k = self.kernels
         n = ids.shape[0]
         positions, mask = tree if tree is not None else (torch.arange(start, start + n), causal_mask(start, n))
+        rope = k.rope_table(positions, self.inv_freq)  # (2, n, head_dim / 2), shared by the layers
         h = self.embed_rows(ids)  # (n, d)
         d = h.shape[1]
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
             qkv, o, gate_up, down = layer.qkv, layer.o, layer.gate_up, layer.down
             h = k.decoder_layer(
                 h, layer.norm_in, layer.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
-                gate_up.data, gate_up.types, down.data, down.types, k_cache, v_cache, start, positions,
-                self.inv_freq, mask, self.n_heads, self.eps,
+                gate_up.data, gate_up.types, down.data, down.types, k_cache, v_cache, start, rope, mask,
+                self.n_heads, self.eps,
             )  # fmt: skip
             if i in taps:
                 column = d * (1 + taps.index(i))

@@ -17,6 +17,7 @@ report are written; plots are a separate stage (`specdec plot`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -223,11 +224,13 @@ def _gguf_of(model: Model, spec: str, cache) -> str:
     raise ValueError(f"the llama.cpp peer needs a GGUF target (a registry name or a .gguf file), not {spec!r}")
 
 
+@functools.cache
 def _gguf_precision(path: str) -> str:
-    """The GGML types of a GGUF file's matrices, as Model.precision names them ("gguf Q4_1+Q8_0")."""
+    """The GGML types of a GGUF file's matrices, as Model.precision names them ("gguf Q4_1+Q8_0"); read
+    once per file, not once per prompt."""
     from specdec.models.gguf import read_gguf
 
-    return "gguf " + "+".join(sorted({t.qtype for t in read_gguf(Path(path)).tensors.values() if len(t.shape) == 2}))
+    return read_gguf(Path(path)).precision
 
 
 def _encode(model: Model, prompt: Prompt) -> list[int]:

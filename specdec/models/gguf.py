@@ -63,6 +63,11 @@ class GGUFModel:
     fields: dict = field(default_factory=dict, repr=False)
     data_offset: int = 0  # where the tensor data starts: everything before is metadata
 
+    @property
+    def precision(self) -> str:
+        """The GGML types of its matrices, e.g. "gguf Q4_1+Q8_0" (specdec.models.load.Model.precision)."""
+        return "gguf " + "+".join(sorted({t.qtype for t in self.tensors.values() if len(t.shape) == 2}))
+
     def metadata(self, key: str, default=_MISSING):
         """The value under `key`; raises GGUFError naming the file when absent and no default is given."""
         if key in self.fields:

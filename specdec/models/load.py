@@ -121,8 +121,7 @@ class Model:
         """What the weights are: "float32" or "bfloat16" (a transformers model), or the GGML types of a
         GGUF file run as they are, e.g. "gguf Q4_1+Q8_0"."""
         if self.gguf is not None:
-            kinds = sorted({t.qtype for t in self.gguf.tensors.values() if len(t.shape) == 2})
-            return "gguf " + "+".join(kinds)
+            return self.gguf.precision
         return str(self.hf.dtype).removeprefix("torch.")
 
     def lean(self):

@@ -451,19 +451,37 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
   return y;
 }
 
-// Rotary embedding (Su et al. 2021), rotate-half layout, in place on `heads` vectors of D floats at
-// the start of each of n rows (row i at x + i * stride), row i at positions[i]; inv_freq (D/2,).
-// Angle = float(position) * inv_freq[k], its cos and sin from the C library.
-void rope_rows(float* x, int64_t n, int64_t stride, int64_t heads, int64_t D, const int64_t* positions,
-               const float* inv_freq) {
-  const int64_t half = D / 2;
-  std::vector<float> c(half), s(half);
-  for (int64_t i = 0; i < n; ++i) {
+// The rotary embedding's angles (Su et al. 2021) at positions (n,) for inv_freq (D/2,): (2, n, D/2) fp32,
+// their cos then their sin. Angle = float(position) * inv_freq[k], cos and sin from the C library.
+// Computed once per forward and shared by its layers.
+torch::Tensor rope_table(torch::Tensor positions, torch::Tensor inv_freq) {
+  positions = positions.to(torch::kLong).contiguous();
+  inv_freq = inv_freq.to(torch::kFloat).contiguous();
+  const int64_t n = positions.numel(), half = inv_freq.numel();
+  auto table = torch::empty({2, n, half}, torch::kFloat);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* f = inv_freq.data_ptr<float>();
+  float *c = table.data_ptr<float>(), *s = c + n * half;
+  for (int64_t i = 0; i < n; ++i)
     for (int64_t k = 0; k < half; ++k) {
-      const float angle = static_cast<float>(positions[i]) * inv_freq[k];
-      c[k] = std::cos(angle);
-      s[k] = std::sin(angle);
+      const float angle = static_cast<float>(pos[i]) * f[k];
+      c[i * half + k] = std::cos(angle);
+      s[i * half + k] = std::sin(angle);
     }
+  return table;
+}
+
+// Rotary embedding, rotate-half layout, in place on `heads` vectors of D floats at the start of each
+// of n rows (row i at x + i * stride), with row i's cos and sin from a rope_table (2, n, D/2).
+void rope_rows(float* x, int64_t n, int64_t stride, int64_t heads, int64_t D, const torch::Tensor& table) {
+  TORCH_CHECK(table.dim() == 3 && table.size(0) == 2 && table.size(1) == n && table.size(2) * 2 == D &&
+                  table.is_contiguous() && table.scalar_type() == torch::kFloat,
+              "quant: the rope table must be (2, n, D/2) fp32, as rope_table makes it");
+  const int64_t half = D / 2;
+  const float* cos_table = table.data_ptr<float>();
+  const float* sin_table = cos_table + n * half;
+  for (int64_t i = 0; i < n; ++i) {
+    const float *c = cos_table + i * half, *s = sin_table + i * half;
     for (int64_t h = 0; h < heads; ++h) {
       float* v = x + i * stride + h * D;
       for (int64_t k = 0; k < half; ++k) {
@@ -477,11 +495,9 @@ void rope_rows(float* x, int64_t n, int64_t stride, int64_t heads, int64_t D, co
 
 // x (n, heads, D) fp32 contiguous, in place; positions (n,) integers; inv_freq (D/2,) fp32.
 void rope(torch::Tensor x, torch::Tensor positions, torch::Tensor inv_freq) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "quant.rope: x must be contiguous fp32 (n, heads, D)");
-  positions = positions.to(torch::kLong).contiguous();
-  inv_freq = inv_freq.contiguous();
-  rope_rows(x.data_ptr<float>(), x.size(0), x.size(1) * x.size(2), x.size(1), x.size(2), positions.data_ptr<int64_t>(),
-            inv_freq.data_ptr<float>());
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat,
+              "quant.rope: x must be contiguous fp32 (n, heads, D)");
+  rope_rows(x.data_ptr<float>(), x.size(0), x.size(1) * x.size(2), x.size(1), x.size(2), rope_table(positions, inv_freq));
 }
 
 // acc[0..16 V) = sum over c < count, in order, of p[c] * values[seen[c]] (rows of 16 V floats): the
@@ -582,20 +598,19 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
 // h (n, d) fp32 is updated in place and returned. The fused projections: qkv (q, k, v rows stacked,
 // with their bias or None), o, gate_up (gate rows then up rows), down; each a list of parts with
 // their GGML types. keys and values of the new positions are written to the caches (KVH, capacity,
-// D) at start..start+n-1. positions (n,): rotary positions; mask (n, start+n) or None (causal).
+// D) at start..start+n-1. rope: the forward's rope_table (2, n, D/2); mask (n, start+n) or None (causal).
 torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post,
                             std::vector<torch::Tensor> qkv, std::vector<int64_t> qkv_types,
                             c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o,
                             std::vector<int64_t> o_types, std::vector<torch::Tensor> gate_up,
                             std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
                             std::vector<int64_t> down_types, torch::Tensor k_cache, torch::Tensor v_cache,
-                            int64_t start, torch::Tensor positions, torch::Tensor inv_freq,
+                            int64_t start, torch::Tensor rope,
                             c10::optional<torch::Tensor> mask, int64_t H, double eps) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.decoder_layer: bad h");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "quant.decoder_layer: caches must be contiguous");
   const int64_t n = h.size(0), KVH = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2);
   TORCH_CHECK(start + n <= cap && H % KVH == 0, "quant.decoder_layer: the cache is too short");
-  positions = positions.to(torch::kLong).contiguous();
   torch::Tensor holder;
   const bool* mp = mask_data(mask, holder, n, start + n);
 
@@ -603,7 +618,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tenso
   const int64_t stride = t.size(1);
   TORCH_CHECK(stride == (H + 2 * KVH) * D, "quant.decoder_layer: qkv rows do not match the heads");
   float* tp = t.data_ptr<float>();
-  rope_rows(tp, n, stride, H + KVH, D, positions.data_ptr<int64_t>(), inv_freq.contiguous().data_ptr<float>());
+  rope_rows(tp, n, stride, H + KVH, D, rope);
   float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i)
     for (int64_t g = 0; g < KVH; ++g) {
@@ -625,6 +640,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32");
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
   m.def("swiglu", &swiglu, "silu(gate) * up");
+  m.def("rope_table", &rope_table, "cos and sin of the rotary angles at positions");
   m.def("rope", &rope, "rotary embedding in place, rotate-half layout");
   m.def("attention", &attention, "causal or masked attention over a KV cache, one task per position and head");
   m.def("decoder_layer", &decoder_layer, "one Llama/Qwen2 decoder layer, h updated in place");
