@@ -32,10 +32,11 @@ class QuantLinear:
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
     dequantized to fp32 because the kernels do not handle their type."""
 
-    def __init__(self, parts, biases=None, fallback: set[str] | None = None):
+    def __init__(self, parts, biases=None, fallback: set[str] | None = None, int8: bool = False):
         from specdec.backends.qkernel import TYPES, kernels
 
         self.matmul = kernels().matmul
+        self.int8 = int8
 
         self.data, self.types = [], []
         for p in parts:
@@ -57,11 +58,11 @@ class QuantLinear:
         self.nbytes = sum(d.numel() for d in self.data)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.data, self.types, self.bias)
+        return self.matmul(x, self.data, self.types, self.bias, self.int8)
 
 
 class _Layer:
-    def __init__(self, t: dict, i: int, fallback: set[str]):
+    def __init__(self, t: dict, i: int, fallback: set[str], int8: bool):
         def get(name):
             if f"blk.{i}.{name}" not in t:
                 raise ValueError(f"the GGUF file has no tensor blk.{i}.{name}: not a complete Llama/Qwen2 model")
@@ -75,10 +76,11 @@ class _Layer:
             [get("attn_q.weight"), get("attn_k.weight"), get("attn_v.weight")],
             [bias("attn_q"), bias("attn_k"), bias("attn_v")],
             fallback,
+            int8,
         )
-        self.o = QuantLinear([get("attn_output.weight")], None, fallback)
-        self.gate_up = QuantLinear([get("ffn_gate.weight"), get("ffn_up.weight")], None, fallback)
-        self.down = QuantLinear([get("ffn_down.weight")], None, fallback)
+        self.o = QuantLinear([get("attn_output.weight")], None, fallback, int8)
+        self.gate_up = QuantLinear([get("ffn_gate.weight"), get("ffn_up.weight")], None, fallback, int8)
+        self.down = QuantLinear([get("ffn_down.weight")], None, fallback, int8)
         self.norm_in = get("attn_norm.weight").data.float().contiguous()
         self.norm_post = get("ffn_norm.weight").data.float().contiguous()
 
@@ -93,7 +95,7 @@ class QuantModel:
     device = torch.device("cpu")
     screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
 
-    def __init__(self, gguf, config):
+    def __init__(self, gguf, config, activations: str = "auto"):
         from specdec.backends.qkernel import kernels
 
         if gguf.arch not in SUPPORTED:
@@ -102,6 +104,11 @@ class QuantModel:
                 "run it with --dtype float32"
             )
         self.kernels = kernels()
+        if activations not in ("auto", "int8", "fp32"):
+            raise ValueError(f"activations must be 'auto', 'int8' or 'fp32', not {activations!r}")
+        if activations == "int8" and not self.kernels.int8_available():
+            raise ValueError("int8 activations need a CPU with AVX512-VNNI; use activations='fp32'")
+        self.int8 = activations == "int8" or (activations == "auto" and self.kernels.int8_available())
         self.rows: dict[int, int] = {}  # never padded: a forward's cost is its own (specdec.backends.rows)
         c = config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
@@ -120,9 +127,9 @@ class QuantModel:
             raise ValueError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {gguf.arch} model file")
         fallback: set[str] = set()
         self.embed_tensor = t["token_embd.weight"]
-        self.layers = [_Layer(t, i, fallback) for i in range(c.num_hidden_layers)]
+        self.layers = [_Layer(t, i, fallback, self.int8) for i in range(c.num_hidden_layers)]
         self.norm = t["output_norm.weight"].data.float().contiguous()
-        self.lm_head = QuantLinear([t.get("output.weight", self.embed_tensor)], None, fallback)
+        self.lm_head = QuantLinear([t.get("output.weight", self.embed_tensor)], None, fallback, self.int8)
         self._embed = QuantLinear([self.embed_tensor], None, fallback)  # its rows are gathered, never multiplied
         self.vocab_size = self.embed_tensor.shape[0]
         if fallback:
@@ -183,7 +190,7 @@ class QuantModel:
             h = k.decoder_layer(
                 h, layer.norm_in, layer.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
                 gate_up.data, gate_up.types, down.data, down.types, k_cache, v_cache, start, rope, mask,
-                self.n_heads, self.eps,
+                self.n_heads, self.eps, self.int8,
             )  # fmt: skip
             if i in taps:
                 column = d * (1 + taps.index(i))

@@ -348,12 +348,228 @@ void part_outputs(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi
   }
 }
 
+// ---- products with int8 activations (AVX512-VNNI) ---------------------------------------------
+//
+// The faster path, as llama.cpp multiplies its blocks: each input row is quantized to int8 per
+// 32-element block (scale = max|x| / 127, values rounded to nearest even), and a weight block's
+// integers are multiplied with those by vpdpbusd (u8 x s8, four products summed per 32-bit lane,
+// exactly). The weights are decoded per 64 columns (a "chunk": two 32-blocks, or a quarter of a
+// 256-super-block) into unsigned bytes u, with w = scale * (u - offset) + min, fp32 scales per
+// lane and, for the types with a minimum, fp32 minimums per lane. Per chunk and input row, in
+// 16 lanes:
+//   I    = sum(u * xq) - offset * sum(xq)                  (int32, exact)
+//   acc  = acc + float(I) * (weight scale * input scale)   (one rounding for the product, one for the fma)
+//   macc = macc + min * (input scale * sum(xq))            (Q4_1, Q5_1, Q4_K)
+// over the chunks in order; then one lane reduction of acc + macc. Every step depends only on the
+// output's own weight row and input row, in an order fixed by K: batch-invariant as the fp32 path is.
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool HAS_Q8 = true;
+
+// Input rows quantized to int8, padded to whole chunks of 64 columns.
+struct QRows {
+  int64_t M = 0, K = 0, chunks = 0;
+  std::vector<int8_t> q;      // (M, chunks * 64)
+  std::vector<float> scale;   // (M, chunks * 16): lanes 0-7 the scale of block 2c, lanes 8-15 that of block 2c + 1
+  std::vector<int32_t> sum4;  // (M, chunks * 16): per lane, the sum of its four int8 values
+  std::vector<float> sum4f;   // (M, chunks * 16): the lane's scale times sum4
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
+  r.M = M;
+  r.K = K;
+  r.chunks = (K + 63) / 64;
+  const int64_t width = r.chunks * 64, lanes = r.chunks * 16;
+  r.q.assign(M * width, 0);
+  r.scale.assign(M * lanes, 0.0f);
+  r.sum4.resize(M * lanes);
+  r.sum4f.resize(M * lanes);
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      int8_t* q = r.q.data() + m * width;
+      float* s = r.scale.data() + m * lanes;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xb = x + m * K + 32 * b;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)))));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)))));
+        for (int l = 0; l < 8; ++l) s[8 * b + l] = d;  // block b's 32 values are lanes 8b..8b+7
+      }
+      const __m512i ones = _mm512_set1_epi8(1);
+      for (int64_t c = 0; c < r.chunks; ++c) {
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + 64 * c));
+        _mm512_storeu_si512(r.sum4.data() + m * lanes + 16 * c, sum);
+        _mm512_storeu_ps(r.sum4f.data() + m * lanes + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), _mm512_cvtepi32_ps(sum)));
+      }
+    }
+  });
+}
+
+inline __m512i nibbles(__m256i q) {  // 32 bytes -> their 32 low nibbles then their 32 high nibbles
+  const __m256i low = _mm256_set1_epi8(15);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low)),
+                            _mm256_and_si256(_mm256_srli_epi16(q, 4), low), 1);
+}
+inline __m512 two_scales(float a, float b) {  // lanes 0-7 a, lanes 8-15 b
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+}
+inline __m512 lanes_of(__m512 v, int a, int b) {  // lanes 0-7 v[a], lanes 8-15 v[b]
+  return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b)), v);
+}
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int64_t type>
+constexpr int32_t offset_of() {
+  return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : type == Q6_K ? 32 : 0;
+}
+template <int64_t type>
+constexpr bool has_min() {
+  return type == Q4_1 || type == Q5_1 || type == Q4_K;
+}
+
+// One chunk of two 32-blocks a and b (b absent when two is false: the row's last, odd block) of a
+// legacy type: emit(c, u, scales, mins).
+template <int64_t type, typename Emit>
+inline void legacy_chunk(int64_t c, const uint8_t* a, const uint8_t* b, bool two, Emit& emit) {
+  // d (and m) of both blocks at once: halves [d_a, m_a, d_b, m_b] (m only meaningful for Q4_1, Q5_1)
+  const __m512 dm = _mm512_castps128_ps512(
+      _mm_cvtph_ps(_mm_set_epi32(0, 0, two ? static_cast<int>(load_u32(b)) : 0, static_cast<int>(load_u32(a)))));
+  __m512i q;
+  if constexpr (type == Q8_0) {
+    const __m256i qa = load32(a + 2), qb = two ? load32(b + 2) : _mm256_set1_epi8(-128);
+    q = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), _mm512_set1_epi8(-128));
+  } else {
+    const int head = (type == Q4_1 || type == Q5_1) ? 4 : 2;
+    const int qs = (type == Q5_0 || type == Q5_1) ? head + 4 : head;
+    const __m128i qa = load16(a + qs), qb = two ? load16(b + qs) : _mm_setzero_si128();
+    const __m512i z = nibbles(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
+    q = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));  // a's low, a's high, b's low, b's high nibbles
+    if constexpr (type == Q5_0 || type == Q5_1) {
+      const uint64_t high = load_u32(a + head) | (two ? static_cast<uint64_t>(load_u32(b + head)) << 32 : 0);
+      q = _mm512_mask_add_epi8(q, static_cast<__mmask64>(high), q, _mm512_set1_epi8(16));
+    }
+  }
+  emit(c, q, lanes_of(dm, 0, 2), has_min<type>() ? lanes_of(dm, 1, 3) : _mm512_setzero_ps());
+}
+
+// Decodes a weight row of K columns chunk by chunk, in registers, and hands each to
+// emit(c, u, scales, mins): u its 64 weights as unsigned bytes, and per lane the scale and the
+// minimum of the 32 or 16 weights the lane's four bytes belong to.
+template <int64_t type, typename Emit>
+inline void decode_chunks(const uint8_t* row, int64_t K, Emit&& emit) {
+  const Layout lay = layout(type);
+  if constexpr (type == Q4_K) {
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* p = row + sb * lay.bytes;
+      const float d = half_to_float(p), dmin = half_to_float(p + 2);
+      const uint8_t* sc = p + 4;
+      float a[8], e[8];
+      for (int j = 0; j < 8; ++j) {  // get_scale_min_k4
+        const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        const int mn = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        a[j] = d * static_cast<float>(s);
+        e[j] = -(dmin * static_cast<float>(mn));
+      }
+      for (int i = 0; i < 4; ++i)  // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+        emit(4 * sb + i, nibbles(load32(p + 16 + 32 * i)), two_scales(a[2 * i], a[2 * i + 1]),
+             two_scales(e[2 * i], e[2 * i + 1]));
+    }
+  } else if constexpr (type == Q6_K) {
+    const __m512i low = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+    const __m512i quarter = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* p = row + sb * lay.bytes;
+      const float d = half_to_float(p + 208);
+      // the 16 scales times d; a chunk's lanes 4g..4g+3 take its g-th
+      const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(p + 192))));
+      for (int half = 0; half < 2; ++half) {
+        const __m512i l = _mm512_loadu_si512(p + 64 * half);
+        const __m256i h = load32(p + 128 + 32 * half);
+        // bit pairs 0-1 and 2-3 of qh for weights 0-63 of the half; 4-5 and 6-7 for weights 64-127
+        const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+        const __m512i h23 = _mm512_srli_epi16(h01, 4);
+        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_slli_epi16(_mm512_and_si512(h01, three), 4));
+        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                           _mm512_slli_epi16(_mm512_and_si512(h23, three), 4));
+        const int first = 8 * half;
+        emit(4 * sb + 2 * half, u0, _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(first)), s16),
+             _mm512_setzero_ps());
+        emit(4 * sb + 2 * half + 1, u1,
+             _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(first + 4)), s16), _mm512_setzero_ps());
+      }
+    }
+  } else {
+    const int64_t blocks = K / 32;
+    int64_t c = 0;
+    for (; 2 * c + 1 < blocks; ++c) {
+      const uint8_t* a = row + 2 * c * lay.bytes;
+      legacy_chunk<type>(c, a, a + lay.bytes, true, emit);
+    }
+    if (2 * c < blocks) legacy_chunk<type>(c, row + 2 * c * lay.bytes, nullptr, false, emit);
+  }
+}
+
+// One weight row times T quantized input rows (x's rows m0..m0+T-1): out[m] for each.
+template <int64_t type, int T>
+void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias, float* out) {
+  const int64_t C = x.chunks;
+  __m512 acc[T], macc[T];
+  for (int m = 0; m < T; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
+  const int8_t* xq = x.q.data() + 64 * m0 * C;
+  const float* xs = x.scale.data() + 16 * m0 * C;
+  const float* xm = x.sum4f.data() + 16 * m0 * C;
+  const int32_t* xb = bias ? bias + 16 * m0 * C : nullptr;
+  decode_chunks<type>(row, x.K, [&](int64_t c, __m512i w, __m512 s, __m512 mn) {
+    for (int m = 0; m < T; ++m) {
+      const int64_t r = m * C + c;
+      const __m512i init = offset_of<type>() ? _mm512_loadu_si512(xb + 16 * r) : _mm512_setzero_si512();
+      const __m512 i = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, w, _mm512_loadu_si512(xq + 64 * r)));
+      acc[m] = _mm512_fmadd_ps(i, _mm512_mul_ps(s, _mm512_loadu_ps(xs + 16 * r)), acc[m]);
+      if constexpr (has_min<type>()) macc[m] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(xm + 16 * r), macc[m]);
+    }
+  });
+  for (int m = 0; m < T; ++m) out[m] = lane_sum((vec)(has_min<type>() ? _mm512_add_ps(acc[m], macc[m]) : acc[m]));
+}
+
+// y[:, j] for j in [lo, hi) of one part, as part_outputs, from quantized input rows (bias: for the
+// types with an offset, -offset * sum4 of each row).
+template <int64_t type>
+void part_outputs_q8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const QRows& x,
+                     const int32_t* bias, float* y, int64_t N) {
+  using Fn = void (*)(const uint8_t*, const QRows&, int64_t, const int32_t*, float*);
+  static constexpr Fn tiles[TILE + 1] = {nullptr,          q8_tile<type, 1>, q8_tile<type, 2>,
+                                         q8_tile<type, 3>, q8_tile<type, 4>, q8_tile<type, 5>,
+                                         q8_tile<type, 6>, q8_tile<type, 7>, q8_tile<type, 8>};
+  float out[TILE];
+  for (int64_t j = lo; j < hi; ++j) {
+    const uint8_t* row = rows + (j - lo) * row_bytes;
+    for (int64_t m0 = 0; m0 < x.M; m0 += TILE) {
+      const int t = static_cast<int>(std::min<int64_t>(TILE, x.M - m0));
+      tiles[t](row, x, m0, bias, out);
+      for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
+    }
+  }
+}
+#else
+constexpr bool HAS_Q8 = false;
+#endif
+
 // x: (M, K) fp32; parts: matrices (N_p, row_bytes) uint8 of GGML types `types`, each with K columns;
 // bias: (sum N_p,) fp32 or None. Returns (M, sum N_p) = x W^T + b, W the parts stacked and
 // dequantized. Each output is one thread's dot product in a fixed order, so its bits do not depend
 // on M, on the other rows, or on the thread count.
 torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
-                     c10::optional<torch::Tensor> bias) {
+                     c10::optional<torch::Tensor> bias, bool int8) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quant.matmul: x must be (M, K) fp32");
   TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "quant.matmul: one type per part");
   x = x.contiguous();
@@ -377,6 +593,20 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   const float* xp = x.data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
+  TORCH_CHECK(!int8 || HAS_Q8, "quant.matmul: int8 activations need AVX512-VNNI (see int8_available())");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  QRows qx;
+  std::vector<std::vector<int32_t>> biases(129);  // by offset: -offset * sum4, row after row
+  if (int8) {
+    quantize_rows(xp, M, K, qx);
+    for (int64_t t : types) dispatch(t, [&]<int64_t type>() {
+        constexpr int32_t o = offset_of<type>();
+        if (type == F32 || o == 0 || !biases[o].empty()) return;
+        biases[o].resize(qx.sum4.size());
+        for (size_t i = 0; i < qx.sum4.size(); ++i) biases[o][i] = -o * qx.sum4[i];
+      });
+  }
+#endif
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (size_t p = 0; p < parts.size(); ++p) {
       const int64_t lo = std::max(begin, offsets[p]), hi = std::min(end, offsets[p + 1]);
@@ -384,6 +614,15 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       const int64_t row_bytes = parts[p].size(1);
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
       dispatch(types[p], [&]<int64_t t>() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if constexpr (t != F32) {
+          if (int8) {
+            constexpr int32_t o = offset_of<t>();
+            part_outputs_q8<t>(rows, row_bytes, lo, hi, qx, o ? biases[o].data() : nullptr, yp, N);
+            return;
+          }
+        }
+#endif
         part_outputs<t>(rows, row_bytes, lo, hi, K, xp, M, yp, N);
       });
       if (b)
@@ -606,7 +845,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tenso
                             std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
                             std::vector<int64_t> down_types, torch::Tensor k_cache, torch::Tensor v_cache,
                             int64_t start, torch::Tensor rope,
-                            c10::optional<torch::Tensor> mask, int64_t H, double eps) {
+                            c10::optional<torch::Tensor> mask, int64_t H, double eps, bool int8) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.decoder_layer: bad h");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "quant.decoder_layer: caches must be contiguous");
   const int64_t n = h.size(0), KVH = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2);
@@ -614,7 +853,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tenso
   torch::Tensor holder;
   const bool* mp = mask_data(mask, holder, n, start + n);
 
-  auto t = matmul(rms_norm(h, norm_in, eps), qkv, qkv_types, qkv_bias);  // (n, (H + 2 KVH) D)
+  auto t = matmul(rms_norm(h, norm_in, eps), qkv, qkv_types, qkv_bias, int8);  // (n, (H + 2 KVH) D)
   const int64_t stride = t.size(1);
   TORCH_CHECK(stride == (H + 2 * KVH) * D, "quant.decoder_layer: qkv rows do not match the heads");
   float* tp = t.data_ptr<float>();
@@ -627,21 +866,27 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tenso
     }
   auto a = torch::empty({n, H * D}, h.options());
   attend(tp, stride, n, H, D, kp, vp, KVH, cap, start, mp, 1.0f / std::sqrt(static_cast<float>(D)), a.data_ptr<float>());
-  h.add_(matmul(a, o, o_types, c10::nullopt));
-  h.add_(matmul(swiglu(matmul(rms_norm(h, norm_post, eps), gate_up, gate_up_types, c10::nullopt)), down, down_types,
-                c10::nullopt));
+  h.add_(matmul(a, o, o_types, c10::nullopt, int8));
+  h.add_(matmul(swiglu(matmul(rms_norm(h, norm_post, eps), gate_up, gate_up_types, c10::nullopt, int8)), down,
+                down_types, c10::nullopt, int8));
   return h;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant");
+  m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant", py::arg("x"),
+        py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(), py::arg("int8") = false);
+  m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX512-VNNI)");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32");
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
   m.def("swiglu", &swiglu, "silu(gate) * up");
   m.def("rope_table", &rope_table, "cos and sin of the rotary angles at positions");
   m.def("rope", &rope, "rotary embedding in place, rotate-half layout");
   m.def("attention", &attention, "causal or masked attention over a KV cache, one task per position and head");
-  m.def("decoder_layer", &decoder_layer, "one Llama/Qwen2 decoder layer, h updated in place");
+  m.def("decoder_layer", &decoder_layer, "one Llama/Qwen2 decoder layer, h updated in place", py::arg("h"),
+        py::arg("norm_in"), py::arg("norm_post"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_bias"),
+        py::arg("o"), py::arg("o_types"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
+        py::arg("down_types"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("rope"),
+        py::arg("mask"), py::arg("H"), py::arg("eps"), py::arg("int8") = false);
 }
