@@ -430,11 +430,11 @@ inline uint32_t load_u32(const uint8_t* p) {
 
 template <int64_t type>
 constexpr int32_t offset_of() {
-  return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : type == Q6_K ? 32 : 0;
+  return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0;
 }
 template <int64_t type>
 constexpr bool has_min() {
-  return type == Q4_1 || type == Q5_1 || type == Q4_K;
+  return type == Q4_1 || type == Q5_1;
 }
 
 // One chunk of two 32-blocks a and b (b absent when two is false: the row's last, odd block) of a
@@ -468,55 +468,13 @@ inline void legacy_chunk(int64_t c, const uint8_t* a, const uint8_t* b, bool two
 template <int64_t type, typename Emit>
 inline void decode_chunks(const uint8_t* row, int64_t K, Emit&& emit) {
   const Layout lay = layout(type);
-  if constexpr (type == Q4_K) {
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* p = row + sb * lay.bytes;
-      const float d = half_to_float(p), dmin = half_to_float(p + 2);
-      const uint8_t* sc = p + 4;
-      float a[8], e[8];
-      for (int j = 0; j < 8; ++j) {  // get_scale_min_k4
-        const int s = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-        const int mn = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-        a[j] = d * static_cast<float>(s);
-        e[j] = -(dmin * static_cast<float>(mn));
-      }
-      for (int i = 0; i < 4; ++i)  // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
-        emit(4 * sb + i, nibbles(load32(p + 16 + 32 * i)), two_scales(a[2 * i], a[2 * i + 1]),
-             two_scales(e[2 * i], e[2 * i + 1]));
-    }
-  } else if constexpr (type == Q6_K) {
-    const __m512i low = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
-    const __m512i quarter = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* p = row + sb * lay.bytes;
-      const float d = half_to_float(p + 208);
-      // the 16 scales times d; a chunk's lanes 4g..4g+3 take its g-th
-      const __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(p + 192))));
-      for (int half = 0; half < 2; ++half) {
-        const __m512i l = _mm512_loadu_si512(p + 64 * half);
-        const __m256i h = load32(p + 128 + 32 * half);
-        // bit pairs 0-1 and 2-3 of qh for weights 0-63 of the half; 4-5 and 6-7 for weights 64-127
-        const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
-        const __m512i h23 = _mm512_srli_epi16(h01, 4);
-        const __m512i u0 = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_slli_epi16(_mm512_and_si512(h01, three), 4));
-        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
-                                           _mm512_slli_epi16(_mm512_and_si512(h23, three), 4));
-        const int first = 8 * half;
-        emit(4 * sb + 2 * half, u0, _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(first)), s16),
-             _mm512_setzero_ps());
-        emit(4 * sb + 2 * half + 1, u1,
-             _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(first + 4)), s16), _mm512_setzero_ps());
-      }
-    }
-  } else {
-    const int64_t blocks = K / 32;
-    int64_t c = 0;
-    for (; 2 * c + 1 < blocks; ++c) {
-      const uint8_t* a = row + 2 * c * lay.bytes;
-      legacy_chunk<type>(c, a, a + lay.bytes, true, emit);
-    }
-    if (2 * c < blocks) legacy_chunk<type>(c, row + 2 * c * lay.bytes, nullptr, false, emit);
+  const int64_t blocks = K / 32;
+  int64_t c = 0;
+  for (; 2 * c + 1 < blocks; ++c) {
+    const uint8_t* a = row + 2 * c * lay.bytes;
+    legacy_chunk<type>(c, a, a + lay.bytes, true, emit);
   }
+  if (2 * c < blocks) legacy_chunk<type>(c, row + 2 * c * lay.bytes, nullptr, false, emit);
 }
 
 // One weight row times T quantized input rows (x's rows m0..m0+T-1): out[m] for each.
@@ -560,6 +518,149 @@ void part_outputs_q8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t
     }
   }
 }
+// Q4_K and Q6_K, as llama.cpp's Q8_K: an input row is quantized per 256 columns (one scale per
+// super-block) and everything inside a super-block is integer, exact: per chunk of 64 columns
+// I = sum(u * xq) in 16 lanes (vpdpbusd), times the lanes' integer sub-block scales, summed over the
+// super-block's four chunks; minus the integer offset (Q6_K: 32 * scale * sum(xq) per 16 columns)
+// or, for Q4_K, a second integer sum of 6-bit minimums times sums of xq per 16 columns. Then per
+// super-block, in order: acc = acc + float(S) * (d * input scale), macc likewise for Q4_K's
+// minimums with -dmin; one lane reduction of acc + macc at the end.
+
+struct KRows {  // input rows quantized per 256 columns
+  int64_t M = 0, K = 0, supers = 0;
+  std::vector<int8_t> q;       // (M, K)
+  std::vector<float> scale;    // (M, supers)
+  std::vector<int32_t> sum16;  // (M, supers * 16): sums of the int8 values of each 16 columns
+};
+
+void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
+  r.M = M;
+  r.K = K;
+  r.supers = K / 256;
+  r.q.resize(M * K);
+  r.scale.resize(M * r.supers);
+  r.sum16.resize(M * r.supers * 16);
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t sb = 0; sb < r.supers; ++sb) {
+        const float* xb = x + m * K + 256 * sb;
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 16; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + 16 * i)));
+        const float d = _mm512_reduce_max_ps(amax) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        r.scale[m * r.supers + sb] = d;
+        int8_t* q = r.q.data() + m * K + 256 * sb;
+        int32_t* s = r.sum16.data() + (m * r.supers + sb) * 16;
+        for (int i = 0; i < 16; ++i) {
+          const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * i), _mm512_set1_ps(id)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtsepi32_epi8(v));
+          s[i] = _mm512_reduce_add_epi32(v);  // |v| <= 127: the stored bytes are v exactly
+        }
+      }
+  });
+}
+
+// One super-block of a Q4_K or Q6_K row, decoded: four chunks of unsigned bytes with their lanes'
+// integer scales, the 16-column integer minimums (Q4_K: the 6-bit minimum of the column's sub-block;
+// Q6_K: 32 times the scale, the offset), and the fp32 factors of the two sums (d; Q4_K: -dmin,
+// Q6_K: -d).
+struct Super {
+  __m512i u[4], scale[4], mins;
+  float d, dmin;
+};
+
+inline __m512i lane_index(int a, int b) {  // lanes 0-7 a, lanes 8-15 b
+  return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b));
+}
+
+template <int64_t type>
+inline void decode_super(const uint8_t* p, Super& s) {
+  if constexpr (type == Q4_K) {
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(p))));
+    s.d = _mm_cvtss_f32(dm);
+    s.dmin = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
+    // 12 bytes of 6-bit scales and minimums (get_scale_min_k4): sub-block j < 4 has scale sc[j] & 63 and
+    // minimum sc[j + 4] & 63; j >= 4 the low nibble (scale) or high nibble (minimum) of sc[j + 4] with
+    // the top two bits of sc[j - 4] (scale) or sc[j] (minimum) above it. Four bytes at a time:
+    const uint32_t w0 = load_u32(p + 4), w1 = load_u32(p + 8), w2 = load_u32(p + 12);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    const uint32_t scales_lo = w0 & six, mins_lo = w1 & six;
+    const uint32_t scales_hi = (w2 & four) | (((w0 >> 6) & two) << 4);
+    const uint32_t mins_hi = ((w2 >> 4) & four) | (((w1 >> 6) & two) << 4);
+    // lanes 0-7 the scales, 8-15 the minimums
+    const __m512i sm = _mm512_cvtepu8_epi32(_mm_set_epi32(static_cast<int>(mins_hi), static_cast<int>(mins_lo),
+                                                          static_cast<int>(scales_hi), static_cast<int>(scales_lo)));
+    for (int i = 0; i < 4; ++i) {  // chunk i: sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+      s.u[i] = nibbles(load32(p + 16 + 32 * i));
+      s.scale[i] = _mm512_permutexvar_epi32(lane_index(2 * i, 2 * i + 1), sm);
+    }
+    // 16 columns g belong to sub-block g / 2
+    s.mins = _mm512_permutexvar_epi32(
+        _mm512_srli_epi32(_mm512_setr_epi32(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31), 1), sm);
+  } else {
+    const __m512i low = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+    const __m512i quarter = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    const __m512i sc = _mm512_cvtepi8_epi32(load16(p + 192));  // 16 scales, one per 16 columns
+    s.d = half_to_float(p + 208);
+    s.dmin = -s.d;
+    s.mins = _mm512_slli_epi32(sc, 5);  // 32 * scale
+    for (int half = 0; half < 2; ++half) {
+      const __m512i l = _mm512_loadu_si512(p + 64 * half);
+      const __m256i h = load32(p + 128 + 32 * half);
+      // bit pairs 0-1 and 2-3 of qh for weights 0-63 of the half; 4-5 and 6-7 for weights 64-127
+      const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+      const __m512i h23 = _mm512_srli_epi16(h01, 4);
+      s.u[2 * half] = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_slli_epi16(_mm512_and_si512(h01, three), 4));
+      s.u[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                          _mm512_slli_epi16(_mm512_and_si512(h23, three), 4));
+      // chunk c's lanes 4g..4g+3 take scale 4c + g
+      s.scale[2 * half] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * half)), sc);
+      s.scale[2 * half + 1] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * half + 4)), sc);
+    }
+  }
+}
+
+template <int64_t type, int T>
+void k_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
+  const int64_t S = x.supers;
+  __m512 acc[T], macc[T];
+  for (int m = 0; m < T; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
+  Super s;
+  for (int64_t sb = 0; sb < S; ++sb) {
+    decode_super<type>(row + sb * layout(type).bytes, s);
+    for (int m = 0; m < T; ++m) {
+      const int64_t r = (m0 + m) * S + sb;
+      const int8_t* xq = x.q.data() + 256 * r;
+      __m512i total = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i)
+        total = _mm512_add_epi32(total, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), s.u[i],
+                                                                               _mm512_loadu_si512(xq + 64 * i)),
+                                                           s.scale[i]));
+      const __m512i offset = _mm512_mullo_epi32(s.mins, _mm512_loadu_si512(x.sum16.data() + 16 * r));
+      const float dx = x.scale[r];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(s.d * dx), acc[m]);
+      macc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(offset), _mm512_set1_ps(s.dmin * dx), macc[m]);
+    }
+  }
+  for (int m = 0; m < T; ++m) out[m] = lane_sum((vec)_mm512_add_ps(acc[m], macc[m]));
+}
+
+template <int64_t type>
+void part_outputs_k(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
+                    int64_t N) {
+  using Fn = void (*)(const uint8_t*, const KRows&, int64_t, float*);
+  static constexpr Fn tiles[TILE + 1] = {nullptr,         k_tile<type, 1>, k_tile<type, 2>, k_tile<type, 3>,
+                                         k_tile<type, 4>, k_tile<type, 5>, k_tile<type, 6>, k_tile<type, 7>,
+                                         k_tile<type, 8>};
+  float out[TILE];
+  for (int64_t j = lo; j < hi; ++j) {
+    const uint8_t* row = rows + (j - lo) * row_bytes;
+    for (int64_t m0 = 0; m0 < x.M; m0 += TILE) {
+      const int t = static_cast<int>(std::min<int64_t>(TILE, x.M - m0));
+      tiles[t](row, x, m0, out);
+      for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
+    }
+  }
+}
 #else
 constexpr bool HAS_Q8 = false;
 #endif
@@ -597,7 +698,11 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   QRows qx;
   std::vector<std::vector<int32_t>> biases(129);  // by offset: -offset * sum4, row after row
-  if (int8) {
+  KRows kx;
+  bool legacy = false, super = false;
+  for (int64_t t : types) (t == Q4_K || t == Q6_K ? super : legacy) |= t != F32;
+  if (int8 && super) quantize_rows_k(xp, M, K, kx);
+  if (int8 && legacy) {
     quantize_rows(xp, M, K, qx);
     for (int64_t t : types) dispatch(t, [&]<int64_t type>() {
         constexpr int32_t o = offset_of<type>();
@@ -615,7 +720,12 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
       dispatch(types[p], [&]<int64_t t>() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-        if constexpr (t != F32) {
+        if constexpr (t == Q4_K || t == Q6_K) {
+          if (int8) {
+            part_outputs_k<t>(rows, row_bytes, lo, hi, kx, yp, N);
+            return;
+          }
+        } else if constexpr (t != F32) {
           if (int8) {
             constexpr int32_t o = offset_of<t>();
             part_outputs_q8<t>(rows, row_bytes, lo, hi, qx, o ? biases[o].data() : nullptr, yp, N);
