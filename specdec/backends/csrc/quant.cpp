@@ -524,12 +524,14 @@ void part_outputs_q8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t
   }
 }
 // Q4_K and Q6_K, as llama.cpp's Q8_K: an input row is quantized per 256 columns (one scale per
-// super-block) and everything inside a super-block is integer, exact: per chunk of 64 columns
-// I = sum(u * xq) in 16 lanes (vpdpbusd), times the lanes' integer sub-block scales, summed over the
-// super-block's four chunks; minus the integer offset (Q6_K: 32 * scale * sum(xq) per 16 columns)
-// or, for Q4_K, a second integer sum of 6-bit minimums times sums of xq per 16 columns. Then per
-// super-block, in order: acc = acc + float(S) * (d * input scale), macc likewise for Q4_K's
-// minimums with -dmin; one lane reduction of acc + macc at the end.
+// super-block) and everything inside a super-block is integer, exact: per chunk of 64 columns,
+// vpmaddubsw multiplies u with xq and adds pairs (16 bits, no overflow for these types), and
+// vpdpwssd multiplies those pair sums by the lanes' sub-block scales and adds them to 32-bit lanes:
+// lane l of a chunk gets scale * sum of its four products. Q6_K's offset (32 * scale * sum of xq
+// per 16 columns) is subtracted in the same integers; Q4_K's minimums (6-bit minimum * sum of xq
+// per 16 columns) are a second integer sum. Then per super-block, in order: acc = acc + float(S) *
+// (d * input scale), macc = macc + float(minimums) * (-dmin * input scale) for Q4_K; one lane
+// reduction of acc + macc at the end.
 
 struct KRows {  // input rows quantized per 256 columns
   int64_t M = 0, K = 0, supers = 0;
@@ -564,14 +566,18 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
   });
 }
 
-// One super-block of a Q4_K or Q6_K row, decoded: four chunks of unsigned bytes with their lanes'
-// integer scales, the 16-column integer minimums (Q4_K: the 6-bit minimum of the column's sub-block;
-// Q6_K: 32 times the scale, the offset), and the fp32 factors of the two sums (d; Q4_K: -dmin,
-// Q6_K: -d).
+// One super-block of a Q4_K or Q6_K row, decoded: four chunks of unsigned bytes, each with its lanes'
+// integer scales as 16-bit pairs (scale, scale) for vpdpwssd; per 16 columns, the integer that
+// multiplies the sum of xq there, as (value, 0) 16-bit pairs (Q4_K: the sub-block's 6-bit minimum;
+// Q6_K: -32 * scale, the offset); d, and for Q4_K -dmin.
 struct Super {
   __m512i u[4], scale[4], mins;
   float d, dmin;
 };
+
+inline __m512i pairs(__m512i v) {  // 32-bit lanes of small integers -> (v, v) as 16-bit halves
+  return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16));
+}
 
 inline __m512i lane_index(int a, int b) {  // lanes 0-7 a, lanes 8-15 b
   return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b));
@@ -594,9 +600,10 @@ inline void decode_super(const uint8_t* p, Super& s) {
     // lanes 0-7 the scales, 8-15 the minimums
     const __m512i sm = _mm512_cvtepu8_epi32(_mm_set_epi32(static_cast<int>(mins_hi), static_cast<int>(mins_lo),
                                                           static_cast<int>(scales_hi), static_cast<int>(scales_lo)));
+    const __m512i smp = pairs(sm);
     for (int i = 0; i < 4; ++i) {  // chunk i: sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
       s.u[i] = nibbles(load32(p + 16 + 32 * i));
-      s.scale[i] = _mm512_permutexvar_epi32(lane_index(2 * i, 2 * i + 1), sm);
+      s.scale[i] = _mm512_permutexvar_epi32(lane_index(2 * i, 2 * i + 1), smp);
     }
     // 16 columns g belong to sub-block g / 2
     s.mins = _mm512_permutexvar_epi32(
@@ -606,8 +613,9 @@ inline void decode_super(const uint8_t* p, Super& s) {
     const __m512i quarter = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     const __m512i sc = _mm512_cvtepi8_epi32(load16(p + 192));  // 16 scales, one per 16 columns
     s.d = half_to_float(p + 208);
-    s.dmin = -s.d;
-    s.mins = _mm512_slli_epi32(sc, 5);  // 32 * scale
+    s.dmin = 0.0f;
+    s.mins = _mm512_and_si512(_mm512_mullo_epi32(sc, _mm512_set1_epi32(-32)), _mm512_set1_epi32(0xFFFF));
+    const __m512i scp = pairs(sc);
     for (int half = 0; half < 2; ++half) {
       const __m512i l = _mm512_loadu_si512(p + 64 * half);
       const __m256i h = load32(p + 128 + 32 * half);
@@ -618,8 +626,8 @@ inline void decode_super(const uint8_t* p, Super& s) {
       s.u[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
                                           _mm512_slli_epi16(_mm512_and_si512(h23, three), 4));
       // chunk c's lanes 4g..4g+3 take scale 4c + g
-      s.scale[2 * half] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * half)), sc);
-      s.scale[2 * half + 1] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * half + 4)), sc);
+      s.scale[2 * half] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * half)), scp);
+      s.scale[2 * half + 1] = _mm512_permutexvar_epi32(_mm512_add_epi32(quarter, _mm512_set1_epi32(8 * half + 4)), scp);
     }
   }
 }
@@ -641,13 +649,14 @@ void k_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
       const int8_t* xq = x.q.data() + 256 * r;
       __m512i total = _mm512_setzero_si512();
       for (int i = 0; i < 4; ++i)
-        total = _mm512_add_epi32(total, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), s.u[i],
-                                                                               _mm512_loadu_si512(xq + 64 * i)),
-                                                           s.scale[i]));
-      const __m512i offset = _mm512_mullo_epi32(s.mins, _mm512_loadu_si512(x.sum16.data() + 16 * r));
+        total = _mm512_dpwssd_epi32(total, _mm512_maddubs_epi16(s.u[i], _mm512_loadu_si512(xq + 64 * i)), s.scale[i]);
+      const __m512i sum16 = _mm512_loadu_si512(x.sum16.data() + 16 * r);
       const float dx = x.scale[r];
+      if constexpr (type == Q6_K) total = _mm512_dpwssd_epi32(total, sum16, s.mins);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(s.d * dx), acc[m]);
-      macc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(offset), _mm512_set1_ps(s.dmin * dx), macc[m]);
+      if constexpr (type == Q4_K)
+        macc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), sum16, s.mins)),
+                                  _mm512_set1_ps(s.dmin * dx), macc[m]);
     }
   }
   for (int m = 0; m < T; ++m) out[m] = lane_sum((vec)_mm512_add_ps(acc[m], macc[m]));
