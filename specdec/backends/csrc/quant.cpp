@@ -369,6 +369,10 @@ constexpr bool HAS_Q8 = true;
 // Bytes ahead of the weight block being decoded that are prefetched: the weights are streamed once
 // per forward, and a thread's rows are contiguous.
 constexpr int64_t PREFETCH = 1024;
+// Many input rows (prefill) go over the weights a block of rows at a time (about this many bytes,
+// to stay in L2) for each tile of input rows, so the input rows are not streamed again per weight
+// row. The order of the tiles changes no output's operations.
+constexpr int64_t WEIGHT_BLOCK = 128 * 1024;
 
 // Input rows quantized to int8, padded to whole chunks of 64 columns.
 struct QRows {
@@ -514,14 +518,15 @@ void part_outputs_q8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t
                                          q8_tile<type, 3>, q8_tile<type, 4>, q8_tile<type, 5>,
                                          q8_tile<type, 6>, q8_tile<type, 7>, q8_tile<type, 8>};
   float out[TILE];
-  for (int64_t j = lo; j < hi; ++j) {
-    const uint8_t* row = rows + (j - lo) * row_bytes;
+  const int64_t block = std::max<int64_t>(1, WEIGHT_BLOCK / row_bytes);
+  for (int64_t j0 = lo; j0 < hi; j0 += block)
     for (int64_t m0 = 0; m0 < x.M; m0 += TILE) {
       const int t = static_cast<int>(std::min<int64_t>(TILE, x.M - m0));
-      tiles[t](row, x, m0, bias, out);
-      for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
+      for (int64_t j = j0; j < std::min(hi, j0 + block); ++j) {
+        tiles[t](rows + (j - lo) * row_bytes, x, m0, bias, out);
+        for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
+      }
     }
-  }
 }
 // Q4_K and Q6_K, as llama.cpp's Q8_K: an input row is quantized per 256 columns (one scale per
 // super-block) and everything inside a super-block is integer, exact: per chunk of 64 columns,
@@ -670,14 +675,15 @@ void part_outputs_k(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t 
                                          k_tile<type, 4>, k_tile<type, 5>, k_tile<type, 6>, k_tile<type, 7>,
                                          k_tile<type, 8>};
   float out[TILE];
-  for (int64_t j = lo; j < hi; ++j) {
-    const uint8_t* row = rows + (j - lo) * row_bytes;
+  const int64_t block = std::max<int64_t>(1, WEIGHT_BLOCK / row_bytes);
+  for (int64_t j0 = lo; j0 < hi; j0 += block)
     for (int64_t m0 = 0; m0 < x.M; m0 += TILE) {
       const int t = static_cast<int>(std::min<int64_t>(TILE, x.M - m0));
-      tiles[t](row, x, m0, out);
-      for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
+      for (int64_t j = j0; j < std::min(hi, j0 + block); ++j) {
+        tiles[t](rows + (j - lo) * row_bytes, x, m0, out);
+        for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
+      }
     }
-  }
 }
 #else
 constexpr bool HAS_Q8 = false;
