@@ -27,7 +27,7 @@ from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.cache import LeanKVCache
 from specdec.errors import GGUFError
 from specdec.models.gguf import QTensor
-from specdec.models.load import load_model
+from specdec.models.load import Model, load_model
 from specdec.models.quantize import quantize_model
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, is_pulled
@@ -81,8 +81,21 @@ def reference(qtype: str, raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
 
 
-def matmul(x, parts, types, bias=None):
-    return kernels().matmul(x, parts, types, bias)
+def matmul(x, parts, types, bias=None, int8=False):
+    return kernels().matmul(x, parts, types, bias, int8)
+
+
+needs_int8 = pytest.mark.skipif(not kernels().int8_available(), reason="int8 activations need AVX512-VNNI")
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (M, K) as the int8 path sees it: per `block` columns, scale d = max|x| / 127 and values
+    round(x / d) (to nearest even, computed as x * (1 / d) in fp32), dequantized: (M, K) float64."""
+    M, K = x.shape
+    b = x.reshape(M, K // block, block)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(b * inv).double() * d.double()).reshape(M, K)
 
 
 def fp32_part(w: torch.Tensor) -> torch.Tensor:
@@ -145,6 +158,33 @@ def test_matmul_is_the_product_with_the_dequantized_weights_and_batch_invariant(
     assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]]), x)
 
 
+@needs_int8
+@pytest.mark.parametrize("shape", ["short", "long", "blocked"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invariant(qtype, shape):
+    """The int8 path: x quantized per 32 columns (per 256 for the K-quants, as llama.cpp's Q8_K),
+    integer sums exact, within fp32 rounding of the float64 product of the quantized x with gguf's
+    dequantization; row i of an n-row call is a one-row call, on 1 or 2 threads. "blocked": enough
+    weight rows (and input rows) that prefill's blocking over the weights takes several blocks."""
+    block = _block(qtype)[0]
+    K = {"short": 512 if block == 256 else 160, "long": 1280 if block == 256 else 1184, "blocked": 2560}[shape]
+    N = 150 if shape == "blocked" else 37
+    raw = random_blocks(qtype, N, K, seed=2)
+    w = reference(qtype, raw)
+    x = torch.randn(19 if shape == "blocked" else 17, K, generator=torch.Generator().manual_seed(3))
+    x[:, 7] *= 40  # an outlier column, as hidden states have
+    part = torch.from_numpy(raw)
+    y = matmul(x, [part], [TYPES[qtype]], int8=True)
+    assert y.shape == (x.shape[0], N) and y.dtype == torch.float32
+    xq = quantized_activations(x, 256 if block == 256 else 32)
+    want = xq @ w.double().T
+    scale = xq.abs() @ w.double().abs().T
+    assert ((y.double() - want).abs() <= 2e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
+    # and not the fp32 path's product: the activations really are quantized
+    assert not torch.equal(y, matmul(x, [part], [TYPES[qtype]]))
+    assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]], int8=True), x, max_n=x.shape[0])
+
+
 def test_matmul_over_parts_of_different_types_with_a_bias():
     K, sizes = 512, {"Q4_0": 5, "Q6_K": 19, "F32": 3, "Q8_0": 16, "Q4_K": 9, "Q5_1": 2}
     raws = {t: random_blocks(t, n, K, seed=10 + i) for i, (t, n) in enumerate(sizes.items())}
@@ -161,6 +201,12 @@ def test_matmul_over_parts_of_different_types_with_a_bias():
     scale = x.double().abs() @ w.double().abs().T + bias.double().abs()
     assert ((y.double() - want).abs() <= 1e-6 * scale).all()
     assert_rows_invariant(lambda rows: matmul(rows, parts, types, bias), x)
+    if kernels().int8_available():  # the int8 path: an F32 part keeps fp32 activations
+        y8 = matmul(x, parts, types, bias, int8=True)
+        each8 = torch.cat([matmul(x, [p], [t], int8=True) for p, t in zip(parts, types)], dim=1)
+        assert torch.equal(y8, each8 + bias)
+        assert torch.equal(y8[:, 24:27], y[:, 24:27])
+        assert_rows_invariant(lambda rows: matmul(rows, parts, types, bias, int8=True), x)
     with pytest.raises(RuntimeError, match="bias"):
         matmul(x, parts, types, bias[:-1])
     with pytest.raises(RuntimeError, match="not a multiple"):
@@ -313,6 +359,7 @@ def smol():
     model = load_model(SMOL.name)
     assert model.gguf is not None and model.backend == "lean" and isinstance(model.lean(), QuantModel)
     assert model.precision == "gguf Q4_1+Q8_0" and model.lean().fallback == []
+    assert model.lean().int8 == kernels().int8_available()  # int8 activations wherever the CPU has VNNI
     return model
 
 
@@ -388,18 +435,28 @@ def test_speculative_greedy_is_plain_greedy(smol, text):
 
 
 def test_logits_are_the_fp32_dequantized_models_up_to_rounding(smol):
+    """With fp32 activations, the quantized forward is the dequantized fp32 model up to the rounding
+    of the sums; with int8 activations (the default where the CPU has VNNI), up to that
+    quantization too, as in llama.cpp: close in distribution, the same top token almost always."""
     ref = load_model(SMOL.name, dtype=torch.float32)
     assert ref.gguf is None and ref.precision == "float32"
     ids = _ids(smol) + _ids(smol, CODE)[1:]
-    cache = LeanKVCache(smol, capacity=128)
-    quant = cache.extend(ids, all_logits=True)
     with torch.inference_mode():
         want = ref.hf(input_ids=torch.tensor([ids])).logits[0].float()
-    assert quant.shape == want.shape
-    # the same (dequantized) weights: only the rounding of the sums differs
-    assert (quant - want).abs().max() < 1e-3 * want.std()  # measured: 1.3e-5 of it
-    agree = (quant.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert agree >= 0.97, agree  # measured: 1.0 over these 132 positions
+    for activations in ("fp32", "int8") if kernels().int8_available() else ("fp32",):
+        lean = QuantModel(smol.gguf, smol.config, activations=activations)
+        model = Model(None, smol.tokenizer, smol.name, smol.eos_token_ids, lean=lean, gguf=smol.gguf, config=smol.config)
+        quant = LeanKVCache(model, capacity=128).extend(ids, all_logits=True)
+        assert quant.shape == want.shape
+        agree = (quant.argmax(-1) == want.argmax(-1)).float().mean().item()
+        if activations == "fp32":
+            # the same (dequantized) weights: only the rounding of the sums differs
+            assert (quant - want).abs().max() < 1e-3 * want.std()  # measured: 1.3e-5 of it
+            assert agree >= 0.97, agree  # measured: 1.0 over these 132 positions
+        else:
+            kl = torch.nn.functional.kl_div(quant.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+            assert kl.sum(-1).mean() < 0.01, kl.sum(-1).mean()  # measured: 0.003 nats
+            assert agree >= 0.9, agree  # measured: 0.96
 
 
 def test_a_type_the_kernels_do_not_handle_is_dequantized_and_said_once(smol, capsys):
@@ -426,6 +483,17 @@ def test_a_type_the_kernels_do_not_handle_is_dequantized_and_said_once(smol, cap
     run(m16)
     err = capsys.readouterr().err
     assert err.count("dequantized to fp32") == 1 and "F16" in err.splitlines()[0], err
+
+
+def test_activations_are_named_or_refused(smol):
+    if kernels().int8_available():
+        assert "int8 activations" in QuantModel(smol.gguf, smol.config, activations="int8").kernel
+    else:
+        with pytest.raises(ValueError, match="AVX512-VNNI"):
+            QuantModel(smol.gguf, smol.config, activations="int8")
+    assert "fp32 activations" in QuantModel(smol.gguf, smol.config, activations="fp32").kernel
+    with pytest.raises(ValueError, match="'auto', 'int8' or 'fp32'"):
+        QuantModel(smol.gguf, smol.config, activations="int4")
 
 
 def test_a_truncated_gguf_fails_to_load_naming_the_file(tmp_path):

@@ -140,6 +140,12 @@ class QuantModel:
             )
         self.fallback = sorted(fallback)
 
+    @property
+    def kernel(self) -> str:
+        """What multiplies the matrices, for the bench's results."""
+        activations = "int8 activations (AVX512-VNNI)" if self.int8 else "fp32 activations"
+        return f"specdec quant, {activations}, batch-invariant"
+
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file."""
         return self.kernels.dequantize_rows(self._embed.data[0], self._embed.types[0], self.hidden_size, ids)

@@ -179,9 +179,6 @@ def measure_costs(
     }
 
 
-QUANT_KERNEL = "specdec quant (batch-invariant)"
-
-
 def kernel(model: Model | None) -> str | None:
     """Which kernels ran a model's products, for the results: specdec's batch-invariant quantized
     kernels for a GGUF model run at its own precision (naming GGML types dequantized to fp32 at load,
@@ -190,8 +187,8 @@ def kernel(model: Model | None) -> str | None:
     if model is None:
         return None
     if model.gguf is not None:
-        fallback = getattr(model.lean(), "fallback", None)
-        return QUANT_KERNEL + (f"; {', '.join(fallback)} dequantized to fp32 at load" if fallback else "")
+        lean = model.lean()
+        return lean.kernel + (f"; {', '.join(lean.fallback)} dequantized to fp32 at load" if lean.fallback else "")
     if model.backend == "lean" and model.device.type == "cpu" and model.precision == "float32":
         return gemv.status()
     return None
