@@ -1,11 +1,14 @@
 """specdec's batch-invariant CPU kernels for GGUF weights (specdec/backends/csrc/quant.cpp), compiled
 at first use.
 
-The module's functions: `matmul(x, parts, types, bias)` (x (M, K) fp32 times the stacked quantized
-parts, each (N_p, row_bytes) uint8 of a GGML type id; returns (M, sum N_p)), `dequantize_rows(w,
-type, K, ids)`, `rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope(x, positions, inv_freq)` (in place)
-and `attention(q, k_cache, v_cache, start, mask, scale)`. Each output is reduced in one fixed
-order by one thread, so row i of an n-row call has the bits of a one-row call (quant.cpp says how).
+The module's functions: `matmul(x, parts, types, bias=None, int8=False)` (x (M, K) fp32 times the
+stacked quantized parts, each (N_p, row_bytes) uint8 of a GGML type id; returns (M, sum N_p); int8:
+round the activations to int8 per block and multiply with integer dot products, as llama.cpp does,
+where `int8_available()`, i.e. the CPU has AVX512-VNNI), `dequantize_rows(w, type, K, ids)`,
+`rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`, `rope(x, positions,
+inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)` and `decoder_layer(...)`
+(a whole Llama/Qwen2 layer). Each output is reduced in one fixed order by one thread, so row i of an
+n-row call has the bits of a one-row call (quant.cpp says how).
 
 Built with torch's C++ extension loader (a C++ compiler and ninja, once per machine, cached under
 ~/.cache/torch_extensions) for the machine it runs on (-march=native); -ffp-contract=off keeps

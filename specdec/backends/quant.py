@@ -3,7 +3,8 @@ every op batch-invariant.
 
 Decoding on a CPU is bound by reading the weights. A GGUF file's blocks (Q4_1, Q4_K, ...) are 4-7x
 fewer bytes than their fp32 dequantization, so this forward multiplies them directly with
-specdec's kernels (specdec/backends/csrc/quant.cpp), decoding each block in registers. Every op of
+specdec's kernels (specdec/backends/csrc/quant.cpp), decoding each block in registers, with int8
+activations where the CPU has AVX512-VNNI. Every op of
 the forward (products, RMSNorm, rotary embedding, attention, SwiGLU, the output layer) gives row i
 of an n-row call the bits of a one-row call, for any n and any thread count; so one forward over
 k+1 tokens equals k+1 one-token forwards bit for bit, and greedy speculative decoding equals plain
@@ -88,8 +89,12 @@ class _Layer:
 class QuantModel:
     """A Llama/Qwen2 GGUF model (specdec.models.gguf.GGUFModel) laid out for the batch-invariant
     quantized forward, with its transformers `config` for the shapes. Memory: the weights are the
-    memory-mapped file's blocks (llama's q and k rows, un-permuted, are the only copies). Raises
-    ValueError for an architecture other than llama or qwen2, or a tensor missing from the file."""
+    memory-mapped file's blocks (llama's q and k rows, un-permuted, are the only copies).
+    activations: "int8" rounds each input row of a product to int8 per block and multiplies with
+    integer dot products (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the
+    dequantized weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the
+    CPU has VNNI. Raises ValueError for another architecture than llama or qwen2, a tensor missing
+    from the file, or int8 asked of a CPU without VNNI."""
 
     dtype = torch.float32
     device = torch.device("cpu")

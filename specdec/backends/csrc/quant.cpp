@@ -13,9 +13,11 @@
 //
 // The weights: a matrix is (rows, row_bytes) uint8, each row its blocks as ggml lays them out
 // (ggml-common.h: block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0, block_q4_K,
-// block_q6_K) or plain fp32. A row is dequantized once per call into L1, exactly as ggml
-// dequantizes it, and multiplied with every input row there. Activations stay fp32, so a product
-// is the fp32 dot product of the input with the dequantized weights, summed in a fixed order.
+// block_q6_K) or plain fp32. Two product paths: fp32 activations (a row is dequantized in
+// registers exactly as ggml dequantizes it, and the product is the fp32 dot product of the input
+// with those weights), and, on CPUs with AVX512-VNNI, int8 activations (each input row rounded to
+// int8 per block, integer dot products with the weights' integers, as llama.cpp multiplies).
+// Both are batch-invariant.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
