@@ -36,7 +36,8 @@ class QuantLinear:
     def __init__(self, parts, biases=None, fallback: set[str] | None = None, int8: bool = False):
         from specdec.backends.qkernel import TYPES, kernels
 
-        self.matmul = kernels().matmul
+        self.kernels = kernels()
+        self.matmul = self.kernels.matmul
         self.int8 = int8
 
         self.data, self.types = [], []
@@ -84,6 +85,11 @@ class _Layer:
         self.down = QuantLinear([get("ffn_down.weight")], None, fallback, int8)
         self.norm_in = get("attn_norm.weight").data.float().contiguous()
         self.norm_post = get("ffn_norm.weight").data.float().contiguous()
+        qkv, o, gate_up, down = self.qkv, self.o, self.gate_up, self.down
+        self.weights = qkv.kernels.Layer(
+            self.norm_in, self.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
+            gate_up.data, gate_up.types, down.data, down.types,
+        )  # fmt: skip
 
 
 class QuantModel:
@@ -195,17 +201,9 @@ class QuantModel:
         positions, mask = tree if tree is not None else (torch.arange(start, start + n), causal_mask(start, n))
         rope = k.rope_table(positions, self.inv_freq)  # (2, n, head_dim / 2), shared by the layers
         h = self.embed_rows(ids)  # (n, d)
+        stack = [layer.weights for layer in self.layers]
+        h = k.layers(h, stack, keys, values, start, rope, mask, self.n_heads, self.eps, self.int8, list(taps), features)
         d = h.shape[1]
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
-            qkv, o, gate_up, down = layer.qkv, layer.o, layer.gate_up, layer.down
-            h = k.decoder_layer(
-                h, layer.norm_in, layer.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
-                gate_up.data, gate_up.types, down.data, down.types, k_cache, v_cache, start, rope, mask,
-                self.n_heads, self.eps, self.int8,
-            )  # fmt: skip
-            if i in taps:
-                column = d * (1 + taps.index(i))
-                features[start : start + n, column : column + d] = h
         h = k.rms_norm(h, self.norm, self.eps)
         features[start : start + n, :d] = h
         return self.lm_head(h[n - keep :])

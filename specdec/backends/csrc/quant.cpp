@@ -968,30 +968,28 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   return out;
 }
 
-// One Llama/Qwen2 decoder layer over n new positions (pre-norm attention and SwiGLU MLP, residuals),
-// its ops the batch-invariant ones above, in one call so that a forward is one call per layer.
-// h (n, d) fp32 is updated in place and returned. The fused projections: qkv (q, k, v rows stacked,
-// with their bias or None), o, gate_up (gate rows then up rows), down; each a list of parts with
-// their GGML types. keys and values of the new positions are written to the caches (KVH, capacity,
-// D) at start..start+n-1. rope: the forward's rope_table (2, n, D/2); mask (n, start+n) or None (causal).
-torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tensor norm_post,
-                            std::vector<torch::Tensor> qkv, std::vector<int64_t> qkv_types,
-                            c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o,
-                            std::vector<int64_t> o_types, std::vector<torch::Tensor> gate_up,
-                            std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
-                            std::vector<int64_t> down_types, torch::Tensor k_cache, torch::Tensor v_cache,
-                            int64_t start, torch::Tensor rope,
-                            c10::optional<torch::Tensor> mask, int64_t H, double eps, bool int8) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.decoder_layer: bad h");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "quant.decoder_layer: caches must be contiguous");
-  const int64_t n = h.size(0), KVH = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2);
-  TORCH_CHECK(start + n <= cap && H % KVH == 0, "quant.decoder_layer: the cache is too short");
-  torch::Tensor holder;
-  const bool* mp = mask_data(mask, holder, n, start + n);
+// The weights of one Llama/Qwen2 decoder layer, built once at load, so that a forward passes the
+// whole stack in one call without converting its tensors again. Each projection is a list of parts
+// with their GGML types (q, k, v rows stacked, with their bias or None; gate rows then up rows).
+struct Layer {
+  torch::Tensor norm_in, norm_post;
+  std::vector<torch::Tensor> qkv, o, gate_up, down;
+  std::vector<int64_t> qkv_types, o_types, gate_up_types, down_types;
+  c10::optional<torch::Tensor> qkv_bias;
+};
 
-  auto t = matmul(rms_norm(h, norm_in, eps), qkv, qkv_types, qkv_bias, int8);  // (n, (H + 2 KVH) D)
+// One decoder layer over n new positions (pre-norm attention and SwiGLU MLP, residuals), its ops
+// the batch-invariant ones above. h (n, d) fp32 is updated in place. The keys and values of the new
+// positions are written to the caches (KVH, capacity, D) at start..start+n-1. rope: the forward's
+// rope_table (2, n, D/2); mp: the (n, start+n) mask or null (causal).
+void decoder_layer(torch::Tensor& h, const Layer& w, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t start,
+                   const torch::Tensor& rope, const bool* mp, int64_t H, double eps, bool int8) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "quant.layers: caches must be contiguous");
+  const int64_t n = h.size(0), KVH = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(start + n <= cap && H % KVH == 0, "quant.layers: the cache is too short");
+  auto t = matmul(rms_norm(h, w.norm_in, eps), w.qkv, w.qkv_types, w.qkv_bias, int8);  // (n, (H + 2 KVH) D)
   const int64_t stride = t.size(1);
-  TORCH_CHECK(stride == (H + 2 * KVH) * D, "quant.decoder_layer: qkv rows do not match the heads");
+  TORCH_CHECK(stride == (H + 2 * KVH) * D, "quant.layers: qkv rows do not match the heads");
   float* tp = t.data_ptr<float>();
   rope_rows(tp, n, stride, H + KVH, D, rope);
   float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
@@ -1002,9 +1000,30 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm_in, torch::Tenso
     }
   auto a = torch::empty({n, H * D}, h.options());
   attend(tp, stride, n, H, D, kp, vp, KVH, cap, start, mp, 1.0f / std::sqrt(static_cast<float>(D)), a.data_ptr<float>());
-  h.add_(matmul(a, o, o_types, c10::nullopt, int8));
-  h.add_(matmul(swiglu(matmul(rms_norm(h, norm_post, eps), gate_up, gate_up_types, c10::nullopt, int8)), down,
-                down_types, c10::nullopt, int8));
+  h.add_(matmul(a, w.o, w.o_types, c10::nullopt, int8));
+  h.add_(matmul(swiglu(matmul(rms_norm(h, w.norm_post, eps), w.gate_up, w.gate_up_types, c10::nullopt, int8)), w.down,
+                w.down_types, c10::nullopt, int8));
+}
+
+// The decoder stack over n new positions: h (n, d) fp32, updated in place and returned; keys[i],
+// values[i] layer i's caches (KVH, capacity, D); mask (n, start+n) bool or None (causal). After the
+// layers listed in taps, h is also written to features[start:start+n, d*(1+t) : d*(2+t)] (t the
+// tap's index), the hidden states an EAGLE head reads.
+torch::Tensor layers(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>& stack, std::vector<torch::Tensor> keys,
+                     std::vector<torch::Tensor> values, int64_t start, torch::Tensor rope,
+                     c10::optional<torch::Tensor> mask, int64_t H, double eps, bool int8, std::vector<int64_t> taps,
+                     torch::Tensor features) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.layers: h must be (n, d) fp32");
+  TORCH_CHECK(keys.size() == stack.size() && values.size() == stack.size(), "quant.layers: one cache per layer");
+  const int64_t n = h.size(0), d = h.size(1);
+  torch::Tensor holder;
+  const bool* mp = mask_data(mask, holder, n, start + n);
+  for (size_t i = 0; i < stack.size(); ++i) {
+    decoder_layer(h, *stack[i], keys[i], values[i], start, rope, mp, H, eps, int8);
+    const auto tap = std::find(taps.begin(), taps.end(), static_cast<int64_t>(i));
+    if (tap != taps.end())
+      features.narrow(0, start, n).narrow(1, d * (1 + (tap - taps.begin())), d).copy_(h);
+  }
   return h;
 }
 
@@ -1020,9 +1039,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_table", &rope_table, "cos and sin of the rotary angles at positions");
   m.def("rope", &rope, "rotary embedding in place, rotate-half layout");
   m.def("attention", &attention, "causal or masked attention over a KV cache, one task per position and head");
-  m.def("decoder_layer", &decoder_layer, "one Llama/Qwen2 decoder layer, h updated in place", py::arg("h"),
-        py::arg("norm_in"), py::arg("norm_post"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_bias"),
-        py::arg("o"), py::arg("o_types"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
-        py::arg("down_types"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("rope"),
-        py::arg("mask"), py::arg("H"), py::arg("eps"), py::arg("int8") = false);
+  py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "the weights of one Llama/Qwen2 decoder layer")
+      .def(py::init([](torch::Tensor norm_in, torch::Tensor norm_post, std::vector<torch::Tensor> qkv,
+                       std::vector<int64_t> qkv_types, c10::optional<torch::Tensor> qkv_bias,
+                       std::vector<torch::Tensor> o, std::vector<int64_t> o_types, std::vector<torch::Tensor> gate_up,
+                       std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
+                       std::vector<int64_t> down_types) {
+             return std::make_shared<Layer>(Layer{norm_in, norm_post, qkv, o, gate_up, down, qkv_types, o_types,
+                                                  gate_up_types, down_types, qkv_bias});
+           }),
+           py::arg("norm_in"), py::arg("norm_post"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_bias"),
+           py::arg("o"), py::arg("o_types"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
+           py::arg("down_types"));
+  m.def("layers", &layers, "the decoder stack over n new positions, h updated in place", py::arg("h"),
+        py::arg("stack"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("rope"), py::arg("mask"),
+        py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"), py::arg("features"));
 }
