@@ -424,6 +424,11 @@ inline __m512i nibbles(__m256i q) {  // 32 bytes -> their 32 low nibbles then th
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low)),
                             _mm256_and_si256(_mm256_srli_epi16(q, 4), low), 1);
 }
+inline __m512i nibbles_at(const uint8_t* p) {  // the same from memory: one load, one shift, one mask
+  const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i shift = _mm512_mask_blend_epi64(0xF0, _mm512_setzero_si512(), _mm512_set1_epi16(4));
+  return _mm512_and_si512(_mm512_srlv_epi16(q, shift), _mm512_set1_epi8(15));
+}
 inline __m512 two_scales(float a, float b) {  // lanes 0-7 a, lanes 8-15 b
   return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
 }
@@ -598,18 +603,20 @@ inline void decode_super(const uint8_t* p, Super& s) {
     s.dmin = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
     // 12 bytes of 6-bit scales and minimums (get_scale_min_k4): sub-block j < 4 has scale sc[j] & 63 and
     // minimum sc[j + 4] & 63; j >= 4 the low nibble (scale) or high nibble (minimum) of sc[j + 4] with
-    // the top two bits of sc[j - 4] (scale) or sc[j] (minimum) above it. Four bytes at a time:
-    const uint32_t w0 = load_u32(p + 4), w1 = load_u32(p + 8), w2 = load_u32(p + 12);
-    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-    const uint32_t scales_lo = w0 & six, mins_lo = w1 & six;
-    const uint32_t scales_hi = (w2 & four) | (((w0 >> 6) & two) << 4);
-    const uint32_t mins_hi = ((w2 >> 4) & four) | (((w1 >> 6) & two) << 4);
+    // the top two bits of sc[j - 4] (scale) or sc[j] (minimum) above it. As 32-bit words w0 w1 w2:
+    // scales 0-3 = w0 & 0x3f.., minimums 0-3 = w1 & 0x3f.., scales 4-7 = (w2 & 0x0f..) | ((w0 >> 6) &
+    // 0x03..) << 4, minimums 4-7 = ((w2 >> 4) & 0x0f..) | ((w1 >> 6) & 0x03..) << 4; four lanes at once.
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));  // w0 w1 w2, and 4 bytes of qs
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 2, 1, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0x3f3f3f3f, 0x3f3f3f3f, 0x0f0f0f0f, 0x0f0f0f0f));
+    const __m128i high = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 0, 1, 0)), 6),
+                                                      _mm_setr_epi32(0, 0, 0x03030303, 0x03030303)),
+                                        4);
     // lanes 0-7 the scales, 8-15 the minimums
-    const __m512i sm = _mm512_cvtepu8_epi32(_mm_set_epi32(static_cast<int>(mins_hi), static_cast<int>(mins_lo),
-                                                          static_cast<int>(scales_hi), static_cast<int>(scales_lo)));
+    const __m512i sm = _mm512_cvtepu8_epi32(_mm_shuffle_epi32(_mm_or_si128(low, high), _MM_SHUFFLE(3, 1, 2, 0)));
     const __m512i smp = pairs(sm);
     for (int i = 0; i < 4; ++i) {  // chunk i: sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
-      s.u[i] = nibbles(load32(p + 16 + 32 * i));
+      s.u[i] = nibbles_at(p + 16 + 32 * i);
       s.scale[i] = _mm512_permutexvar_epi32(lane_index(2 * i, 2 * i + 1), smp);
     }
     // 16 columns g belong to sub-block g / 2
@@ -654,9 +661,13 @@ void k_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
     for (int m = 0; m < T; ++m) {
       const int64_t r = (m0 + m) * S + sb;
       const int8_t* xq = x.q.data() + 256 * r;
-      __m512i total = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i)
-        total = _mm512_dpwssd_epi32(total, _mm512_maddubs_epi16(s.u[i], _mm512_loadu_si512(xq + 64 * i)), s.scale[i]);
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains; integer, so exact
+      for (int i = 0; i < 4; i += 2) {
+        even = _mm512_dpwssd_epi32(even, _mm512_maddubs_epi16(s.u[i], _mm512_loadu_si512(xq + 64 * i)), s.scale[i]);
+        odd = _mm512_dpwssd_epi32(odd, _mm512_maddubs_epi16(s.u[i + 1], _mm512_loadu_si512(xq + 64 * i + 64)),
+                                  s.scale[i + 1]);
+      }
+      __m512i total = _mm512_add_epi32(even, odd);
       const __m512i sum16 = _mm512_loadu_si512(x.sum16.data() + 16 * r);
       const float dx = x.scale[r];
       if constexpr (type == Q6_K) total = _mm512_dpwssd_epi32(total, sum16, s.mins);
