@@ -185,6 +185,55 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
     assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]], int8=True), x, max_n=x.shape[0])
 
 
+@needs_int8
+@pytest.mark.parametrize("shape", ["short", "blocked"])
+def test_q4k_repacked_eight_rows_at_a_time_is_the_same_product_and_batch_invariant(shape):
+    """repack_q4k_x8 regroups Q4_K rows eight at a time for the int8 kernel: the product is the
+    quantized activations times gguf's dequantization, within fp32 rounding (the integer sums are
+    k_tile's), each row invariant to the batch and threads; stacked with a Q6_K part, as Qwen's
+    qkv is."""
+    K, N = (512, 40) if shape == "short" else (2560, 160)
+    raw = random_blocks("Q4_K", N, K, seed=7)
+    w = reference("Q4_K", raw)
+    packed = kernels().repack_q4k_x8(torch.from_numpy(raw), K)
+    assert packed.shape[0] == N // 8
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(8))
+    x[:, 5] *= 40
+    y = matmul(x, [packed], [kernels().Q4_K_X8], int8=True)
+    xq = quantized_activations(x, 256)
+    want = xq @ w.double().T
+    scale = xq.abs() @ w.double().abs().T
+    assert ((y.double() - want).abs() <= 2e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
+    assert_rows_invariant(lambda rows: matmul(rows, [packed], [kernels().Q4_K_X8], int8=True), x, max_n=19)
+    raw6 = torch.from_numpy(random_blocks("Q6_K", 16, K, seed=9))
+    bias = torch.randn(N + 16, generator=torch.Generator().manual_seed(10))
+    both = matmul(x, [packed, raw6], [kernels().Q4_K_X8, TYPES["Q6_K"]], bias, int8=True)
+    assert torch.equal(both, torch.cat([y, matmul(x, [raw6], [TYPES["Q6_K"]], int8=True)], dim=1) + bias)
+    assert_rows_invariant(lambda rows: matmul(rows, [packed, raw6], [kernels().Q4_K_X8, TYPES["Q6_K"]], bias, True), x)
+    with pytest.raises(RuntimeError, match="int8"):
+        matmul(x, [packed], [kernels().Q4_K_X8])
+    with pytest.raises(RuntimeError, match="eight"):
+        kernels().repack_q4k_x8(torch.from_numpy(raw[:12]), K)
+
+
+@needs_int8
+def test_quant_linear_repacks_q4k_parts_and_keeps_the_raw_rows():
+    K = 512
+    raws = [random_blocks("Q4_K", 24, K, seed=11), random_blocks("Q6_K", 8, K, seed=12)]
+    parts = [
+        QTensor("w", t, (24 if t == "Q4_K" else 8, K), torch.from_numpy(r)) for t, r in zip(("Q4_K", "Q6_K"), raws)
+    ]
+    linear = QuantLinear(parts, int8=True)
+    assert linear.types == [kernels().Q4_K_X8, TYPES["Q6_K"]] and linear.raw[0] is parts[0].data
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(
+        linear(x)[:, :24], matmul(x, [kernels().repack_q4k_x8(parts[0].data, K)], [kernels().Q4_K_X8], int8=True)
+    )
+    assert QuantLinear(parts, int8=False).types == [TYPES["Q4_K"], TYPES["Q6_K"]]  # fp32 activations: as in the file
+    odd = [QTensor("w", "Q4_K", (20, K), torch.from_numpy(raws[0][:20]))]
+    assert QuantLinear(odd, int8=True).types == [TYPES["Q4_K"]]  # rows not in eights: not repacked
+
+
 def test_matmul_over_parts_of_different_types_with_a_bias():
     K, sizes = 512, {"Q4_0": 5, "Q6_K": 19, "F32": 3, "Q8_0": 16, "Q4_K": 9, "Q5_1": 2}
     raws = {t: random_blocks(t, n, K, seed=10 + i) for i, (t, n) in enumerate(sizes.items())}

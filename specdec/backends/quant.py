@@ -31,9 +31,11 @@ class QuantLinear:
     """y = x W^T + b for W the row-wise concatenation of GGUF matrices (`parts`, each a
     specdec.models.gguf.QTensor with K columns) and b the concatenation of their biases (fp32 or
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
-    dequantized to fp32 because the kernels do not handle their type."""
+    dequantized to fp32 because the kernels do not handle their type, and, with int8 activations,
+    of Q4_K parts, regrouped eight rows at a time for the faster kernel (the file's pages they came
+    from are then released). `raw` keeps the parts as given (for dequantize_rows)."""
 
-    def __init__(self, parts, biases=None, fallback: set[str] | None = None, int8: bool = False):
+    def __init__(self, parts, biases=None, fallback: set[str] | None = None, int8: bool = False, repack: bool = True):
         from specdec.backends.qkernel import TYPES, kernels
 
         self.kernels = kernels()
@@ -50,8 +52,16 @@ class QuantLinear:
                     fallback.add(p.qtype)
                 self.data.append(p.dequantize().float().contiguous().view(torch.uint8))
                 self.types.append(TYPES["F32"])
+        self.raw, self.raw_types = list(self.data), list(self.types)
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
+        if int8 and repack and all(p.shape[0] % 8 == 0 for p in parts):
+            for i, t in enumerate(self.types):
+                if t == TYPES["Q4_K"]:
+                    self.data[i] = self.kernels.repack_q4k_x8(self.data[i], self.in_features)
+                    self.types[i] = self.kernels.Q4_K_X8
+                    if _memory_mapped(self.raw[i]):
+                        self.kernels.release(self.raw[i])
         self.bias = None
         if biases is not None and any(b is not None for b in biases):
             self.bias = torch.cat(
@@ -141,7 +151,7 @@ class QuantModel:
         self.layers = [_Layer(t, i, fallback, self.int8) for i in range(c.num_hidden_layers)]
         self.norm = t["output_norm.weight"].data.float().contiguous()
         self.lm_head = QuantLinear([t.get("output.weight", self.embed_tensor)], None, fallback, self.int8)
-        self._embed = QuantLinear([self.embed_tensor], None, fallback)  # its rows are gathered, never multiplied
+        self._embed = QuantLinear([self.embed_tensor], None, fallback, repack=False)  # rows gathered, never multiplied
         self.vocab_size = self.embed_tensor.shape[0]
         if fallback:
             print(
@@ -159,12 +169,12 @@ class QuantModel:
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file."""
-        return self.kernels.dequantize_rows(self._embed.data[0], self._embed.types[0], self.hidden_size, ids)
+        return self.kernels.dequantize_rows(self._embed.raw[0], self._embed.raw_types[0], self.hidden_size, ids)
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (n,) of the output layer's weight, dequantized: (n, hidden) fp32 (a draft head's
         vocabulary)."""
-        return self.kernels.dequantize_rows(self.lm_head.data[0], self.lm_head.types[0], self.hidden_size, ids)
+        return self.kernels.dequantize_rows(self.lm_head.raw[0], self.lm_head.raw_types[0], self.hidden_size, ids)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads: every matrix in its blocks, the output layer included,
@@ -207,6 +217,23 @@ class QuantModel:
         h = k.rms_norm(h, self.norm, self.eps)
         features[start : start + n, :d] = h
         return self.lm_head(h[n - keep :])
+
+
+def _memory_mapped(t: torch.Tensor) -> bool:
+    """Whether t's memory is a memory-mapped file's (a GGUF tensor), not the heap's."""
+    import mmap
+
+    import numpy as np
+
+    try:
+        base = t.numpy()
+    except (RuntimeError, TypeError):
+        return False
+    while base is not None:
+        if isinstance(base, (np.memmap, mmap.mmap)):
+            return True
+        base = getattr(base, "base", None)
+    return False
 
 
 def _kernel_types() -> list[str]:

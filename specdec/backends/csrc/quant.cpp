@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -698,6 +700,135 @@ void part_outputs_k(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t 
       }
     }
 }
+// ---- Q4_K, eight rows interleaved (repacked at load) -------------------------------------------
+//
+// The same products as k_tile's, with fewer instructions per weight: the rows of a Q4_K matrix are
+// regrouped eight at a time (repack_q4k_x8, once at load), so that one 64-byte vector holds four
+// packed bytes (eight weights of two sub-blocks) of each of the eight rows and one vpdpbusd
+// multiplies all eight rows with a broadcast of eight input bytes. The sub-block scales then apply
+// once per four vpdpbusd, and the unpacking is shared by eight rows. Per output row the integer
+// sums over a super-block are the same integers as k_tile's; the fp32 steps are per super-block,
+// in order, as there. A group's bytes per super-block:
+//   d[8], dmin[8] fp16 | scales[4][2][8] u8 (chunk i, low/high sub-block, row) | mins[8][8] u8
+//   (sub-block, row) | nibbles[4][4][64] (chunk i, eight weights g: 32-bit lane 2r + h holds row r's
+//   qs[32i + 8g + 4h .. +3])
+constexpr int64_t X8_BYTES = 32 + 64 + 64 + 1024;
+constexpr int64_t Q4_K_X8 = 112;  // the repacked layout's type id (not a GGML type)
+
+// rows (N, K / 256 * 144) Q4_K, N a multiple of 8 -> (N / 8, K / 256 * X8_BYTES).
+torch::Tensor repack_q4k_x8(torch::Tensor rows, int64_t K) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % 256 == 0 &&
+                  rows.size(1) == K / 256 * 144 && rows.size(0) % 8 == 0,
+              "quant.repack_q4k_x8: rows must be contiguous Q4_K (N, K / 256 * 144), N a multiple of eight");
+  const int64_t groups = rows.size(0) / 8, S = K / 256;
+  auto out = torch::empty({groups, S * X8_BYTES}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi)
+      for (int64_t sb = 0; sb < S; ++sb) {
+        uint8_t* o = dst + gi * S * X8_BYTES + sb * X8_BYTES;
+        for (int r = 0; r < 8; ++r) {
+          const uint8_t* p = src + (gi * 8 + r) * rows.size(1) + sb * 144;
+          std::memcpy(o + 2 * r, p, 2);
+          std::memcpy(o + 16 + 2 * r, p + 2, 2);
+          const uint8_t* sc = p + 4;
+          for (int j = 0; j < 8; ++j) {  // get_scale_min_k4
+            const int a = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+            const int e = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            o[32 + (j / 2) * 16 + (j % 2) * 8 + r] = static_cast<uint8_t>(a);
+            o[96 + j * 8 + r] = static_cast<uint8_t>(e);
+          }
+          for (int i = 0; i < 4; ++i)
+            for (int g = 0; g < 4; ++g)
+              for (int h = 0; h < 2; ++h)
+                std::memcpy(o + 160 + (4 * i + g) * 64 + (2 * r + h) * 4, p + 16 + 32 * i + 8 * g + 4 * h, 4);
+        }
+      }
+  });
+  return out;
+}
+
+constexpr int X8_TILE = 4;
+
+// One group of eight weight rows times T quantized input rows (x's rows m0..m0+T-1): out[m][r].
+template <int T>
+void x8_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[8]) {
+  const int64_t S = x.supers;
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[T];
+  __m256 macc[T];
+  for (int m = 0; m < T; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    macc[m] = _mm256_setzero_ps();
+  }
+  for (int64_t sb = 0; sb < S; ++sb) {
+    const uint8_t* p = group + sb * X8_BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + X8_BYTES * 2, _MM_HINT_T0);
+    __m512i total[T];
+    for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      const __m512i sl = _mm512_permutexvar_epi32(dup, _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 16 * i))));
+      const __m512i sh = _mm512_permutexvar_epi32(dup, _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 40 + 16 * i))));
+      __m512i lo[T], hi[T];
+      for (int m = 0; m < T; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {
+        const __m512i packed = _mm512_loadu_si512(p + 160 + (4 * i + g) * 64);
+        const __m512i wl = _mm512_and_si512(packed, low), wh = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        for (int m = 0; m < T; ++m) {
+          const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 64 * i + 8 * g;
+          int64_t a, b;
+          std::memcpy(&a, xq, 8);
+          std::memcpy(&b, xq + 32, 8);
+          lo[m] = _mm512_dpbusd_epi32(lo[m], wl, _mm512_set1_epi64(a));
+          hi[m] = _mm512_dpbusd_epi32(hi[m], wh, _mm512_set1_epi64(b));
+        }
+      }
+      for (int m = 0; m < T; ++m)
+        total[m] = _mm512_add_epi32(total[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], sl), _mm512_mullo_epi32(hi[m], sh)));
+    }
+    const __m512 d = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    for (int m = 0; m < T; ++m) {
+      const int64_t r = (m0 + m) * S + sb;
+      const int32_t* s16 = x.sum16.data() + 16 * r;
+      __m256i mins = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 96 + 8 * j))),
+                                                         _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
+      // lanes 2r and 2r + 1 hold row r's two halves: both get their sum
+      const __m512i t = _mm512_add_epi32(total[m], _mm512_shuffle_epi32(total[m], _MM_PERM_CDAB));
+      const float dx = x.scale[r];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m]);
+      macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, _mm256_set1_ps(-dx)), macc[m]);
+    }
+  }
+  for (int m = 0; m < T; ++m) {
+    float a[16], b[8];
+    _mm512_storeu_ps(a, acc[m]);
+    _mm256_storeu_ps(b, macc[m]);
+    for (int r = 0; r < 8; ++r) out[m][r] = a[2 * r] + b[r];
+  }
+}
+
+// y[:, j] for the groups of eight rows covering [lo, hi) (multiples of 8) of one repacked part.
+void part_outputs_x8(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
+                     int64_t N) {
+  using Fn = void (*)(const uint8_t*, const KRows&, int64_t, float (*)[8]);
+  static constexpr Fn tiles[X8_TILE + 1] = {nullptr, x8_tile<1>, x8_tile<2>, x8_tile<3>, x8_tile<4>};
+  float out[X8_TILE][8];
+  const int64_t block = std::max<int64_t>(8, WEIGHT_BLOCK / group_bytes * 8);
+  for (int64_t j0 = lo; j0 < hi; j0 += block)
+    for (int64_t m0 = 0; m0 < x.M; m0 += X8_TILE) {
+      const int t = static_cast<int>(std::min<int64_t>(X8_TILE, x.M - m0));
+      for (int64_t j = j0; j < std::min(hi, j0 + block); j += 8) {
+        tiles[t](groups + (j - lo) / 8 * group_bytes, x, m0, out);
+        for (int m = 0; m < t; ++m)
+          for (int r = 0; r < 8; ++r) y[(m0 + m) * N + j + r] = out[m][r];
+      }
+    }
+}
 #else
 constexpr bool HAS_Q8 = false;
 #endif
@@ -713,7 +844,19 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> offsets{0};
+  bool grouped = false;  // any part repacked eight rows at a time: threads then take whole groups
   for (size_t p = 0; p < parts.size(); ++p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (types[p] == Q4_K_X8) {
+      TORCH_CHECK(int8, "quant.matmul: a repacked Q4_K part needs int8 activations");
+      TORCH_CHECK(K % 256 == 0 && parts[p].dim() == 2 && parts[p].scalar_type() == torch::kUInt8 &&
+                      parts[p].is_contiguous() && parts[p].size(1) == K / 256 * X8_BYTES,
+                  "quant.matmul: part ", p, " must be repack_q4k_x8's (N / 8, ", K / 256 * X8_BYTES, ")");
+      offsets.push_back(offsets.back() + 8 * parts[p].size(0));
+      grouped = true;
+      continue;
+    }
+#endif
     const Layout lay = layout(types[p]);
     TORCH_CHECK(K % lay.block == 0, "quant.matmul: K = ", K, " is not a multiple of the block size ", lay.block);
     TORCH_CHECK(parts[p].dim() == 2 && parts[p].scalar_type() == torch::kUInt8 && parts[p].is_contiguous() &&
@@ -737,11 +880,11 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   std::vector<std::vector<int32_t>> biases(129);  // by offset: -offset * sum4, row after row
   KRows kx;
   bool legacy = false, super = false;
-  for (int64_t t : types) (t == Q4_K || t == Q6_K ? super : legacy) |= t != F32;
+  for (int64_t t : types) (t == Q4_K || t == Q6_K || t == Q4_K_X8 ? super : legacy) |= t != F32;
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
     quantize_rows(xp, M, K, qx);
-    for (int64_t t : types) dispatch(t, [&]<int64_t type>() {
+    for (int64_t t : types) if (t != Q4_K_X8) dispatch(t, [&]<int64_t type>() {
         constexpr int32_t o = offset_of<type>();
         if (type == F32 || o == 0 || !biases[o].empty()) return;
         biases[o].resize(qx.sum4.size());
@@ -749,11 +892,23 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       });
   }
 #endif
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  for (int64_t o : offsets) TORCH_CHECK(!grouped || o % 8 == 0, "quant.matmul: with a repacked part, every part's rows must come in eights");
+  const int64_t unit = grouped ? 8 : 1;  // rows a thread takes together
+  at::parallel_for(0, N / unit, 16 / unit, [&](int64_t begin_unit, int64_t end_unit) {
+    const int64_t begin = begin_unit * unit, end = end_unit * unit;
     for (size_t p = 0; p < parts.size(); ++p) {
       const int64_t lo = std::max(begin, offsets[p]), hi = std::min(end, offsets[p + 1]);
       if (lo >= hi) continue;
       const int64_t row_bytes = parts[p].size(1);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (types[p] == Q4_K_X8) {
+        part_outputs_x8(parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes, row_bytes, lo, hi, kx, yp, N);
+        if (b)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = lo; j < hi; ++j) yp[m * N + j] += b[j];
+        continue;
+      }
+#endif
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
       dispatch(types[p], [&]<int64_t t>() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -1043,6 +1198,18 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant", py::arg("x"),
         py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(), py::arg("int8") = false);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("repack_q4k_x8", &repack_q4k_x8, "Q4_K rows regrouped eight at a time for the int8 path", py::arg("rows"),
+        py::arg("K"));
+  m.attr("Q4_K_X8") = Q4_K_X8;
+#endif
+  m.def("release", [](torch::Tensor t) {
+        // Drops this process's mapping of the whole pages inside a memory-mapped tensor (they stay in the
+        // page cache and fault back in if read again): resident memory after the tensor was repacked.
+        const uintptr_t page = sysconf(_SC_PAGESIZE), start = reinterpret_cast<uintptr_t>(t.data_ptr());
+        const uintptr_t lo = (start + page - 1) / page * page, hi = (start + t.nbytes()) / page * page;
+        if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+      }, "drop the resident pages of a memory-mapped tensor (never call it on other memory)");
   m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX512-VNNI)");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32");
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
