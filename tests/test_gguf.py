@@ -66,7 +66,9 @@ def test_dequantized_blocks_equal_transformers_conversion(smol):
 def _mapped(model, name) -> bool:
     """Whether a matrix's data lies inside the memory map of the file's data section (a copy cannot)."""
     embed = model.tensors["token_embd.weight"].data.data_ptr()  # the first tensor: offset 0 in the data section
-    return embed <= model.tensors[name].data.data_ptr() < embed + model.file_bytes - model.data_offset
+    inside = embed <= model.tensors[name].data.data_ptr() < embed + model.file_bytes - model.data_offset
+    assert model.mapped(model.tensors[name].data) == inside  # GGUFModel.mapped says the same
+    return inside
 
 
 def test_matrices_are_views_of_the_file_except_unpermuted_qk(smol):
@@ -75,6 +77,7 @@ def test_matrices_are_views_of_the_file_except_unpermuted_qk(smol):
     assert _mapped(smol, "blk.0.attn_v.weight") and _mapped(smol, "blk.29.ffn_down.weight")
     assert not _mapped(smol, "blk.0.attn_q.weight") and not _mapped(smol, "blk.0.attn_k.weight")
     assert smol.tensors["blk.0.attn_q.weight"].data.shape == (576, 360)  # 576 / 32 per block * 20 bytes
+    assert not smol.mapped(smol.tensors["blk.0.attn_v.weight"].data.clone())
 
 
 def _config_fields(config):

@@ -32,10 +32,19 @@ class QuantLinear:
     specdec.models.gguf.QTensor with K columns) and b the concatenation of their biases (fp32 or
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
     dequantized to fp32 because the kernels do not handle their type, and, with int8 activations,
-    of Q4_K parts, regrouped eight rows at a time for the faster kernel (the file's pages they came
-    from are then released). `raw` keeps the parts as given (for dequantize_rows)."""
+    of Q4_K parts, regrouped eight rows at a time for the faster kernel; mapped(tensor) says whether
+    a part lies in a file's memory map, whose pages are then released. `raw` keeps the parts as
+    given (for dequantize_rows)."""
 
-    def __init__(self, parts, biases=None, fallback: set[str] | None = None, int8: bool = False, repack: bool = True):
+    def __init__(
+        self,
+        parts,
+        biases=None,
+        fallback: set[str] | None = None,
+        int8: bool = False,
+        repack: bool = True,
+        mapped=None,
+    ):
         from specdec.backends.qkernel import TYPES, kernels
 
         self.kernels = kernels()
@@ -60,7 +69,7 @@ class QuantLinear:
                 if t == TYPES["Q4_K"]:
                     self.data[i] = self.kernels.repack_q4k_x8(self.data[i], self.in_features)
                     self.types[i] = self.kernels.Q4_K_X8
-                    if _memory_mapped(self.raw[i]):
+                    if mapped is not None and mapped(self.raw[i]):  # its file pages: no longer read
                         self.kernels.release(self.raw[i])
         self.bias = None
         if biases is not None and any(b is not None for b in biases):
@@ -74,7 +83,7 @@ class QuantLinear:
 
 
 class _Layer:
-    def __init__(self, t: dict, i: int, fallback: set[str], int8: bool):
+    def __init__(self, t: dict, i: int, fallback: set[str], int8: bool, mapped):
         def get(name):
             if f"blk.{i}.{name}" not in t:
                 raise ValueError(f"the GGUF file has no tensor blk.{i}.{name}: not a complete Llama/Qwen2 model")
@@ -89,10 +98,11 @@ class _Layer:
             [bias("attn_q"), bias("attn_k"), bias("attn_v")],
             fallback,
             int8,
+            mapped=mapped,
         )
-        self.o = QuantLinear([get("attn_output.weight")], None, fallback, int8)
-        self.gate_up = QuantLinear([get("ffn_gate.weight"), get("ffn_up.weight")], None, fallback, int8)
-        self.down = QuantLinear([get("ffn_down.weight")], None, fallback, int8)
+        self.o = QuantLinear([get("attn_output.weight")], None, fallback, int8, mapped=mapped)
+        self.gate_up = QuantLinear([get("ffn_gate.weight"), get("ffn_up.weight")], None, fallback, int8, mapped=mapped)
+        self.down = QuantLinear([get("ffn_down.weight")], None, fallback, int8, mapped=mapped)
         self.norm_in = get("attn_norm.weight").data.float().contiguous()
         self.norm_post = get("ffn_norm.weight").data.float().contiguous()
         qkv, o, gate_up, down = self.qkv, self.o, self.gate_up, self.down
@@ -105,7 +115,8 @@ class _Layer:
 class QuantModel:
     """A Llama/Qwen2 GGUF model (specdec.models.gguf.GGUFModel) laid out for the batch-invariant
     quantized forward, with its transformers `config` for the shapes. Memory: the weights are the
-    memory-mapped file's blocks (llama's q and k rows, un-permuted, are the only copies).
+    memory-mapped file's blocks, except llama's q and k rows (un-permuted) and, with int8
+    activations, Q4_K matrices (regrouped eight rows at a time, their file pages released).
     activations: "int8" rounds each input row of a product to int8 per block and multiplies with
     integer dot products (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the
     dequantized weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the
@@ -148,9 +159,11 @@ class QuantModel:
             raise ValueError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {gguf.arch} model file")
         fallback: set[str] = set()
         self.embed_tensor = t["token_embd.weight"]
-        self.layers = [_Layer(t, i, fallback, self.int8) for i in range(c.num_hidden_layers)]
+        self.layers = [_Layer(t, i, fallback, self.int8, gguf.mapped) for i in range(c.num_hidden_layers)]
         self.norm = t["output_norm.weight"].data.float().contiguous()
-        self.lm_head = QuantLinear([t.get("output.weight", self.embed_tensor)], None, fallback, self.int8)
+        self.lm_head = QuantLinear(
+            [t.get("output.weight", self.embed_tensor)], None, fallback, self.int8, mapped=gguf.mapped
+        )
         self._embed = QuantLinear([self.embed_tensor], None, fallback, repack=False)  # rows gathered, never multiplied
         self.vocab_size = self.embed_tensor.shape[0]
         if fallback:
@@ -217,23 +230,6 @@ class QuantModel:
         h = k.rms_norm(h, self.norm, self.eps)
         features[start : start + n, :d] = h
         return self.lm_head(h[n - keep :])
-
-
-def _memory_mapped(t: torch.Tensor) -> bool:
-    """Whether t's memory is a memory-mapped file's (a GGUF tensor), not the heap's."""
-    import mmap
-
-    import numpy as np
-
-    try:
-        base = t.numpy()
-    except (RuntimeError, TypeError):
-        return False
-    while base is not None:
-        if isinstance(base, (np.memmap, mmap.mmap)):
-            return True
-        base = getattr(base, "base", None)
-    return False
 
 
 def _kernel_types() -> list[str]:

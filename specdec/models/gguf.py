@@ -62,6 +62,12 @@ class GGUFModel:
     file_bytes: int
     fields: dict = field(default_factory=dict, repr=False)
     data_offset: int = 0  # where the tensor data starts: everything before is metadata
+    mapping: tuple[int, int] = (0, 0)  # (address, bytes) of the file's memory map in this process
+
+    def mapped(self, t: torch.Tensor) -> bool:
+        """Whether tensor t lies in the file's memory map (not a copy on the heap)."""
+        address, size = self.mapping
+        return address <= t.data_ptr() and t.data_ptr() + t.nbytes <= address + size
 
     @property
     def precision(self) -> str:
@@ -208,7 +214,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             data = torch.from_numpy(array)
         tensors[name] = QTensor(name, qtype.name, tuple(int(d) for d in shape), data)
-    return GGUFModel(path, arch, tensors, file_bytes, fields, data_start)
+    return GGUFModel(path, arch, tensors, file_bytes, fields, data_start, (blob.ctypes.data, len(blob)))
 
 
 def _unpermute(a: np.ndarray, n_head: int) -> np.ndarray:

@@ -751,6 +751,8 @@ torch::Tensor repack_q4k_x8(torch::Tensor rows, int64_t K) {
 
 constexpr int X8_TILE = 4;
 
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+
 // One group of eight weight rows times T quantized input rows (x's rows m0..m0+T-1): out[m][r].
 template <int T>
 void x8_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[8]) {
@@ -769,8 +771,9 @@ void x8_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[8]) 
     __m512i total[T];
     for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {
-      const __m512i sl = _mm512_permutexvar_epi32(dup, _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 16 * i))));
-      const __m512i sh = _mm512_permutexvar_epi32(dup, _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 40 + 16 * i))));
+      // the sub-block scales of rows 0-7, each for the row's two lanes
+      const __m512i sl = _mm512_permutexvar_epi32(dup, _mm512_cvtepu8_epi32(load8(p + 32 + 16 * i)));
+      const __m512i sh = _mm512_permutexvar_epi32(dup, _mm512_cvtepu8_epi32(load8(p + 40 + 16 * i)));
       __m512i lo[T], hi[T];
       for (int m = 0; m < T; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
       for (int g = 0; g < 4; ++g) {
@@ -786,16 +789,17 @@ void x8_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[8]) 
         }
       }
       for (int m = 0; m < T; ++m)
-        total[m] = _mm512_add_epi32(total[m], _mm512_add_epi32(_mm512_mullo_epi32(lo[m], sl), _mm512_mullo_epi32(hi[m], sh)));
+        total[m] = _mm512_add_epi32(total[m],
+                                    _mm512_add_epi32(_mm512_mullo_epi32(lo[m], sl), _mm512_mullo_epi32(hi[m], sh)));
     }
-    const __m512 d = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    const __m512 d = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(load16(p))));
+    const __m256 dmin = _mm256_cvtph_ps(load16(p + 16));
     for (int m = 0; m < T; ++m) {
       const int64_t r = (m0 + m) * S + sb;
       const int32_t* s16 = x.sum16.data() + 16 * r;
       __m256i mins = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j)
-        mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 96 + 8 * j))),
+        mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(_mm256_cvtepu8_epi32(load8(p + 96 + 8 * j)),
                                                          _mm256_set1_epi32(s16[2 * j] + s16[2 * j + 1])));
       // lanes 2r and 2r + 1 hold row r's two halves: both get their sum
       const __m512i t = _mm512_add_epi32(total[m], _mm512_shuffle_epi32(total[m], _MM_PERM_CDAB));
