@@ -581,9 +581,37 @@ def test_a_quantized_hf_model_is_the_dequantized_model_and_batch_invariant(arch)
     assert spec.tokens == plain.tokens and spec.stats.drafted > 0
 
 
+def test_our_q4_k_quantizer_writes_blocks_gguf_decodes_to_the_weights():
+    """quantize_q4_k's blocks, read by gguf's reference dequantizer: every weight within half a
+    quantization step (plus the 6-bit scale's and minimum's rounding) of the original; the kernels
+    multiply them."""
+    from specdec.models.quantize import quantize_q4_k
+
+    g = np.random.default_rng(14)
+    w = (g.standard_normal((16, 768)) * 0.05).astype(np.float32)
+    w[3, :256] = 0.0  # an all-zero super-block
+    w[5] += 0.2  # all positive: no minimum below zero
+    blocks = quantize_q4_k(w)
+    assert blocks.shape == (16, 3 * 144) and blocks.dtype == np.uint8
+    back = reference("Q4_K", blocks).numpy()
+    sub = w.reshape(16, 3, 8, 32)
+    step = (sub.max(-1) - np.minimum(sub.min(-1), 0)) / 15  # (16, 3, 8)
+    err = np.abs(back - w).reshape(16, 3, 8, 32).max(-1)
+    assert (err <= 0.75 * step + 1e-6).all(), (err / np.maximum(step, 1e-9)).max()
+    assert np.array_equal(back[3, :256], np.zeros(256, np.float32))
+    x = torch.randn(2, 768, generator=torch.Generator().manual_seed(15))
+    y = matmul(x, [torch.from_numpy(blocks)], [TYPES["Q4_K"]])
+    assert torch.allclose(y.double(), x.double() @ torch.from_numpy(back).double().T, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_q4_k_takes_q4_1_for_rows_not_a_multiple_of_256():
+    gguf = quantize_model(make_model("llama", seed=3).hf, "q4_k", "tiny")  # hidden size 64
+    assert gguf.precision == "gguf Q4_1"
+
+
 def test_quantize_refuses_what_it_cannot_run(model_dir):
-    with pytest.raises(ValueError, match="q4_k"):
-        quantize_model(make_model("llama", seed=3).hf, "q4_k", "tiny")
+    with pytest.raises(ValueError, match="q6_k"):
+        quantize_model(make_model("llama", seed=3).hf, "q6_k", "tiny")
     with pytest.raises(ValueError, match="gemma3"):
         quantize_model(make_model("gemma3", seed=3).hf, "q8_0", "tiny")
     with pytest.raises(ValueError, match="--device cpu"):

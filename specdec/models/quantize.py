@@ -3,8 +3,10 @@
 A Hugging Face model (safetensors) has no GGUF file; `--quantize q8_0` (or q4_0, q4_1, q5_0, q5_1)
 quantizes its matrices with gguf-py's reference quantizers (llama.cpp's formats, bit for bit) and
 lays them out under llama.cpp's tensor names, so specdec.backends.quant runs them as it runs a
-GGUF file. K-quants (Q4_K, Q6_K) are not offered: gguf-py has no quantizer for them; they run when
-they come in a GGUF file.
+GGUF file. `--quantize q4_k` uses our own Q4_K quantizer (gguf-py has none): llama.cpp's block
+layout, with each sub-block's scale and minimum taken from its range (llama.cpp searches for
+better ones, so its Q4_K files are a little more accurate); matrices whose rows are not a multiple
+of 256 take Q4_1 instead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from specdec.models.gguf import GGUFModel, QTensor
 
-QUANTIZE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+QUANTIZE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
 
 _NAMES = {  # transformers' name within a decoder layer -> llama.cpp's
     "input_layernorm.weight": "attn_norm.weight",
@@ -58,12 +60,49 @@ def quantize_model(hf: torch.nn.Module, qtype: str, name: str) -> GGUFModel:
         rows, cols = value.shape
         if cols % 32:
             raise ValueError(f"{name}: {key} has rows of {cols}, not a multiple of {qtype}'s block of 32")
-        blocks = gguf.quants.quantize(value.float().cpu().numpy(), kind)  # (rows, row_bytes) uint8
-        tensors[target] = QTensor(target, kind.name, (rows, cols), torch.from_numpy(np.ascontiguousarray(blocks)))
+        weights = value.float().cpu().numpy()
+        if kind == gguf.GGMLQuantizationType.Q4_K and cols % 256 == 0:
+            tensors[target] = QTensor(target, "Q4_K", (rows, cols), torch.from_numpy(quantize_q4_k(weights)))
+            continue
+        this = gguf.GGMLQuantizationType.Q4_1 if kind == gguf.GGMLQuantizationType.Q4_K else kind
+        blocks = gguf.quants.quantize(weights, this)  # (rows, row_bytes) uint8
+        tensors[target] = QTensor(target, this.name, (rows, cols), torch.from_numpy(np.ascontiguousarray(blocks)))
     if "output.weight" in tensors and hf.config.tie_word_embeddings:
         del tensors["output.weight"]  # tied: the embedding's blocks serve as the output layer
     size = sum(t.data.numel() * t.data.element_size() for t in tensors.values())
     return GGUFModel(Path(name), arch, tensors, size)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 (rows, K), K a multiple of 256 -> (rows, K / 256 * 144) uint8 in llama.cpp's Q4_K
+    layout (ggml-common.h block_q4_K): per 256 weights, fp16 d and dmin, eight sub-blocks of 32 with
+    a 6-bit scale a and minimum e each (packed as get_scale_min_k4 reads them), and 4-bit q, so that
+    w = d * a * q - dmin * e. A sub-block's scale and minimum come from its range (min(w, 0) to
+    max(w)); q is the nearest level."""
+    rows, K = w.shape
+    sub = w.reshape(rows, K // 256, 8, 32).astype(np.float32)
+    low = np.minimum(sub.min(-1), 0.0)  # (rows, S, 8)
+    scale, minimum = (sub.max(-1) - low) / 15.0, -low
+    d = (scale.max(-1) / 63.0).astype(np.float16)  # (rows, S)
+    dmin = (minimum.max(-1) / 63.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(df > 0, np.clip(np.rint(scale / df), 0, 63), 0).astype(np.uint8)
+        e = np.where(dminf > 0, np.clip(np.rint(minimum / dminf), 0, 63), 0).astype(np.uint8)
+        step = (df * a)[..., None]  # the sub-block's dequantized scale and minimum, as the kernels compute them
+        offset = (dminf * e)[..., None]
+        q = np.where(step > 0, np.clip(np.rint((sub + offset) / step), 0, 15), 0).astype(np.uint8)
+    out = np.zeros((rows, K // 256, 144), np.uint8)
+    out[..., 0:2] = d[..., None].view(np.uint8)
+    out[..., 2:4] = dmin[..., None].view(np.uint8)
+    sc = out[..., 4:16]
+    sc[..., 0:4] = a[..., :4] | ((a[..., 4:] >> 4) << 6)
+    sc[..., 4:8] = e[..., :4] | ((e[..., 4:] >> 4) << 6)
+    sc[..., 8:12] = (a[..., 4:] & 15) | ((e[..., 4:] & 15) << 4)
+    # 32 bytes per pair of sub-blocks: sub-block 2i in the low nibbles, 2i + 1 in the high ones
+    pairs = q.reshape(rows, K // 256, 4, 2, 32)
+    out[..., 16:] = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows, K // 256, 128)
+    return out.reshape(rows, K // 256 * 144)
 
 
 def _gguf_name(key: str) -> str | None:
