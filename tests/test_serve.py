@@ -387,6 +387,12 @@ def test_client_disconnect_cancels_its_generation(stream):
         ({"prompt": ""}, "prompt", "the prompt is empty"),
         ({"prompt": None}, "prompt", "prompt"),
         ({"seed": 2**70}, "seed", "seed"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "frequency_penalty = 0.5 is not supported"),
+        ({"presence_penalty": -1}, "presence_penalty", "leave the field out (or send 0)"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty", "(or send 1)"),
+        ({"logit_bias": {"5": 10}}, "logit_bias", "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "not a field this server honours"),
+        ({"min_p": 0.1}, "min_p", "the fields it reads: model, max_tokens"),
     ],
 )
 def test_bad_parameters_get_400_with_a_clear_message(served, body, param, needle):
@@ -398,6 +404,15 @@ def test_bad_parameters_get_400_with_a_clear_message(served, body, param, needle
     assert err["error"]["type"] == "invalid_request_error"
     if param:
         assert err["error"]["param"] == param
+
+
+def test_neutral_penalties_are_accepted(served):
+    body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 3, "temperature": 0}
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}}
+    status, plain = raw_post(served, "/v1/completions", json.dumps(body).encode())
+    status_n, with_neutral = raw_post(served, "/v1/completions", json.dumps({**body, **neutral}).encode())
+    assert status == status_n == 200
+    assert with_neutral["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
 def test_malformed_requests_never_crash_the_server(served, tiny):

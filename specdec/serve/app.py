@@ -81,9 +81,10 @@ class _StreamOptions(BaseModel):
 
 
 class _Params(BaseModel):
-    """The fields both endpoints share. Unknown fields are ignored, as OpenAI-compatible servers do."""
+    """The fields both endpoints share. A field the server does not know is refused (400), never
+    silently dropped; OpenAI's penalties and logit_bias are accepted at their neutral values only."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0)
@@ -95,6 +96,10 @@ class _Params(BaseModel):
     stream_options: _StreamOptions | None = None
     n: int | None = None
     logprobs: Any = None
+    frequency_penalty: float | None = None  # only 0: penalties are not applied (yet)
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM's); only 1
+    logit_bias: dict | None = None  # only empty
     drafter: str | None = None  # extension: a drafter this server has, or "none"
     k: StrictInt | str | None = None  # extension: draft length (a string goes to the engine as it is)
 
@@ -147,6 +152,15 @@ async def _parse(request: Request, cls: type[BaseModel]) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
+        extra = [err["loc"][0] for err in e.errors() if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
+        if extra:
+            honoured = ", ".join(cls.model_fields)
+            raise ApiError(
+                400,
+                f"{extra[0]!r} is not a field this server honours; leave it out (the fields it reads: {honoured})",
+                code="unsupported_parameter",
+                param=str(extra[0]),
+            ) from None
         parts: dict[str, str] = {}
         for err in e.errors():
             loc = err["loc"]
@@ -363,6 +377,21 @@ class Server:
                 code="unsupported_parameter",
                 param="n",
             )
+        for name_, value, neutral in (
+            ("frequency_penalty", req.frequency_penalty, 0),
+            ("presence_penalty", req.presence_penalty, 0),
+            ("repetition_penalty", req.repetition_penalty, 1),
+            ("logit_bias", req.logit_bias or None, None),
+        ):
+            if value is not None and value != neutral:
+                raise ApiError(
+                    400,
+                    f"{name_} = {json.dumps(value)[:80]} is not supported by this server: it would change the "
+                    f"distribution at every position; leave the field out"
+                    + (f" (or send {neutral})" if neutral is not None else ""),
+                    code="unsupported_parameter",
+                    param=name_,
+                )
         if req.logprobs not in (None, False, 0):
             raise ApiError(
                 400,
