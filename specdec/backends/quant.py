@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -110,6 +111,19 @@ class _Layer:
             self.norm_in, self.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
             gate_up.data, gate_up.types, down.data, down.types,
         )  # fmt: skip
+
+
+@dataclass
+class BatchItem:
+    """One request's part of QuantModel.forward_batch: the arguments of QuantModel.forward."""
+
+    ids: torch.Tensor  # (n,) new token ids
+    keys: list[torch.Tensor]  # per layer (KVH, capacity, D)
+    values: list[torch.Tensor]
+    features: torch.Tensor  # (capacity, d * (1 + taps))
+    start: int  # cached tokens before the new ones
+    keep: int  # logits of the last `keep` new tokens
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None  # positions (n,), mask (n, start + n)
 
 
 class QuantModel:
@@ -221,7 +235,7 @@ class QuantModel:
         (the logits are always exact)."""
         k = self.kernels
         n = ids.shape[0]
-        positions, mask = tree if tree is not None else (torch.arange(start, start + n), causal_mask(start, n))
+        positions, mask = _positions_and_mask(start, n, tree)
         rope = k.rope_table(positions, self.inv_freq)  # (2, n, head_dim / 2), shared by the layers
         h = self.embed_rows(ids)  # (n, d)
         stack = [layer.weights for layer in self.layers]
@@ -230,6 +244,38 @@ class QuantModel:
         h = k.rms_norm(h, self.norm, self.eps)
         features[start : start + n, :d] = h
         return self.lm_head(h[n - keep :])
+
+    @torch.inference_mode()
+    def forward_batch(self, requests: list[BatchItem]) -> list[torch.Tensor]:
+        """Several requests' new tokens in one forward (continuous batching): each BatchItem is one
+        request's arguments of `forward` (its own KV cache, start and tree). The products run over
+        every request's rows at once, the attention of each request over its own cache. Returns
+        each request's logits (keep, V), with the bits `forward` would give it alone, whatever else
+        is in the batch (the kernels are batch-invariant). EAGLE taps are not written here.
+        Raises ValueError for an empty batch."""
+        if not requests:
+            raise ValueError("forward_batch needs at least one request")
+        k = self.kernels
+        layout = [_positions_and_mask(r.start, len(r.ids), r.tree) for r in requests]
+        rope = k.rope_table(torch.cat([positions for positions, _ in layout]), self.inv_freq)
+        h = self.embed_rows(torch.cat([r.ids for r in requests]))
+        stack = [layer.weights for layer in self.layers]
+        counts = [len(r.ids) for r in requests]
+        h = k.layers_batch(
+            h, stack, [r.keys for r in requests], [r.values for r in requests], [r.start for r in requests],
+            counts, rope, [mask for _, mask in layout], self.n_heads, self.eps, self.int8,
+        )  # fmt: skip
+        h = k.rms_norm(h, self.norm, self.eps)
+        d, kept, offset = h.shape[1], [], 0
+        for r, n in zip(requests, counts):
+            r.features[r.start : r.start + n, :d] = h[offset : offset + n]
+            kept.append(h[offset + n - r.keep : offset + n])
+            offset += n
+        return list(self.lm_head(torch.cat(kept)).split([r.keep for r in requests]))
+
+
+def _positions_and_mask(start: int, n: int, tree):
+    return tree if tree is not None else (torch.arange(start, start + n), causal_mask(start, n))
 
 
 def _kernel_types() -> list[str]:

@@ -1148,28 +1148,45 @@ struct Layer {
   c10::optional<torch::Tensor> qkv_bias;
 };
 
-// One decoder layer over n new positions (pre-norm attention and SwiGLU MLP, residuals), its ops
-// the batch-invariant ones above. h (n, d) fp32 is updated in place. The keys and values of the new
-// positions are written to the caches (KVH, capacity, D) at start..start+n-1. rope: the forward's
-// rope_table (2, n, D/2); mp: the (n, start+n) mask or null (causal).
-void decoder_layer(torch::Tensor& h, const Layer& w, torch::Tensor& k_cache, torch::Tensor& v_cache, int64_t start,
-                   const torch::Tensor& rope, const bool* mp, int64_t H, double eps, bool int8) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "quant.layers: caches must be contiguous");
-  const int64_t n = h.size(0), KVH = k_cache.size(0), cap = k_cache.size(1), D = k_cache.size(2);
-  TORCH_CHECK(start + n <= cap && H % KVH == 0, "quant.layers: the cache is too short");
-  auto t = matmul(rms_norm(h, w.norm_in, eps), w.qkv, w.qkv_types, w.qkv_bias, int8);  // (n, (H + 2 KVH) D)
-  const int64_t stride = t.size(1);
-  TORCH_CHECK(stride == (H + 2 * KVH) * D, "quant.layers: qkv rows do not match the heads");
+// One request's share of a forward over several requests' rows: rows [offset, offset + n) of h,
+// written to its own caches at start..start+n-1, attending over them with its mask (n, start+n),
+// or causally when mask is null.
+struct Segment {
+  int64_t offset, n, start;
+  const bool* mask;
+};
+
+// One decoder layer over the rows of every segment (pre-norm attention and SwiGLU MLP, residuals),
+// its ops the batch-invariant ones above: the products and norms run over all rows at once, the
+// attention of each segment over its own cache (keys[r], values[r]: (KVH, capacity, D)). h (rows, d)
+// fp32 is updated in place. rope: the rope_table (2, rows, D/2) of every row's position.
+void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>& segments,
+                   const std::vector<torch::Tensor*>& keys, const std::vector<torch::Tensor*>& values,
+                   const torch::Tensor& rope, int64_t H, double eps, bool int8) {
+  const int64_t rows = h.size(0);
+  auto t = matmul(rms_norm(h, w.norm_in, eps), w.qkv, w.qkv_types, w.qkv_bias, int8);  // (rows, (H + 2 KVH) D)
+  const int64_t KVH = keys[0]->size(0), D = keys[0]->size(2), stride = t.size(1);
+  TORCH_CHECK(H % KVH == 0 && stride == (H + 2 * KVH) * D, "quant.layers: qkv rows do not match the heads");
   float* tp = t.data_ptr<float>();
-  rope_rows(tp, n, stride, H + KVH, D, rope);
-  float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < KVH; ++g) {
-      std::memcpy(kp + (g * cap + start + i) * D, tp + i * stride + (H + g) * D, D * sizeof(float));
-      std::memcpy(vp + (g * cap + start + i) * D, tp + i * stride + (H + KVH + g) * D, D * sizeof(float));
-    }
-  auto a = torch::empty({n, H * D}, h.options());
-  attend(tp, stride, n, H, D, kp, vp, KVH, cap, start, mp, 1.0f / std::sqrt(static_cast<float>(D)), a.data_ptr<float>());
+  rope_rows(tp, rows, stride, H + KVH, D, rope);
+  auto a = torch::empty({rows, H * D}, h.options());
+  for (size_t r = 0; r < segments.size(); ++r) {
+    const Segment& seg = segments[r];
+    torch::Tensor &k_cache = *keys[r], &v_cache = *values[r];
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == KVH && k_cache.size(2) == D,
+                "quant.layers: caches must be contiguous (", KVH, ", capacity, ", D, ")");
+    const int64_t cap = k_cache.size(1);
+    TORCH_CHECK(seg.start + seg.n <= cap, "quant.layers: the cache is too short");
+    float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+    const float* rows_r = tp + seg.offset * stride;
+    for (int64_t i = 0; i < seg.n; ++i)
+      for (int64_t g = 0; g < KVH; ++g) {
+        std::memcpy(kp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + g) * D, D * sizeof(float));
+        std::memcpy(vp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + KVH + g) * D, D * sizeof(float));
+      }
+    attend(rows_r, stride, seg.n, H, D, kp, vp, KVH, cap, seg.start, seg.mask, 1.0f / std::sqrt(static_cast<float>(D)),
+           a.data_ptr<float>() + seg.offset * H * D);
+  }
   h.add_(matmul(a, w.o, w.o_types, c10::nullopt, int8));
   h.add_(matmul(swiglu(matmul(rms_norm(h, w.norm_post, eps), w.gate_up, w.gate_up_types, c10::nullopt, int8)), w.down,
                 w.down_types, c10::nullopt, int8));
@@ -1187,12 +1204,45 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>&
   TORCH_CHECK(keys.size() == stack.size() && values.size() == stack.size(), "quant.layers: one cache per layer");
   const int64_t n = h.size(0), d = h.size(1);
   torch::Tensor holder;
-  const bool* mp = mask_data(mask, holder, n, start + n);
+  const std::vector<Segment> segments{{0, n, start, mask_data(mask, holder, n, start + n)}};
   for (size_t i = 0; i < stack.size(); ++i) {
-    decoder_layer(h, *stack[i], keys[i], values[i], start, rope, mp, H, eps, int8);
+    decoder_layer(h, *stack[i], segments, {&keys[i]}, {&values[i]}, rope, H, eps, int8);
     const auto tap = std::find(taps.begin(), taps.end(), static_cast<int64_t>(i));
     if (tap != taps.end())
       features.narrow(0, start, n).narrow(1, d * (1 + (tap - taps.begin())), d).copy_(h);
+  }
+  return h;
+}
+
+// The decoder stack over several requests' new positions in one forward: h (sum n_r, d) fp32, the
+// rows of request r at sum n_<r .. (counts[r] of them), updated in place and returned. keys[r][i],
+// values[r][i]: request r's caches of layer i, written at starts[r]..; masks[r] (n_r, starts[r] +
+// n_r) bool or None (causal). Each row has the bits it has in a forward of its request alone.
+torch::Tensor layers_batch(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>& stack,
+                           std::vector<std::vector<torch::Tensor>> keys, std::vector<std::vector<torch::Tensor>> values,
+                           std::vector<int64_t> starts, std::vector<int64_t> counts, torch::Tensor rope,
+                           std::vector<c10::optional<torch::Tensor>> masks, int64_t H, double eps, bool int8) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.layers: h must be (n, d) fp32");
+  const size_t R = counts.size();
+  TORCH_CHECK(R > 0 && keys.size() == R && values.size() == R && starts.size() == R && masks.size() == R,
+              "quant.layers_batch: one cache list, start, count and mask per request");
+  std::vector<torch::Tensor> holders(R);
+  std::vector<Segment> segments;
+  int64_t offset = 0;
+  for (size_t r = 0; r < R; ++r) {
+    TORCH_CHECK(counts[r] > 0 && keys[r].size() == stack.size() && values[r].size() == stack.size(),
+                "quant.layers_batch: request ", r, " needs at least one row and one cache per layer");
+    segments.push_back({offset, counts[r], starts[r], mask_data(masks[r], holders[r], counts[r], starts[r] + counts[r])});
+    offset += counts[r];
+  }
+  TORCH_CHECK(offset == h.size(0), "quant.layers_batch: the counts must add up to h's rows");
+  std::vector<torch::Tensor*> k(R), v(R);
+  for (size_t i = 0; i < stack.size(); ++i) {
+    for (size_t r = 0; r < R; ++r) {
+      k[r] = &keys[r][i];
+      v[r] = &values[r][i];
+    }
+    decoder_layer(h, *stack[i], segments, k, v, rope, H, eps, int8);
   }
   return h;
 }
@@ -1233,6 +1283,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("norm_in"), py::arg("norm_post"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_bias"),
            py::arg("o"), py::arg("o_types"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
            py::arg("down_types"));
+  m.def("layers_batch", &layers_batch, "the decoder stack over several requests' new positions in one forward",
+        py::arg("h"), py::arg("stack"), py::arg("keys"), py::arg("values"), py::arg("starts"), py::arg("counts"),
+        py::arg("rope"), py::arg("masks"), py::arg("H"), py::arg("eps"), py::arg("int8"));
   m.def("layers", &layers, "the decoder stack over n new positions, h updated in place", py::arg("h"),
         py::arg("stack"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("rope"), py::arg("mask"),
         py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"), py::arg("features"));

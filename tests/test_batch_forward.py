@@ -1,0 +1,80 @@
+"""QuantModel.forward_batch: several requests' new tokens in one forward, each request with its own
+KV cache, start and tree. Every request's logits and cache rows have the bits of its forward alone,
+whatever else is in the batch (the kernels are batch-invariant; attention is per request)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.backends.lean import tree_layout
+from specdec.backends.quant import BatchItem, QuantModel
+from specdec.cache import LeanKVCache
+from specdec.models.load import load_model
+from specdec.models.quantize import quantize_model
+from specdec.models.registry import REGISTRY
+from specdec.models.weights import cache_dir, is_pulled
+
+from .conftest import make_model, prompt_ids, remake
+
+
+def _item(cache: LeanKVCache, tokens: list[int], keep: int, parents: list[int] | None = None) -> BatchItem:
+    """The BatchItem that appends `tokens` (a tree when parents are given) to `cache`."""
+    start = len(cache.tokens)
+    tree = None if parents is None else tree_layout(parents, start)
+    return BatchItem(torch.tensor(tokens), cache.k, cache.v, cache.features, start, keep, tree)
+
+
+def _check(model, prompts: list[list[int]], steps: list[tuple[list[int], list[int] | None]]) -> None:
+    """Prefill each prompt in its own cache, twice; then one batched forward of `steps` (tokens and
+    parents per request) against each request's forward alone: logits, keys, values and features."""
+    lean = model.lean()
+    assert isinstance(lean, QuantModel)
+    batch, alone = (
+        [LeanKVCache(model, capacity=96) for _ in prompts],
+        [LeanKVCache(model, capacity=96) for _ in prompts],
+    )
+    for b, a, p in zip(batch, alone, prompts):
+        b.extend(p)
+        a.extend(p)
+    items = [_item(c, tokens, len(tokens), parents) for c, (tokens, parents) in zip(batch, steps)]
+    torch.set_num_threads(2)
+    got = lean.forward_batch(items)
+    torch.set_num_threads(1)  # the solo forwards on another thread count
+    for r, (c, (tokens, parents)) in enumerate(zip(alone, steps)):
+        item = _item(c, tokens, len(tokens), parents)
+        want = lean.forward(item.ids, c.k, c.v, c.features, item.start, item.keep, item.tree)
+        assert got[r].shape == (len(tokens), lean.vocab_size)
+        assert torch.equal(got[r], want), r
+        end = item.start + len(tokens)
+        assert all(torch.equal(x[:, :end], y[:, :end]) for x, y in zip(batch[r].k + batch[r].v, c.k + c.v)), r
+        assert torch.equal(batch[r].features[:end], c.features[:end]), r
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_batched_forward_gives_each_request_its_solo_bits_tiny(arch):
+    fp32 = make_model(arch, seed=3)
+    quant = remake(fp32, hf=None, lean=None, gguf=quantize_model(fp32.hf, "q8_0", "tiny"), config=fp32.hf.config)
+    prompts = [prompt_ids(5), prompt_ids(23)[3:], prompt_ids(12)]
+    steps = [([7], None), ([9, 4, 4, 11, 2], None), ([5, 6, 8, 3], [-1, 0, 0, 1])]  # one token, a block, a tree
+    _check(quant, prompts, steps)
+    _check(quant, prompts[:1], steps[:1])  # a batch of one is a plain forward
+    with pytest.raises(ValueError, match="at least one"):
+        quant.lean().forward_batch([])
+
+
+def test_a_batched_forward_gives_each_request_its_solo_bits_smollm2():
+    spec = REGISTRY["smollm2-135m"]
+    if not is_pulled(spec.name, cache_dir()):
+        pytest.skip(f"{spec.name} is not pulled: run `specdec models pull {spec.name}`")
+    model = load_model(spec.name)
+    prompts = [model.encode(text, chat=True) for text in ("Name three colours.", "Count to ten: one, two,", "Hi")]
+    steps = [([504, 260, 1083], None), ([28], None), ([30, 2377, 253, 216, 28], [-1, 0, 1, 1, 3])]
+    _check(model, prompts, steps)
