@@ -217,6 +217,37 @@ def test_q4k_repacked_eight_rows_at_a_time_is_the_same_product_and_batch_invaria
 
 
 @needs_int8
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", ["short", "blocked"])
+def test_q4_1_and_q8_0_repacked_eight_rows_at_a_time_are_the_same_product_and_batch_invariant(qtype, shape):
+    """repack_legacy_x8 regroups Q4_1 / Q8_0 rows eight at a time: the product is the quantized
+    activations times gguf's dequantization, within fp32 rounding; each row invariant to the batch
+    and threads; stacked with a part of another type and a bias, each part's outputs unchanged."""
+    K, N = (160, 40) if shape == "short" else (1184, 400)  # 160: an odd number of 32-blocks
+    raw = random_blocks(qtype, N, K, seed=16)
+    w = reference(qtype, raw)
+    packed = kernels().repack_legacy_x8(torch.from_numpy(raw), TYPES[qtype], K)
+    xtype = kernels().Q4_1_X8 if qtype == "Q4_1" else kernels().Q8_0_X8
+    assert packed.shape[0] == N // 8 and packed.numel() == raw.size  # the same bytes, regrouped
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(17))
+    x[:, 5] *= 40
+    y = matmul(x, [packed], [xtype], int8=True)
+    xq = quantized_activations(x, 32)
+    want = xq @ w.double().T
+    scale = xq.abs() @ w.double().abs().T
+    assert ((y.double() - want).abs() <= 2e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
+    assert_rows_invariant(lambda rows: matmul(rows, [packed], [xtype], int8=True), x, max_n=19)
+    other = torch.from_numpy(random_blocks("Q5_0", 8, K, seed=18))
+    bias = torch.randn(N + 8, generator=torch.Generator().manual_seed(19))
+    both = matmul(x, [other, packed], [TYPES["Q5_0"], xtype], bias, int8=True)
+    assert torch.equal(both, torch.cat([matmul(x, [other], [TYPES["Q5_0"]], int8=True), y], dim=1) + bias)
+    with pytest.raises(RuntimeError, match="int8"):
+        matmul(x, [packed], [xtype])
+    with pytest.raises(RuntimeError, match="eight"):
+        kernels().repack_legacy_x8(torch.from_numpy(raw[:12]), TYPES[qtype], K)
+
+
+@needs_int8
 def test_quant_linear_repacks_q4k_parts_and_keeps_the_raw_rows():
     K = 512
     raws = [random_blocks("Q4_K", 24, K, seed=11), random_blocks("Q6_K", 8, K, seed=12)]
@@ -230,6 +261,8 @@ def test_quant_linear_repacks_q4k_parts_and_keeps_the_raw_rows():
         linear(x)[:, :24], matmul(x, [kernels().repack_q4k_x8(parts[0].data, K)], [kernels().Q4_K_X8], int8=True)
     )
     assert QuantLinear(parts, int8=False).types == [TYPES["Q4_K"], TYPES["Q6_K"]]  # fp32 activations: as in the file
+    legacy = [QTensor("w", t, (8, K), torch.from_numpy(random_blocks(t, 8, K, seed=20))) for t in ("Q4_1", "Q8_0")]
+    assert QuantLinear(legacy, int8=True).types == [kernels().Q4_1_X8, kernels().Q8_0_X8]
     odd = [QTensor("w", "Q4_K", (20, K), torch.from_numpy(raws[0][:20]))]
     assert QuantLinear(odd, int8=True).types == [TYPES["Q4_K"]]  # rows not in eights: not repacked
 

@@ -33,7 +33,7 @@ class QuantLinear:
     specdec.models.gguf.QTensor with K columns) and b the concatenation of their biases (fp32 or
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
     dequantized to fp32 because the kernels do not handle their type, and, with int8 activations,
-    of Q4_K parts, regrouped eight rows at a time for the faster kernel; mapped(tensor) says whether
+    of Q4_K, Q4_1 and Q8_0 parts, regrouped eight rows at a time for the faster kernels; mapped(tensor) says whether
     a part lies in a file's memory map, whose pages are then released. `raw` keeps the parts as
     given (for dequantize_rows)."""
 
@@ -70,8 +70,13 @@ class QuantLinear:
                 if t == TYPES["Q4_K"]:
                     self.data[i] = self.kernels.repack_q4k_x8(self.data[i], self.in_features)
                     self.types[i] = self.kernels.Q4_K_X8
-                    if mapped is not None and mapped(self.raw[i]):  # its file pages: no longer read
-                        self.kernels.release(self.raw[i])
+                elif t in (TYPES["Q4_1"], TYPES["Q8_0"]):
+                    self.data[i] = self.kernels.repack_legacy_x8(self.data[i], t, self.in_features)
+                    self.types[i] = self.kernels.Q4_1_X8 if t == TYPES["Q4_1"] else self.kernels.Q8_0_X8
+                else:
+                    continue
+                if mapped is not None and mapped(self.raw[i]):  # its file pages: no longer read
+                    self.kernels.release(self.raw[i])
         self.bias = None
         if biases is not None and any(b is not None for b in biases):
             self.bias = torch.cat(
@@ -130,7 +135,8 @@ class QuantModel:
     """A Llama/Qwen2 GGUF model (specdec.models.gguf.GGUFModel) laid out for the batch-invariant
     quantized forward, with its transformers `config` for the shapes. Memory: the weights are the
     memory-mapped file's blocks, except llama's q and k rows (un-permuted) and, with int8
-    activations, Q4_K matrices (regrouped eight rows at a time, their file pages released).
+    activations, Q4_K, Q4_1 and Q8_0 matrices (regrouped eight rows at a time, their file pages
+    released).
     activations: "int8" rounds each input row of a product to int8 per block and multiplies with
     integer dot products (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the
     dequantized weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the

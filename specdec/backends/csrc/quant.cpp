@@ -385,6 +385,8 @@ struct QRows {
   std::vector<float> scale;   // (M, chunks * 16): lanes 0-7 the scale of block 2c, lanes 8-15 that of block 2c + 1
   std::vector<int32_t> sum4;  // (M, chunks * 16): per lane, the sum of its four int8 values
   std::vector<float> sum4f;   // (M, chunks * 16): the lane's scale times sum4
+  std::vector<float> block_scale;  // (M, K / 32): the scale of each 32-block
+  std::vector<int32_t> block_sum;  // (M, K / 32): the sum of its int8 values
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
@@ -396,6 +398,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
   r.scale.assign(M * lanes, 0.0f);
   r.sum4.resize(M * lanes);
   r.sum4f.resize(M * lanes);
+  r.block_scale.resize(M * (K / 32));
+  r.block_sum.resize(M * (K / 32));
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       int8_t* q = r.q.data() + m * width;
@@ -410,6 +414,10 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16),
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)))));
         for (int l = 0; l < 8; ++l) s[8 * b + l] = d;  // block b's 32 values are lanes 8b..8b+7
+        r.block_scale[m * (K / 32) + b] = d;
+        int32_t total = 0;
+        for (int i = 0; i < 32; ++i) total += q[32 * b + i];
+        r.block_sum[m * (K / 32) + b] = total;
       }
       const __m512i ones = _mm512_set1_epi8(1);
       for (int64_t c = 0; c < r.chunks; ++c) {
@@ -833,6 +841,119 @@ void part_outputs_x8(const uint8_t* groups, int64_t group_bytes, int64_t lo, int
       }
     }
 }
+// ---- Q4_1 and Q8_0, eight rows interleaved (repacked at load) ------------------------------------
+//
+// As for Q4_K: the rows of a matrix are regrouped eight at a time so that one vpdpbusd multiplies
+// eight output rows with a broadcast of eight input bytes. Per 32-block, a group holds d[8] fp16,
+// for Q4_1 m[8] fp16, then 64-byte vectors g whose 32-bit lane 2r + h holds row r's bytes
+// qs[8g + 4h .. +3]: Q4_1's packed nibbles (the low ones weights 8g + 4h.., the high ones 16 + ..),
+// two vectors; Q8_0's values plus 128 (unsigned), four vectors. Per block and input row: the
+// block's integer sum for each of the eight rows (Q8_0: minus 128 times the input's block sum), then
+// acc = acc + float(sum) * (d * input scale), and for Q4_1 acc = acc + m * (input scale * block sum).
+constexpr int64_t Q4_1_X8 = 103, Q8_0_X8 = 108;  // the repacked layouts' type ids (not GGML types)
+
+constexpr int64_t lx8_bytes(int64_t type) { return type == Q4_1_X8 ? 16 + 16 + 128 : 16 + 256; }
+
+// rows (N, K / 32 * block bytes) of Q4_1 or Q8_0, N a multiple of 8 -> (N / 8, K / 32 * lx8_bytes).
+torch::Tensor repack_legacy_x8(torch::Tensor rows, int64_t type, int64_t K) {
+  TORCH_CHECK(type == Q4_1 || type == Q8_0, "quant.repack_legacy_x8: Q4_1 or Q8_0 only");
+  const Layout lay = layout(type);
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % 32 == 0 &&
+                  rows.size(1) == K / 32 * lay.bytes && rows.size(0) % 8 == 0,
+              "quant.repack_legacy_x8: rows must be contiguous (N, K / 32 * ", lay.bytes, "), N a multiple of eight");
+  const int64_t xtype = type == Q4_1 ? Q4_1_X8 : Q8_0_X8, gb = lx8_bytes(xtype), groups = rows.size(0) / 8,
+                B = K / 32;
+  auto out = torch::empty({groups, B * gb}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi)
+      for (int64_t b = 0; b < B; ++b) {
+        uint8_t* o = dst + (gi * B + b) * gb;
+        for (int r = 0; r < 8; ++r) {
+          const uint8_t* p = src + (gi * 8 + r) * rows.size(1) + b * lay.bytes;
+          std::memcpy(o + 2 * r, p, 2);  // d
+          if (type == Q4_1) {
+            std::memcpy(o + 16 + 2 * r, p + 2, 2);  // m
+            for (int g = 0; g < 2; ++g)
+              for (int h = 0; h < 2; ++h) std::memcpy(o + 32 + 64 * g + (2 * r + h) * 4, p + 4 + 8 * g + 4 * h, 4);
+          } else {
+            for (int g = 0; g < 4; ++g)
+              for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < 4; ++i) o[16 + 64 * g + (2 * r + h) * 4 + i] = p[2 + 8 * g + 4 * h + i] ^ 0x80;
+          }
+        }
+      }
+  });
+  return out;
+}
+
+template <int64_t xtype, int T>
+void lx8_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*out)[8]) {
+  const int64_t B = x.K / 32, width = x.chunks * 64, gb = lx8_bytes(xtype);
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[T];
+  for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* p = group + b * gb;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
+    const __m512 d = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(load16(p))));
+    __m512i w[4];
+    if constexpr (xtype == Q4_1_X8) {
+      const __m512i p0 = _mm512_loadu_si512(p + 32), p1 = _mm512_loadu_si512(p + 96);
+      w[0] = _mm512_and_si512(p0, low);
+      w[1] = _mm512_and_si512(p1, low);
+      w[2] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), low);
+      w[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), low);
+    } else {
+      for (int g = 0; g < 4; ++g) w[g] = _mm512_loadu_si512(p + 16 + 64 * g);
+    }
+    const __m512 mins = xtype == Q4_1_X8 ? _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_cvtph_ps(load16(p + 16))))
+                                         : _mm512_setzero_ps();
+    for (int m = 0; m < T; ++m) {
+      const int8_t* xq = x.q.data() + (m0 + m) * width + 32 * b;
+      __m512i sum = _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {  // Q4_1: low nibbles of vectors 0, 1 (weights 0-15), then high (16-31)
+        int64_t v;
+        std::memcpy(&v, xq + 8 * g, 8);
+        sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi64(v));
+      }
+      // lanes 2r and 2r + 1 hold row r's two halves: both get their sum
+      sum = _mm512_add_epi32(sum, _mm512_shuffle_epi32(sum, _MM_PERM_CDAB));
+      const int64_t blk = (m0 + m) * B + b;
+      if constexpr (xtype == Q8_0_X8) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * x.block_sum[blk]));
+      const float dx = x.block_scale[blk];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m]);
+      if constexpr (xtype == Q4_1_X8)
+        acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(dx * static_cast<float>(x.block_sum[blk])), acc[m]);
+    }
+  }
+  for (int m = 0; m < T; ++m) {
+    float a[16];
+    _mm512_storeu_ps(a, acc[m]);
+    for (int r = 0; r < 8; ++r) out[m][r] = a[2 * r];
+  }
+}
+
+template <int64_t xtype>
+void part_outputs_lx8(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const QRows& x, float* y,
+                      int64_t N) {
+  using Fn = void (*)(const uint8_t*, const QRows&, int64_t, float (*)[8]);
+  static constexpr Fn tiles[X8_TILE + 1] = {nullptr, lx8_tile<xtype, 1>, lx8_tile<xtype, 2>, lx8_tile<xtype, 3>,
+                                            lx8_tile<xtype, 4>};
+  float out[X8_TILE][8];
+  const int64_t block = std::max<int64_t>(8, WEIGHT_BLOCK / group_bytes * 8);
+  for (int64_t j0 = lo; j0 < hi; j0 += block)
+    for (int64_t m0 = 0; m0 < x.M; m0 += X8_TILE) {
+      const int t = static_cast<int>(std::min<int64_t>(X8_TILE, x.M - m0));
+      for (int64_t j = j0; j < std::min(hi, j0 + block); j += 8) {
+        tiles[t](groups + (j - lo) / 8 * group_bytes, x, m0, out);
+        for (int m = 0; m < t; ++m)
+          for (int r = 0; r < 8; ++r) y[(m0 + m) * N + j + r] = out[m][r];
+      }
+    }
+}
 #else
 constexpr bool HAS_Q8 = false;
 #endif
@@ -851,6 +972,15 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   bool grouped = false;  // any part repacked eight rows at a time: threads then take whole groups
   for (size_t p = 0; p < parts.size(); ++p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (types[p] == Q4_1_X8 || types[p] == Q8_0_X8) {
+      TORCH_CHECK(int8, "quant.matmul: a repacked part needs int8 activations");
+      TORCH_CHECK(K % 32 == 0 && parts[p].dim() == 2 && parts[p].scalar_type() == torch::kUInt8 &&
+                      parts[p].is_contiguous() && parts[p].size(1) == K / 32 * lx8_bytes(types[p]),
+                  "quant.matmul: part ", p, " must be repack_legacy_x8's (N / 8, ", K / 32 * lx8_bytes(types[p]), ")");
+      offsets.push_back(offsets.back() + 8 * parts[p].size(0));
+      grouped = true;
+      continue;
+    }
     if (types[p] == Q4_K_X8) {
       TORCH_CHECK(int8, "quant.matmul: a repacked Q4_K part needs int8 activations");
       TORCH_CHECK(K % 256 == 0 && parts[p].dim() == 2 && parts[p].scalar_type() == torch::kUInt8 &&
@@ -885,10 +1015,11 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   KRows kx;
   bool legacy = false, super = false;
   for (int64_t t : types) (t == Q4_K || t == Q6_K || t == Q4_K_X8 ? super : legacy) |= t != F32;
+  auto repacked = [](int64_t t) { return t == Q4_K_X8 || t == Q4_1_X8 || t == Q8_0_X8; };
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
     quantize_rows(xp, M, K, qx);
-    for (int64_t t : types) if (t != Q4_K_X8) dispatch(t, [&]<int64_t type>() {
+    for (int64_t t : types) if (!repacked(t)) dispatch(t, [&]<int64_t type>() {
         constexpr int32_t o = offset_of<type>();
         if (type == F32 || o == 0 || !biases[o].empty()) return;
         biases[o].resize(qx.sum4.size());
@@ -905,6 +1036,17 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       if (lo >= hi) continue;
       const int64_t row_bytes = parts[p].size(1);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (types[p] == Q4_1_X8 || types[p] == Q8_0_X8) {
+        const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes;
+        if (types[p] == Q4_1_X8)
+          part_outputs_lx8<Q4_1_X8>(groups, row_bytes, lo, hi, qx, yp, N);
+        else
+          part_outputs_lx8<Q8_0_X8>(groups, row_bytes, lo, hi, qx, yp, N);
+        if (b)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = lo; j < hi; ++j) yp[m * N + j] += b[j];
+        continue;
+      }
       if (types[p] == Q4_K_X8) {
         part_outputs_x8(parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes, row_bytes, lo, hi, kx, yp, N);
         if (b)
@@ -1256,6 +1398,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack_q4k_x8", &repack_q4k_x8, "Q4_K rows regrouped eight at a time for the int8 path", py::arg("rows"),
         py::arg("K"));
   m.attr("Q4_K_X8") = Q4_K_X8;
+  m.def("repack_legacy_x8", &repack_legacy_x8, "Q4_1 or Q8_0 rows regrouped eight at a time for the int8 path",
+        py::arg("rows"), py::arg("type"), py::arg("K"));
+  m.attr("Q4_1_X8") = Q4_1_X8;
+  m.attr("Q8_0_X8") = Q8_0_X8;
 #endif
   m.def("release", [](torch::Tensor t) {
         // Drops this process's mapping of the whole pages inside a memory-mapped tensor (they stay in the
