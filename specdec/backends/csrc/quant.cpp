@@ -527,6 +527,25 @@ void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias
 
 // y[:, j] for j in [lo, hi) of one part, as part_outputs, from quantized input rows (bias: for the
 // types with an offset, -offset * sum4 of each row).
+// y[:, j] for j in [lo, hi) of one part, a weight row at a time: tile(row, m0, t, out) computes one
+// row's outputs for input rows m0..m0+t-1. A thread goes over a block of weight rows (about
+// WEIGHT_BLOCK bytes) for each tile of input rows, so many input rows are not streamed again per
+// weight row; the order changes no output's operations.
+template <typename Tile>
+void row_outputs(Tile&& tile, const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, int64_t M, float* y,
+                 int64_t N) {
+  float out[TILE];
+  const int64_t block = std::max<int64_t>(1, WEIGHT_BLOCK / row_bytes);
+  for (int64_t j0 = lo; j0 < hi; j0 += block)
+    for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+      const int t = static_cast<int>(std::min<int64_t>(TILE, M - m0));
+      for (int64_t j = j0; j < std::min(hi, j0 + block); ++j) {
+        tile(rows + (j - lo) * row_bytes, m0, t, out);
+        for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
+      }
+    }
+}
+
 template <int64_t type>
 void part_outputs_q8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const QRows& x,
                      const int32_t* bias, float* y, int64_t N) {
@@ -534,16 +553,8 @@ void part_outputs_q8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t
   static constexpr Fn tiles[TILE + 1] = {nullptr,          q8_tile<type, 1>, q8_tile<type, 2>,
                                          q8_tile<type, 3>, q8_tile<type, 4>, q8_tile<type, 5>,
                                          q8_tile<type, 6>, q8_tile<type, 7>, q8_tile<type, 8>};
-  float out[TILE];
-  const int64_t block = std::max<int64_t>(1, WEIGHT_BLOCK / row_bytes);
-  for (int64_t j0 = lo; j0 < hi; j0 += block)
-    for (int64_t m0 = 0; m0 < x.M; m0 += TILE) {
-      const int t = static_cast<int>(std::min<int64_t>(TILE, x.M - m0));
-      for (int64_t j = j0; j < std::min(hi, j0 + block); ++j) {
-        tiles[t](rows + (j - lo) * row_bytes, x, m0, bias, out);
-        for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
-      }
-    }
+  row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, bias, out); }, rows,
+              row_bytes, lo, hi, x.M, y, N);
 }
 // Q4_K and Q6_K, as llama.cpp's Q8_K: an input row is quantized per 256 columns (one scale per
 // super-block) and everything inside a super-block is integer, exact: per chunk of 64 columns,
@@ -697,16 +708,8 @@ void part_outputs_k(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t 
   static constexpr Fn tiles[TILE + 1] = {nullptr,         k_tile<type, 1>, k_tile<type, 2>, k_tile<type, 3>,
                                          k_tile<type, 4>, k_tile<type, 5>, k_tile<type, 6>, k_tile<type, 7>,
                                          k_tile<type, 8>};
-  float out[TILE];
-  const int64_t block = std::max<int64_t>(1, WEIGHT_BLOCK / row_bytes);
-  for (int64_t j0 = lo; j0 < hi; j0 += block)
-    for (int64_t m0 = 0; m0 < x.M; m0 += TILE) {
-      const int t = static_cast<int>(std::min<int64_t>(TILE, x.M - m0));
-      for (int64_t j = j0; j < std::min(hi, j0 + block); ++j) {
-        tiles[t](rows + (j - lo) * row_bytes, x, m0, out);
-        for (int m = 0; m < t; ++m) y[(m0 + m) * N + j] = out[m];
-      }
-    }
+  row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, out); }, rows, row_bytes,
+              lo, hi, x.M, y, N);
 }
 // ---- Q4_K, eight rows interleaved (repacked at load) -------------------------------------------
 //
@@ -824,11 +827,12 @@ void x8_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[8]) 
   }
 }
 
-// y[:, j] for the groups of eight rows covering [lo, hi) (multiples of 8) of one repacked part.
-void part_outputs_x8(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
-                     int64_t N) {
-  using Fn = void (*)(const uint8_t*, const KRows&, int64_t, float (*)[8]);
-  static constexpr Fn tiles[X8_TILE + 1] = {nullptr, x8_tile<1>, x8_tile<2>, x8_tile<3>, x8_tile<4>};
+// y[:, j] for the groups of eight rows covering [lo, hi) (multiples of 8) of one repacked part:
+// tiles[t] computes a group's eight outputs for t input rows. A thread goes over a block of groups
+// (about WEIGHT_BLOCK bytes) for each tile of input rows.
+template <typename Rows>
+void grouped_outputs(void (*const* tiles)(const uint8_t*, const Rows&, int64_t, float (*)[8]), const uint8_t* groups,
+                     int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y, int64_t N) {
   float out[X8_TILE][8];
   const int64_t block = std::max<int64_t>(8, WEIGHT_BLOCK / group_bytes * 8);
   for (int64_t j0 = lo; j0 < hi; j0 += block)
@@ -840,6 +844,13 @@ void part_outputs_x8(const uint8_t* groups, int64_t group_bytes, int64_t lo, int
           for (int r = 0; r < 8; ++r) y[(m0 + m) * N + j + r] = out[m][r];
       }
     }
+}
+
+void part_outputs_x8(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
+                     int64_t N) {
+  using Fn = void (*)(const uint8_t*, const KRows&, int64_t, float (*)[8]);
+  static constexpr Fn tiles[X8_TILE + 1] = {nullptr, x8_tile<1>, x8_tile<2>, x8_tile<3>, x8_tile<4>};
+  grouped_outputs<KRows>(tiles, groups, group_bytes, lo, hi, x, y, N);
 }
 // ---- Q4_1 and Q8_0, eight rows interleaved (repacked at load) ------------------------------------
 //
@@ -942,17 +953,7 @@ void part_outputs_lx8(const uint8_t* groups, int64_t group_bytes, int64_t lo, in
   using Fn = void (*)(const uint8_t*, const QRows&, int64_t, float (*)[8]);
   static constexpr Fn tiles[X8_TILE + 1] = {nullptr, lx8_tile<xtype, 1>, lx8_tile<xtype, 2>, lx8_tile<xtype, 3>,
                                             lx8_tile<xtype, 4>};
-  float out[X8_TILE][8];
-  const int64_t block = std::max<int64_t>(8, WEIGHT_BLOCK / group_bytes * 8);
-  for (int64_t j0 = lo; j0 < hi; j0 += block)
-    for (int64_t m0 = 0; m0 < x.M; m0 += X8_TILE) {
-      const int t = static_cast<int>(std::min<int64_t>(X8_TILE, x.M - m0));
-      for (int64_t j = j0; j < std::min(hi, j0 + block); j += 8) {
-        tiles[t](groups + (j - lo) / 8 * group_bytes, x, m0, out);
-        for (int m = 0; m < t; ++m)
-          for (int r = 0; r < 8; ++r) y[(m0 + m) * N + j + r] = out[m][r];
-      }
-    }
+  grouped_outputs<QRows>(tiles, groups, group_bytes, lo, hi, x, y, N);
 }
 #else
 constexpr bool HAS_Q8 = false;
