@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +33,10 @@ class QuantLinear:
     """y = x W^T + b for W the row-wise concatenation of GGUF matrices (`parts`, each a
     specdec.models.gguf.QTensor with K columns) and b the concatenation of their biases (fp32 or
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
-    dequantized to fp32 because the kernels do not handle their type, and, with int8 activations,
-    of Q4_K, Q4_1 and Q8_0 parts, regrouped eight rows at a time for the faster kernels; mapped(tensor) says whether
-    a part lies in a file's memory map, whose pages are then released. `raw` keeps the parts as
+    dequantized to fp32 because the kernels do not handle their type, and, with int8 activations
+    (`int8`) and `repack`, of Q4_K, Q4_1 and Q8_0 parts whose rows come in eights, regrouped eight
+    rows at a time for the faster kernels. mapped(tensor) says whether a part lies in a file's
+    memory map; the pages of a regrouped part that does are released. `raw` keeps the parts as
     given (for dequantize_rows)."""
 
     def __init__(
@@ -44,7 +46,7 @@ class QuantLinear:
         fallback: set[str] | None = None,
         int8: bool = False,
         repack: bool = True,
-        mapped=None,
+        mapped: Callable[[torch.Tensor], bool] | None = None,
     ):
         from specdec.backends.qkernel import TYPES, kernels
 
