@@ -282,6 +282,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
     sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
+    sv.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECDEC_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/ requests, else 401 (default: $SPECDEC_API_KEY, else none)",
+    )
     _loading_options(sv)
     sv.set_defaults(run=_serve)
 
@@ -567,6 +572,7 @@ def _serve(args) -> int:
         max_ngram=args.max_ngram,
         min_ngram=args.min_ngram,
         cache=args.cache_dir,
+        api_key=args.api_key,
     )
     print(
         f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "

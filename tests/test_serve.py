@@ -415,6 +415,25 @@ def test_neutral_penalties_are_accepted(served):
     assert with_neutral["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
+def test_an_api_key_is_required_when_set_and_limits_are_kept(tiny):
+    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny", max_tokens=8, api_key="s3cret", max_body_bytes=2000)
+    with running(app) as url:
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            client(url).completions.create(model="tiny", prompt="w1 w2", max_tokens=2, temperature=0)
+        good = OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        r = good.completions.create(model="tiny", prompt="w1 w2", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+        assert urllib.request.urlopen(url + "/health", timeout=10).status == 200  # not under /v1/: open
+        with pytest.raises(openai.APIStatusError, match="limit of 2000 bytes") as e:
+            good.completions.create(model="tiny", prompt="w1 " * 1000, max_tokens=2, temperature=0)
+        assert e.value.status_code == 413
+        with pytest.raises(openai.BadRequestError, match="ask for at most") as e:
+            good.completions.create(model="tiny", prompt="w1 w2", max_tokens=tiny.n_ctx, temperature=0)
+        assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(tiny, api_key=" ")
+
+
 def test_malformed_requests_never_crash_the_server(served, tiny):
     before = metrics(served)['specdec_requests_total{outcome="invalid"}']
     status, err = raw_post(served, "/v1/completions", b'{"model": "tiny", "prompt": ')

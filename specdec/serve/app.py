@@ -17,6 +17,7 @@ Beyond OpenAI's fields a request may carry `drafter` (a drafter this server has,
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -136,9 +137,20 @@ class ChatRequest(_Params):
     tools: Any = None
 
 
-async def _parse(request: Request, cls: type[BaseModel]) -> Any:
-    """The request body as `cls`; ApiError 400 for a body that is not JSON or a bad field."""
+async def _parse(request: Request, cls: type[BaseModel], max_bytes: int) -> Any:
+    """The request body as `cls`; ApiError 413 for a body over max_bytes, 400 for a body that is not
+    JSON or a bad field."""
+    too_large = ApiError(
+        413,
+        f"the request body is over this server's limit of {max_bytes} bytes; send a shorter prompt",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
     raw = await request.body()
+    if len(raw) > max_bytes:
+        raise too_large
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -425,6 +437,15 @@ class Server:
             raise ApiError(400, str(e), code="invalid_parameter") from None
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         self._check_prompt(ids)
+        if max_tokens is not None and len(ids) + max_tokens > self.target.n_ctx:
+            raise ApiError(
+                400,
+                f"{self.model_name}'s context holds {self.target.n_ctx} tokens, but the request asks for "
+                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate); ask for at most "
+                f"{self.target.n_ctx - len(ids)} new tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
         k = self.k if req.k is None else req.k
         if isinstance(k, str) and k.strip().isdigit():
             k = int(k)
@@ -618,6 +639,8 @@ def create_app(
     max_ngram: int = 3,
     min_ngram: int = 1,
     cache=None,
+    api_key: str | None = None,
+    max_body_bytes: int = 4 * 2**20,
 ) -> FastAPI:
     """The FastAPI app serving `target`; run it with uvicorn (see run_server).
 
@@ -627,7 +650,10 @@ def create_app(
     draft length. drafters: extra named drafter objects requests may choose (they override
     built-in names). model_name: the id clients send as "model" (default: target.name).
     max_queue: requests that may wait while one runs; past it the server answers 429.
-    max_tokens: the default of a request's max_tokens. cache: the specdec cache folder (layer-skip
+    max_tokens: the default of a request's max_tokens (a request asking for more than the context
+    holds gets a 400). api_key: when given, every /v1/ request must send `Authorization: Bearer
+    <api_key>` (else 401), as vLLM's and llama.cpp's servers do. max_body_bytes: larger request
+    bodies get a 413. cache: the specdec cache folder (layer-skip
     calibrations, draft heads, the verify-cost curve; default: the usual one). The app starts its worker thread on
     startup (its lifespan) and cancels what is left on shutdown.
 
@@ -650,6 +676,10 @@ def create_app(
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty (leave it out to serve without one)")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     server = Server(target, available, drafter, k, model_name or target.name, max_queue, max_tokens, cache)
 
     @asynccontextmanager
@@ -668,6 +698,19 @@ def create_app(
         redoc_url=None,
     )
     app.state.server = server
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
+                return ApiError(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key this "
+                    "server was started with (--api-key)",
+                    code="invalid_api_key",
+                ).response()
+        return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -730,11 +773,11 @@ def create_app(
         arrived = time.perf_counter()
         try:
             if chat:
-                req = await _parse(request, ChatRequest)
+                req = await _parse(request, ChatRequest, max_body_bytes)
                 ids = server.encode_chat(req)
                 max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
-                req = await _parse(request, CompletionRequest)
+                req = await _parse(request, CompletionRequest, max_body_bytes)
                 ids = server.encode_completion(req)
                 max_new = req.max_tokens
             job = server.job(req, ids, arrived, max_new)
