@@ -1201,61 +1201,90 @@ inline void weighted_values(const float* p, const int64_t* seen, int64_t count, 
   for (int e = 0; e < V; ++e) store(acc + 16 * e, a[e]);
 }
 
-// Attention of n new positions over a cache (Vaswani et al. 2017), one (position, head) per task.
-// q: n rows of H heads of D floats (row i at q + i * q_stride); caches (KVH, capacity, D) holding the
-// new keys and values at start..start+n-1 already; mask (n, start+n) or null (causal: position i
-// sees 0..start+i). Grouped-query heads share a key head. The visible keys are visited in cache
-// order, so a token sees the same keys in the same order however many positions the call has.
-// Writes out (n, H * D).
-void attend(const float* q, int64_t q_stride, int64_t n, int64_t H, int64_t D, const float* kp, const float* vp,
-            int64_t KVH, int64_t cap, int64_t start, const bool* mp, float sc, float* op) {
-  at::parallel_for(0, n * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(start + n);
-    std::vector<int64_t> seen(start + n);
-    std::vector<float> acc(D);
+// One attention over a cache: n new positions of q (row i at q + i * q_stride, H heads of D floats)
+// over keys and values (KVH, cap, D) that hold them already at start..start+n-1, with mask (n,
+// start+n) or null (causal); writes out (n, H * D).
+struct Attention {
+  const float* q;
+  int64_t q_stride, n;
+  const float *kp, *vp;
+  int64_t cap, start;
+  const bool* mask;
+  float* out;
+};
+
+// Position i, head h of attention a; score, seen: room for start + n values, acc for D.
+void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, int64_t KVH, float sc, float* score,
+                int64_t* seen, float* acc) {
+  const int64_t g = h / (H / KVH), keys = a.start + a.n;
+  const float* qv = a.q + i * a.q_stride + h * D;
+  const float* kg = a.kp + g * a.cap * D;
+  const float* vg = a.vp + g * a.cap * D;
+  int64_t count = 0;
+  for (int64_t j = 0; j < keys; ++j) {
+    if (a.mask ? !a.mask[i * keys + j] : j > a.start + i) continue;
+    seen[count] = j;
+    score[count++] = dot(qv, kg + j * D, D) * sc;
+  }
+  float top = score[0];
+  for (int64_t c = 1; c < count; ++c) top = std::max(top, score[c]);
+  vec total = {};
+  int64_t c = 0;
+  for (; c + L <= count; c += L) {
+    const vec e = vexp(load(score + c) - splat(top));
+    store(score + c, e);
+    total += e;
+  }
+  float sum = lane_sum(total);
+  for (; c < count; ++c) {
+    score[c] = sexp(score[c] - top);
+    sum += score[c];
+  }
+  if (D == 64) {
+    weighted_values<4>(score, seen, count, vg, acc);
+  } else if (D == 128) {
+    weighted_values<8>(score, seen, count, vg, acc);
+  } else {
+    std::fill(acc, acc + D, 0.0f);
+    for (c = 0; c < count; ++c) {
+      const float* vr = vg + seen[c] * D;
+      const vec p = splat(score[c]);
+      int64_t e = 0;
+      for (; e + L <= D; e += L) store(acc + e, fma(p, load(vr + e), load(acc + e)));
+      for (; e < D; ++e) acc[e] = std::fma(score[c], vr[e], acc[e]);
+    }
+  }
+  float* o = a.out + i * H * D + h * D;
+  for (int64_t e = 0; e < D; ++e) o[e] = acc[e] / sum;
+}
+
+// Several attentions (one per request of a batched forward, Vaswani et al. 2017) in one parallel
+// region, one task per (attention, position, head). Grouped-query heads share a key head. The
+// visible keys are visited in cache order, so a token sees the same keys in the same order however
+// many positions, or other requests, the call has.
+void attend_all(const std::vector<Attention>& parts, int64_t H, int64_t D, int64_t KVH, float sc) {
+  std::vector<int64_t> first{0};  // the first task of each part
+  int64_t keys = 0;
+  for (const Attention& a : parts) {
+    first.push_back(first.back() + a.n * H);
+    keys = std::max(keys, a.start + a.n);
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(keys), acc(D);
+    std::vector<int64_t> seen(keys);
+    size_t r = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / H, h = task % H, g = h / (H / KVH);
-      const float* qv = q + i * q_stride + h * D;
-      const float* kg = kp + g * cap * D;
-      const float* vg = vp + g * cap * D;
-      int64_t count = 0;
-      for (int64_t j = 0; j < start + n; ++j) {
-        if (mp ? !mp[i * (start + n) + j] : j > start + i) continue;
-        seen[count] = j;
-        score[count++] = dot(qv, kg + j * D, D) * sc;
-      }
-      float top = score[0];
-      for (int64_t c = 1; c < count; ++c) top = std::max(top, score[c]);
-      vec total = {};
-      int64_t c = 0;
-      for (; c + L <= count; c += L) {
-        const vec e = vexp(load(score.data() + c) - splat(top));
-        store(score.data() + c, e);
-        total += e;
-      }
-      float sum = lane_sum(total);
-      for (; c < count; ++c) {
-        score[c] = sexp(score[c] - top);
-        sum += score[c];
-      }
-      if (D == 64) {
-        weighted_values<4>(score.data(), seen.data(), count, vg, acc.data());
-      } else if (D == 128) {
-        weighted_values<8>(score.data(), seen.data(), count, vg, acc.data());
-      } else {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (c = 0; c < count; ++c) {
-          const float* vr = vg + seen[c] * D;
-          const vec p = splat(score[c]);
-          int64_t e = 0;
-          for (; e + L <= D; e += L) store(acc.data() + e, fma(p, load(vr + e), load(acc.data() + e)));
-          for (; e < D; ++e) acc[e] = std::fma(score[c], vr[e], acc[e]);
-        }
-      }
-      float* o = op + i * H * D + h * D;
-      for (int64_t e = 0; e < D; ++e) o[e] = acc[e] / sum;
+      while (task >= first[r + 1]) ++r;
+      const int64_t local = task - first[r];
+      attend_one(parts[r], local / H, local % H, H, D, KVH, sc, score.data(), seen.data(), acc.data());
     }
   });
+}
+
+// One attention (an Attention's fields, scale sc), as attend_all.
+void attend(const float* q, int64_t q_stride, int64_t n, int64_t H, int64_t D, const float* kp, const float* vp,
+            int64_t KVH, int64_t cap, int64_t start, const bool* mp, float sc, float* op) {
+  attend_all({Attention{q, q_stride, n, kp, vp, cap, start, mp, op}}, H, D, KVH, sc);
 }
 
 const bool* mask_data(const c10::optional<torch::Tensor>& mask, torch::Tensor& holder, int64_t n, int64_t keys) {
@@ -1313,6 +1342,7 @@ void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>&
   float* tp = t.data_ptr<float>();
   rope_rows(tp, rows, stride, H + KVH, D, rope);
   auto a = torch::empty({rows, H * D}, h.options());
+  std::vector<Attention> attentions;
   for (size_t r = 0; r < segments.size(); ++r) {
     const Segment& seg = segments[r];
     torch::Tensor &k_cache = *keys[r], &v_cache = *values[r];
@@ -1327,9 +1357,9 @@ void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>&
         std::memcpy(kp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + g) * D, D * sizeof(float));
         std::memcpy(vp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + KVH + g) * D, D * sizeof(float));
       }
-    attend(rows_r, stride, seg.n, H, D, kp, vp, KVH, cap, seg.start, seg.mask, 1.0f / std::sqrt(static_cast<float>(D)),
-           a.data_ptr<float>() + seg.offset * H * D);
+    attentions.push_back({rows_r, stride, seg.n, kp, vp, cap, seg.start, seg.mask, a.data_ptr<float>() + seg.offset * H * D});
   }
+  attend_all(attentions, H, D, KVH, 1.0f / std::sqrt(static_cast<float>(D)));
   h.add_(matmul(a, w.o, w.o_types, c10::nullopt, int8));
   h.add_(matmul(swiglu(matmul(rms_norm(h, w.norm_post, eps), w.gate_up, w.gate_up_types, c10::nullopt, int8)), w.down,
                 w.down_types, c10::nullopt, int8));
