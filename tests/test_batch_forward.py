@@ -30,24 +30,24 @@ def _check(model, prompts: list[list[int]], steps: list[tuple[list[int], list[in
     parents per request) against each request's forward alone: logits, keys, values and features."""
     lean = model.lean()
     assert isinstance(lean, QuantModel)
-    batch, alone = (
-        [LeanKVCache(model, capacity=96) for _ in prompts],
-        [LeanKVCache(model, capacity=96) for _ in prompts],
-    )
+    taps = (0, 1)  # EAGLE's feature taps after layers 0 and 1: written per request too
+    batch = [LeanKVCache(model, capacity=96, taps=taps) for _ in prompts]
+    alone = [LeanKVCache(model, capacity=96, taps=taps) for _ in prompts]
     for b, a, p in zip(batch, alone, prompts):
         b.extend(p)
         a.extend(p)
     items = [_item(c, tokens, len(tokens), parents) for c, (tokens, parents) in zip(batch, steps)]
     torch.set_num_threads(2)
-    got = lean.forward_batch(items)
+    got = lean.forward_batch(items, taps)
     torch.set_num_threads(1)  # the solo forwards on another thread count
     for r, (c, (tokens, parents)) in enumerate(zip(alone, steps)):
         item = _item(c, tokens, len(tokens), parents)
-        want = lean.forward(item.ids, c.k, c.v, c.features, item.start, item.keep, item.tree)
+        want = lean.forward(item.ids, c.k, c.v, c.features, item.start, item.keep, item.tree, taps=taps)
         assert got[r].shape == (len(tokens), lean.vocab_size)
         assert torch.equal(got[r], want), r
         end = item.start + len(tokens)
         assert all(torch.equal(x[:, :end], y[:, :end]) for x, y in zip(batch[r].k + batch[r].v, c.k + c.v)), r
+        assert batch[r].features.shape[1] == 3 * lean.hidden_size  # the final norm's and the two taps'
         assert torch.equal(batch[r].features[:end], c.features[:end]), r
 
 

@@ -27,7 +27,7 @@ from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.cache import LeanKVCache
 from specdec.errors import GGUFError
 from specdec.models.gguf import QTensor
-from specdec.models.load import Model, load_model
+from specdec.models.load import load_model
 from specdec.models.quantize import quantize_model
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, is_pulled
@@ -186,65 +186,41 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
 
 
 @needs_int8
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("shape", ["short", "blocked"])
-def test_q4k_repacked_eight_rows_at_a_time_is_the_same_product_and_batch_invariant(shape):
-    """repack_q4k_x8 regroups Q4_K rows eight at a time for the int8 kernel: the product is the
-    quantized activations times gguf's dequantization, within fp32 rounding (the integer sums are
-    k_tile's), each row invariant to the batch and threads; stacked with a Q6_K part, as Qwen's
-    qkv is."""
-    K, N = (512, 40) if shape == "short" else (2560, 160)
-    raw = random_blocks("Q4_K", N, K, seed=7)
-    w = reference("Q4_K", raw)
-    packed = kernels().repack_q4k_x8(torch.from_numpy(raw), K)
-    assert packed.shape[0] == N // 8
-    x = torch.randn(19, K, generator=torch.Generator().manual_seed(8))
-    x[:, 5] *= 40
-    y = matmul(x, [packed], [kernels().Q4_K_X8], int8=True)
-    xq = quantized_activations(x, 256)
-    want = xq @ w.double().T
-    scale = xq.abs() @ w.double().abs().T
-    assert ((y.double() - want).abs() <= 2e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
-    assert_rows_invariant(lambda rows: matmul(rows, [packed], [kernels().Q4_K_X8], int8=True), x, max_n=19)
-    raw6 = torch.from_numpy(random_blocks("Q6_K", 16, K, seed=9))
-    bias = torch.randn(N + 16, generator=torch.Generator().manual_seed(10))
-    both = matmul(x, [packed, raw6], [kernels().Q4_K_X8, TYPES["Q6_K"]], bias, int8=True)
-    assert torch.equal(both, torch.cat([y, matmul(x, [raw6], [TYPES["Q6_K"]], int8=True)], dim=1) + bias)
-    assert_rows_invariant(lambda rows: matmul(rows, [packed, raw6], [kernels().Q4_K_X8, TYPES["Q6_K"]], bias, True), x)
-    with pytest.raises(RuntimeError, match="int8"):
-        matmul(x, [packed], [kernels().Q4_K_X8])
-    with pytest.raises(RuntimeError, match="eight"):
-        kernels().repack_q4k_x8(torch.from_numpy(raw[:12]), K)
-
-
-@needs_int8
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("shape", ["short", "blocked"])
-def test_q4_1_and_q8_0_repacked_eight_rows_at_a_time_are_the_same_product_and_batch_invariant(qtype, shape):
-    """repack_legacy_x8 regroups Q4_1 / Q8_0 rows eight at a time: the product is the quantized
-    activations times gguf's dequantization, within fp32 rounding; each row invariant to the batch
-    and threads; stacked with a part of another type and a bias, each part's outputs unchanged."""
-    K, N = (160, 40) if shape == "short" else (1184, 400)  # 160: an odd number of 32-blocks
+def test_parts_regrouped_eight_rows_at_a_time_are_the_same_product_and_batch_invariant(qtype, shape):
+    """repack regroups Q4_K, Q4_1 and Q8_0 rows eight at a time for the int8 kernels: the product is
+    the quantized activations times gguf's dequantization, within fp32 rounding; each row invariant
+    to the batch and threads; stacked after a part that goes a row at a time (Q6_K, as in Qwen's
+    qkv; Q5_0) and with a bias, each part's outputs unchanged. "blocked": enough weight rows that
+    prefill's blocking over the weights takes several blocks; 160: an odd number of 32-blocks."""
+    super_block = _block(qtype)[0] == 256
+    K, N = {(True, "short"): (512, 40), (True, "blocked"): (2560, 160)}.get(
+        (super_block, shape), (160, 40) if shape == "short" else (1184, 400)
+    )
     raw = random_blocks(qtype, N, K, seed=16)
     w = reference(qtype, raw)
-    packed = kernels().repack_legacy_x8(torch.from_numpy(raw), TYPES[qtype], K)
-    xtype = kernels().Q4_1_X8 if qtype == "Q4_1" else kernels().Q8_0_X8
-    assert packed.shape[0] == N // 8 and packed.numel() == raw.size  # the same bytes, regrouped
+    packed, xtype = kernels().repack(torch.from_numpy(raw), TYPES[qtype], K)
+    assert packed.shape[0] == N // 8 and xtype not in TYPES.values()
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(17))
     x[:, 5] *= 40
     y = matmul(x, [packed], [xtype], int8=True)
-    xq = quantized_activations(x, 32)
+    xq = quantized_activations(x, 256 if super_block else 32)
     want = xq @ w.double().T
     scale = xq.abs() @ w.double().abs().T
     assert ((y.double() - want).abs() <= 2e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
     assert_rows_invariant(lambda rows: matmul(rows, [packed], [xtype], int8=True), x, max_n=19)
-    other = torch.from_numpy(random_blocks("Q5_0", 8, K, seed=18))
+    kind = "Q6_K" if super_block else "Q5_0"
+    other = torch.from_numpy(random_blocks(kind, 8, K, seed=18))
     bias = torch.randn(N + 8, generator=torch.Generator().manual_seed(19))
-    both = matmul(x, [other, packed], [TYPES["Q5_0"], xtype], bias, int8=True)
-    assert torch.equal(both, torch.cat([matmul(x, [other], [TYPES["Q5_0"]], int8=True), y], dim=1) + bias)
+    both = matmul(x, [other, packed], [TYPES[kind], xtype], bias, int8=True)
+    assert torch.equal(both, torch.cat([matmul(x, [other], [TYPES[kind]], int8=True), y], dim=1) + bias)
+    assert_rows_invariant(lambda rows: matmul(rows, [other, packed], [TYPES[kind], xtype], bias, True), x)
     with pytest.raises(RuntimeError, match="int8"):
         matmul(x, [packed], [xtype])
     with pytest.raises(RuntimeError, match="eight"):
-        kernels().repack_legacy_x8(torch.from_numpy(raw[:12]), TYPES[qtype], K)
+        kernels().repack(torch.from_numpy(raw[:12]), TYPES[qtype], K)
+    assert kernels().repack(torch.from_numpy(random_blocks("Q5_0", 8, 160, seed=1)), TYPES["Q5_0"], 160) is None
 
 
 @needs_int8
@@ -255,14 +231,14 @@ def test_quant_linear_repacks_q4k_parts_and_keeps_the_raw_rows():
         QTensor("w", t, (24 if t == "Q4_K" else 8, K), torch.from_numpy(r)) for t, r in zip(("Q4_K", "Q6_K"), raws)
     ]
     linear = QuantLinear(parts, int8=True)
-    assert linear.types == [kernels().Q4_K_X8, TYPES["Q6_K"]] and linear.raw[0] is parts[0].data
+    packed, xtype = kernels().repack(parts[0].data, TYPES["Q4_K"], K)
+    assert linear.types == [xtype, TYPES["Q6_K"]] and linear.raw[0] is parts[0].data
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(13))
-    assert torch.equal(
-        linear(x)[:, :24], matmul(x, [kernels().repack_q4k_x8(parts[0].data, K)], [kernels().Q4_K_X8], int8=True)
-    )
+    assert torch.equal(linear(x)[:, :24], matmul(x, [packed], [xtype], int8=True))
     assert QuantLinear(parts, int8=False).types == [TYPES["Q4_K"], TYPES["Q6_K"]]  # fp32 activations: as in the file
     legacy = [QTensor("w", t, (8, K), torch.from_numpy(random_blocks(t, 8, K, seed=20))) for t in ("Q4_1", "Q8_0")]
-    assert QuantLinear(legacy, int8=True).types == [kernels().Q4_1_X8, kernels().Q8_0_X8]
+    regrouped = [kernels().repack(p.data, TYPES[p.qtype], K)[1] for p in legacy]
+    assert QuantLinear(legacy, int8=True).types == regrouped and len(set(regrouped)) == 2
     odd = [QTensor("w", "Q4_K", (20, K), torch.from_numpy(raws[0][:20]))]
     assert QuantLinear(odd, int8=True).types == [TYPES["Q4_K"]]  # rows not in eights: not repacked
 
@@ -526,10 +502,7 @@ def test_logits_are_the_fp32_dequantized_models_up_to_rounding(smol):
     with torch.inference_mode():
         want = ref.hf(input_ids=torch.tensor([ids])).logits[0].float()
     for activations in ("fp32", "int8") if kernels().int8_available() else ("fp32",):
-        lean = QuantModel(smol.gguf, smol.config, activations=activations)
-        model = Model(
-            None, smol.tokenizer, smol.name, smol.eos_token_ids, lean=lean, gguf=smol.gguf, config=smol.config
-        )
+        model = remake(smol, lean=QuantModel(smol.gguf, smol.config, activations=activations))
         quant = LeanKVCache(model, capacity=128).extend(ids, all_logits=True)
         assert quant.shape == want.shape
         agree = (quant.argmax(-1) == want.argmax(-1)).float().mean().item()

@@ -5,10 +5,13 @@ The module's functions: `matmul(x, parts, types, bias=None, int8=False)` (x (M, 
 stacked quantized parts, each (N_p, row_bytes) uint8 of a GGML type id; returns (M, sum N_p); int8:
 round the activations to int8 per block and multiply with integer dot products, as llama.cpp does,
 where `int8_available()`, i.e. the CPU has AVX512-VNNI), `dequantize_rows(w, type, K, ids)`,
-`rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`, `rope(x, positions,
-inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)` and `decoder_layer(...)`
-(a whole Llama/Qwen2 layer). Each output is reduced in one fixed order by one thread, so row i of an
-n-row call has the bits of a one-row call (quant.cpp says how).
+`rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`,
+`rope(x, positions, inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)`,
+`repack(rows, type, K)` (Q4_K, Q4_1, Q8_0 rows regrouped eight at a time for the int8 path, with
+their type id; None for other types), `release(t)` (a memory-mapped tensor's pages), and
+`Layer(...)` with `layers(...)` (the Llama/Qwen2 decoder stack over one or more requests' new
+tokens). Each output is reduced in one fixed order by one thread, so row i of an n-row call has the
+bits of a one-row call (quant.cpp says how).
 
 Built with torch's C++ extension loader (a C++ compiler and ninja, once per machine, cached under
 ~/.cache/torch_extensions) for the machine it runs on (-march=native); -ffp-contract=off keeps

@@ -69,14 +69,10 @@ class QuantLinear:
         self.out_features = sum(p.shape[0] for p in parts)
         if int8 and repack and all(p.shape[0] % 8 == 0 for p in parts):
             for i, t in enumerate(self.types):
-                if t == TYPES["Q4_K"]:
-                    self.data[i] = self.kernels.repack_q4k_x8(self.data[i], self.in_features)
-                    self.types[i] = self.kernels.Q4_K_X8
-                elif t in (TYPES["Q4_1"], TYPES["Q8_0"]):
-                    self.data[i] = self.kernels.repack_legacy_x8(self.data[i], t, self.in_features)
-                    self.types[i] = self.kernels.Q4_1_X8 if t == TYPES["Q4_1"] else self.kernels.Q8_0_X8
-                else:
+                regrouped = self.kernels.repack(self.data[i], t, self.in_features)
+                if regrouped is None:  # a type that goes a row at a time
                     continue
+                self.data[i], self.types[i] = regrouped
                 if mapped is not None and mapped(self.raw[i]):  # its file pages: no longer read
                     self.kernels.release(self.raw[i])
         self.bias = None
@@ -240,38 +236,33 @@ class QuantModel:
         """As specdec.backends.lean.LeanModel.forward (same arguments, same cache layout), with
         batch-invariant ops: row i of the returned logits (keep, V) has the bits the same token
         would get from a forward over fewer or more new tokens. argmax_only changes nothing here
-        (the logits are always exact)."""
-        k = self.kernels
-        n = ids.shape[0]
-        positions, mask = _positions_and_mask(start, n, tree)
-        rope = k.rope_table(positions, self.inv_freq)  # (2, n, head_dim / 2), shared by the layers
-        h = self.embed_rows(ids)  # (n, d)
-        stack = [layer.weights for layer in self.layers]
-        h = k.layers(h, stack, keys, values, start, rope, mask, self.n_heads, self.eps, self.int8, list(taps), features)
-        d = h.shape[1]
-        h = k.rms_norm(h, self.norm, self.eps)
-        features[start : start + n, :d] = h
-        return self.lm_head(h[n - keep :])
+        (the logits are always exact). It is forward_batch over one request."""
+        return self.forward_batch([BatchItem(ids, keys, values, features, start, keep, tree)], taps)[0]
 
     @torch.inference_mode()
-    def forward_batch(self, requests: list[BatchItem]) -> list[torch.Tensor]:
+    def forward_batch(self, requests: list[BatchItem], taps: tuple[int, ...] = ()) -> list[torch.Tensor]:
         """Several requests' new tokens in one forward (continuous batching): each BatchItem is one
-        request's arguments of `forward` (its own KV cache, start and tree). The products run over
-        every request's rows at once, the attention of each request over its own cache. Returns
-        each request's logits (keep, V), with the bits `forward` would give it alone, whatever else
-        is in the batch (the kernels are batch-invariant). EAGLE taps are not written here.
-        Raises ValueError for an empty batch."""
+        request's arguments of `forward` (its own KV cache, start and tree); taps as in `forward`,
+        written to each request's features. The products run over every request's rows at once,
+        the attention of each request over its own cache. Returns each request's logits (keep, V),
+        with the bits a forward of it alone would give, whatever else is in the batch (the kernels
+        are batch-invariant). Raises ValueError for an empty batch."""
         if not requests:
             raise ValueError("forward_batch needs at least one request")
         k = self.kernels
-        layout = [_positions_and_mask(r.start, len(r.ids), r.tree) for r in requests]
-        rope = k.rope_table(torch.cat([positions for positions, _ in layout]), self.inv_freq)
-        h = self.embed_rows(torch.cat([r.ids for r in requests]))
-        stack = [layer.weights for layer in self.layers]
+        layout = [
+            r.tree
+            if r.tree is not None
+            else (torch.arange(r.start, r.start + len(r.ids)), causal_mask(r.start, len(r.ids)))
+            for r in requests
+        ]  # positions (n,) and mask (n, start + n) or None (causal) of each request
+        rope = k.rope_table(torch.cat([positions for positions, _ in layout]), self.inv_freq)  # shared by the layers
+        h = self.embed_rows(torch.cat([r.ids for r in requests]))  # (rows, d)
         counts = [len(r.ids) for r in requests]
-        h = k.layers_batch(
-            h, stack, [r.keys for r in requests], [r.values for r in requests], [r.start for r in requests],
-            counts, rope, [mask for _, mask in layout], self.n_heads, self.eps, self.int8,
+        h = k.layers(
+            h, [layer.weights for layer in self.layers], [r.keys for r in requests], [r.values for r in requests],
+            [r.start for r in requests], counts, rope, [mask for _, mask in layout], self.n_heads, self.eps,
+            self.int8, list(taps), [r.features for r in requests],
         )  # fmt: skip
         h = k.rms_norm(h, self.norm, self.eps)
         d, kept, offset = h.shape[1], [], 0
@@ -280,10 +271,6 @@ class QuantModel:
             kept.append(h[offset + n - r.keep : offset + n])
             offset += n
         return list(self.lm_head(torch.cat(kept)).split([r.keep for r in requests]))
-
-
-def _positions_and_mask(start: int, n: int, tree):
-    return tree if tree is not None else (torch.arange(start, start + n), causal_mask(start, n))
 
 
 def _kernel_types() -> list[str]:

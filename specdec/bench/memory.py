@@ -3,7 +3,8 @@
 Read from /proc (Linux) and `resource`, no dependency. The resident set size (RSS) counts every page
 the process has mapped and touched: its heap, and the pages of memory-mapped files it has read. A
 GGUF model run at its own precision keeps its weights as a memory map of the file, so they count once
-a forward has read them; hence `footprint` measures after a warm-up forward. The peak (ru_maxrss) is
+a forward has read them (hence `footprint` measures after a warm-up forward), except the matrices it
+regroups at load: copies on the heap, their file pages released. The peak (ru_maxrss) is
 the process's since it started: the interpreter, torch and the bench's bandwidth probe included.
 """
 

@@ -164,7 +164,8 @@ def _memory(pair: dict) -> list[str]:
             "RSS growth: the process's resident set after the load and a warm-up forward (its KV cache freed), "
             "minus before the load: the weights as the backend keeps them, and whatever the load used for the "
             "first time (tokenizer, kernels, library code). A GGUF file run at its own precision is memory-mapped: "
-            "file resident is its pages mapped in, other the rest of the growth. Peak RSS: the process's highest "
+            "file resident is its pages mapped in, other the rest of the growth (matrices regrouped at load are "
+            "copies there, their file pages released). Peak RSS: the process's highest "
             "so far (the interpreter, torch and the bandwidth probe included).",
         ]
     )
@@ -359,8 +360,9 @@ def _peers(pair: dict) -> list[str]:
             '"same output": prompts whose greedy tokens equal our plain output; "common prefix": the share of '
             "our plain output the peer reproduced before its first differing token (mean over prompts). This "
             "is agreement, not an exactness check: even on the same weights, other kernels round differently "
-            "and a near-tie of the top two logits can go either way; llama.cpp also rounds the activations to "
-            "8-bit blocks before its quantized products, so its logits differ from ours by more than rounding. "
+            "and a near-tie of the top two logits can go either way; llama.cpp rounds the activations to 8 bits in "
+            "its own blocks before its quantized products (as our int8 path does, in other blocks), so its logits "
+            "differ from ours by more than the rounding of sums. "
             "RSS MB: resident memory the peer's load added to this process"
             + (f" (llama.cpp's with its KV cache for {ctx[0]} tokens)" if ctx else "")
             + ".",

@@ -20,10 +20,11 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                                         # or a GGUF file's matrix types run as they are, "gguf Q4_1+Q8_0"
         "precision": str,               # the same (absent in older files, where "dtype" is a torch dtype)
         "backend": "lean" | "hf",       # how the target's (and a draft model's) forwards ran
-        "kernel": str | null,           # which kernels ran the target's products: "specdec quant
-                                        # (batch-invariant)" (GGUF at its own precision; "; <types> dequantized
-                                        # to fp32 at load" when some were), gemv's status (lean fp32 on CPU),
-                                        # null otherwise (absent in older files)
+        "kernel": str | null,           # which kernels ran the target's products: QuantModel.kernel, e.g.
+                                        # "specdec quant, int8 activations (AVX512-VNNI), batch-invariant"
+                                        # (GGUF at its own precision; "; <types> dequantized to fp32 at load"
+                                        # when some were), gemv's status (lean fp32 on CPU), null otherwise
+                                        # (absent in older files)
         "device": str,                  # where they ran: "cpu", "cuda:0" (absent in files before it)
         "draft_dtype": str | null,      # a draft model's precision
         "draft_precision": str | null,  # the same; "draft_kernel": str | null, as "kernel" (absent in older files)

@@ -434,12 +434,7 @@ def bench_pair(
         "ratio_noise": ratio_noise(records),
         "padded_rows": _padded_rows(target),
         "draft_padded_rows": _padded_rows(draft_model),
-        "products": gemv.status()
-        if target.backend == "lean"
-        and target.device.type == "cpu"
-        and target.gguf is None
-        and target.precision == "float32"
-        else None,
+        "products": kernel(target) if target.gguf is None else None,  # gemv's status, the fp32 lean path's
     }
     result.update(fit(result, ks))
     return result

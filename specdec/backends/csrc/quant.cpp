@@ -178,6 +178,17 @@ inline ivec lanes_from(int start) {
 // in order: w0 holds weights c..c+15, w1 weights c+16..c+31. Scale times integer is exact in fp32
 // for every type here, so the only rounding is the minimum's addition, and a fused multiply-add
 // gives the same bits as ggml's multiply then add.
+// Sub-block j's 6-bit scale and minimum from a Q4_K block's 12 scale bytes (ggml's get_scale_min_k4).
+inline void scale_min_k4(const uint8_t* sc, int j, int& scale, int& minimum) {
+  if (j < 4) {
+    scale = sc[j] & 63;
+    minimum = sc[j + 4] & 63;
+  } else {
+    scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+    minimum = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+  }
+}
+
 template <int64_t type, typename Emit>
 inline void decode_blocks(const uint8_t* row, int64_t K, Emit&& emit) {
   const Layout lay = layout(type);
@@ -208,15 +219,9 @@ inline void decode_blocks(const uint8_t* row, int64_t K, Emit&& emit) {
       const float d = half_to_float(p), dmin = half_to_float(p + 2);
       const uint8_t* sc = p + 4;
       const uint8_t* qs = p + 16;
-      for (int j = 0; j < 8; ++j) {  // sub-block j: 32 weights, a 6-bit scale and minimum (get_scale_min_k4)
+      for (int j = 0; j < 8; ++j) {  // sub-block j: 32 weights, a 6-bit scale and minimum
         int a, e;
-        if (j < 4) {
-          a = sc[j] & 63;
-          e = sc[j + 4] & 63;
-        } else {
-          a = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-          e = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-        }
+        scale_min_k4(sc, j, a, e);
         const vec s = splat(d * static_cast<float>(a)), m = splat(-(dmin * static_cast<float>(e)));
         const uint8_t* q = qs + 32 * (j / 2);  // even sub-blocks take the low nibbles, odd ones the high
         const ivec q0 = widen_u8(q), q1 = widen_u8(q + 16);
@@ -363,7 +368,7 @@ void part_outputs(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi
 // 16 lanes:
 //   I    = sum(u * xq) - offset * sum(xq)                  (int32, exact)
 //   acc  = acc + float(I) * (weight scale * input scale)   (one rounding for the product, one for the fma)
-//   macc = macc + min * (input scale * sum(xq))            (Q4_1, Q5_1, Q4_K)
+//   macc = macc + min * (input scale * sum(xq))            (Q4_1, Q5_1)
 // over the chunks in order; then one lane reduction of acc + macc. Every step depends only on the
 // output's own weight row and input row, in an order fixed by K: batch-invariant as the fp32 path is.
 
@@ -409,15 +414,13 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
         const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)))));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)))));
+        const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtsepi32_epi8(v0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtsepi32_epi8(v1));
         for (int l = 0; l < 8; ++l) s[8 * b + l] = d;  // block b's 32 values are lanes 8b..8b+7
         r.block_scale[m * (K / 32) + b] = d;
-        int32_t total = 0;
-        for (int i = 0; i < 32; ++i) total += q[32 * b + i];
-        r.block_sum[m * (K / 32) + b] = total;
+        r.block_sum[m * (K / 32) + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));  // |v| <= 127: the bytes
       }
       const __m512i ones = _mm512_set1_epi8(1);
       for (int64_t c = 0; c < r.chunks; ++c) {
@@ -439,11 +442,11 @@ inline __m512i nibbles_at(const uint8_t* p) {  // the same from memory: one load
   const __m512i shift = _mm512_mask_blend_epi64(0xF0, _mm512_setzero_si512(), _mm512_set1_epi16(4));
   return _mm512_and_si512(_mm512_srlv_epi16(q, shift), _mm512_set1_epi8(15));
 }
-inline __m512 two_scales(float a, float b) {  // lanes 0-7 a, lanes 8-15 b
-  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
+inline __m512i lane_index(int a, int b) {  // lanes 0-7 a, lanes 8-15 b
+  return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b));
 }
 inline __m512 lanes_of(__m512 v, int a, int b) {  // lanes 0-7 v[a], lanes 8-15 v[b]
-  return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b)), v);
+  return _mm512_permutexvar_ps(lane_index(a, b), v);
 }
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -612,10 +615,6 @@ inline __m512i pairs(__m512i v) {  // 32-bit lanes of small integers -> (v, v) a
   return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16));
 }
 
-inline __m512i lane_index(int a, int b) {  // lanes 0-7 a, lanes 8-15 b
-  return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b));
-}
-
 template <int64_t type>
 inline void decode_super(const uint8_t* p, Super& s) {
   if constexpr (type == Q4_K) {
@@ -744,9 +743,9 @@ torch::Tensor repack_q4k_x8(torch::Tensor rows, int64_t K) {
           std::memcpy(o + 2 * r, p, 2);
           std::memcpy(o + 16 + 2 * r, p + 2, 2);
           const uint8_t* sc = p + 4;
-          for (int j = 0; j < 8; ++j) {  // get_scale_min_k4
-            const int a = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
-            const int e = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          for (int j = 0; j < 8; ++j) {
+            int a, e;
+            scale_min_k4(sc, j, a, e);
             o[32 + (j / 2) * 16 + (j % 2) * 8 + r] = static_cast<uint8_t>(a);
             o[96 + j * 8 + r] = static_cast<uint8_t>(e);
           }
@@ -955,6 +954,21 @@ void part_outputs_lx8(const uint8_t* groups, int64_t group_bytes, int64_t lo, in
                                             lx8_tile<xtype, 4>};
   grouped_outputs<QRows>(tiles, groups, group_bytes, lo, hi, x, y, N);
 }
+// A matrix's rows regrouped eight at a time for the int8 kernels: (the regrouped tensor, its type id)
+// for Q4_K, Q4_1 and Q8_0 (rows a multiple of 8), None for the types that go a row at a time.
+c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
+  if (type == Q4_K) return std::make_tuple(repack_q4k_x8(rows, K), Q4_K_X8);
+  if (type == Q4_1 || type == Q8_0)
+    return std::make_tuple(repack_legacy_x8(rows, type, K), type == Q4_1 ? Q4_1_X8 : Q8_0_X8);
+  return c10::nullopt;
+}
+
+// Bytes per group of eight rows of a regrouped type with K columns; 0 for the other types.
+int64_t regrouped_bytes(int64_t type, int64_t K) {
+  if (type == Q4_K_X8) return K / 256 * X8_BYTES;
+  if (type == Q4_1_X8 || type == Q8_0_X8) return K / 32 * lx8_bytes(type);
+  return 0;
+}
 #else
 constexpr bool HAS_Q8 = false;
 #endif
@@ -970,23 +984,15 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> offsets{0};
-  bool grouped = false;  // any part repacked eight rows at a time: threads then take whole groups
+  bool grouped = false;  // any part regrouped eight rows at a time: threads then take whole groups
   for (size_t p = 0; p < parts.size(); ++p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (types[p] == Q4_1_X8 || types[p] == Q8_0_X8) {
-      TORCH_CHECK(int8, "quant.matmul: a repacked part needs int8 activations");
-      TORCH_CHECK(K % 32 == 0 && parts[p].dim() == 2 && parts[p].scalar_type() == torch::kUInt8 &&
-                      parts[p].is_contiguous() && parts[p].size(1) == K / 32 * lx8_bytes(types[p]),
-                  "quant.matmul: part ", p, " must be repack_legacy_x8's (N / 8, ", K / 32 * lx8_bytes(types[p]), ")");
-      offsets.push_back(offsets.back() + 8 * parts[p].size(0));
-      grouped = true;
-      continue;
-    }
-    if (types[p] == Q4_K_X8) {
-      TORCH_CHECK(int8, "quant.matmul: a repacked Q4_K part needs int8 activations");
-      TORCH_CHECK(K % 256 == 0 && parts[p].dim() == 2 && parts[p].scalar_type() == torch::kUInt8 &&
-                      parts[p].is_contiguous() && parts[p].size(1) == K / 256 * X8_BYTES,
-                  "quant.matmul: part ", p, " must be repack_q4k_x8's (N / 8, ", K / 256 * X8_BYTES, ")");
+    if (const int64_t group_bytes = regrouped_bytes(types[p], K)) {
+      TORCH_CHECK(int8, "quant.matmul: a regrouped part needs int8 activations");
+      TORCH_CHECK(K % (types[p] == Q4_K_X8 ? 256 : 32) == 0 && parts[p].dim() == 2 &&
+                      parts[p].scalar_type() == torch::kUInt8 && parts[p].is_contiguous() &&
+                      parts[p].size(1) == group_bytes,
+                  "quant.matmul: part ", p, " must be repack's (N / 8, ", group_bytes, ")");
       offsets.push_back(offsets.back() + 8 * parts[p].size(0));
       grouped = true;
       continue;
@@ -1000,6 +1006,8 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
     offsets.push_back(offsets.back() + parts[p].size(0));
   }
   const int64_t N = offsets.back();
+  for (int64_t o : offsets)
+    TORCH_CHECK(!grouped || o % 8 == 0, "quant.matmul: with a regrouped part, every part's rows must come in eights");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
@@ -1016,11 +1024,10 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   KRows kx;
   bool legacy = false, super = false;
   for (int64_t t : types) (t == Q4_K || t == Q6_K || t == Q4_K_X8 ? super : legacy) |= t != F32;
-  auto repacked = [](int64_t t) { return t == Q4_K_X8 || t == Q4_1_X8 || t == Q8_0_X8; };
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
     quantize_rows(xp, M, K, qx);
-    for (int64_t t : types) if (!repacked(t)) dispatch(t, [&]<int64_t type>() {
+    for (int64_t t : types) if (!regrouped_bytes(t, K)) dispatch(t, [&]<int64_t type>() {
         constexpr int32_t o = offset_of<type>();
         if (type == F32 || o == 0 || !biases[o].empty()) return;
         biases[o].resize(qx.sum4.size());
@@ -1028,7 +1035,6 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       });
   }
 #endif
-  for (int64_t o : offsets) TORCH_CHECK(!grouped || o % 8 == 0, "quant.matmul: with a repacked part, every part's rows must come in eights");
   const int64_t unit = grouped ? 8 : 1;  // rows a thread takes together
   at::parallel_for(0, N / unit, 16 / unit, [&](int64_t begin_unit, int64_t end_unit) {
     const int64_t begin = begin_unit * unit, end = end_unit * unit;
@@ -1036,27 +1042,17 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       const int64_t lo = std::max(begin, offsets[p]), hi = std::min(end, offsets[p + 1]);
       if (lo >= hi) continue;
       const int64_t row_bytes = parts[p].size(1);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (types[p] == Q4_1_X8 || types[p] == Q8_0_X8) {
-        const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes;
-        if (types[p] == Q4_1_X8)
-          part_outputs_lx8<Q4_1_X8>(groups, row_bytes, lo, hi, qx, yp, N);
-        else
-          part_outputs_lx8<Q8_0_X8>(groups, row_bytes, lo, hi, qx, yp, N);
-        if (b)
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t j = lo; j < hi; ++j) yp[m * N + j] += b[j];
-        continue;
-      }
-      if (types[p] == Q4_K_X8) {
-        part_outputs_x8(parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes, row_bytes, lo, hi, kx, yp, N);
-        if (b)
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t j = lo; j < hi; ++j) yp[m * N + j] += b[j];
-        continue;
-      }
-#endif
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes;  // regrouped parts
+      if (types[p] == Q4_1_X8)
+        part_outputs_lx8<Q4_1_X8>(groups, row_bytes, lo, hi, qx, yp, N);
+      else if (types[p] == Q8_0_X8)
+        part_outputs_lx8<Q8_0_X8>(groups, row_bytes, lo, hi, qx, yp, N);
+      else if (types[p] == Q4_K_X8)
+        part_outputs_x8(groups, row_bytes, lo, hi, kx, yp, N);
+      else
+#endif
       dispatch(types[p], [&]<int64_t t>() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         if constexpr (t == Q4_K || t == Q6_K) {
@@ -1357,7 +1353,8 @@ void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>&
         std::memcpy(kp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + g) * D, D * sizeof(float));
         std::memcpy(vp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + KVH + g) * D, D * sizeof(float));
       }
-    attentions.push_back({rows_r, stride, seg.n, kp, vp, cap, seg.start, seg.mask, a.data_ptr<float>() + seg.offset * H * D});
+    float* out = a.data_ptr<float>() + seg.offset * H * D;
+    attentions.push_back({rows_r, stride, seg.n, kp, vp, cap, seg.start, seg.mask, out});
   }
   attend_all(attentions, H, D, KVH, 1.0f / std::sqrt(static_cast<float>(D)));
   h.add_(matmul(a, w.o, w.o_types, c10::nullopt, int8));
@@ -1365,50 +1362,35 @@ void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>&
                 w.down_types, c10::nullopt, int8));
 }
 
-// The decoder stack over n new positions: h (n, d) fp32, updated in place and returned; keys[i],
-// values[i] layer i's caches (KVH, capacity, D); mask (n, start+n) bool or None (causal). After the
-// layers listed in taps, h is also written to features[start:start+n, d*(1+t) : d*(2+t)] (t the
-// tap's index), the hidden states an EAGLE head reads.
-torch::Tensor layers(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>& stack, std::vector<torch::Tensor> keys,
-                     std::vector<torch::Tensor> values, int64_t start, torch::Tensor rope,
-                     c10::optional<torch::Tensor> mask, int64_t H, double eps, bool int8, std::vector<int64_t> taps,
-                     torch::Tensor features) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.layers: h must be (n, d) fp32");
-  TORCH_CHECK(keys.size() == stack.size() && values.size() == stack.size(), "quant.layers: one cache per layer");
-  const int64_t n = h.size(0), d = h.size(1);
-  torch::Tensor holder;
-  const std::vector<Segment> segments{{0, n, start, mask_data(mask, holder, n, start + n)}};
-  for (size_t i = 0; i < stack.size(); ++i) {
-    decoder_layer(h, *stack[i], segments, {&keys[i]}, {&values[i]}, rope, H, eps, int8);
-    const auto tap = std::find(taps.begin(), taps.end(), static_cast<int64_t>(i));
-    if (tap != taps.end())
-      features.narrow(0, start, n).narrow(1, d * (1 + (tap - taps.begin())), d).copy_(h);
-  }
-  return h;
-}
-
-// The decoder stack over several requests' new positions in one forward: h (sum n_r, d) fp32, the
-// rows of request r at sum n_<r .. (counts[r] of them), updated in place and returned. keys[r][i],
-// values[r][i]: request r's caches of layer i, written at starts[r]..; masks[r] (n_r, starts[r] +
-// n_r) bool or None (causal). Each row has the bits it has in a forward of its request alone.
-torch::Tensor layers_batch(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>& stack,
-                           std::vector<std::vector<torch::Tensor>> keys, std::vector<std::vector<torch::Tensor>> values,
-                           std::vector<int64_t> starts, std::vector<int64_t> counts, torch::Tensor rope,
-                           std::vector<c10::optional<torch::Tensor>> masks, int64_t H, double eps, bool int8) {
+// The decoder stack over the new positions of one or more requests (continuous batching): h
+// (sum n_r, d) fp32, the rows of request r at sum n_<r .. (counts[r] of them), updated in place and
+// returned. keys[r][i], values[r][i]: request r's caches of layer i (KVH, capacity, D), written at
+// starts[r]..; masks[r] (n_r, starts[r] + n_r) bool or None (causal). After the layers listed in
+// taps, request r's rows of h are also written to features[r][starts[r] : starts[r] + n_r, d*(1+t)
+// : d*(2+t)] (t the tap's index), the hidden states an EAGLE head reads. Each row has the bits it
+// has in a forward of its request alone.
+torch::Tensor layers(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>& stack,
+                     std::vector<std::vector<torch::Tensor>> keys, std::vector<std::vector<torch::Tensor>> values,
+                     std::vector<int64_t> starts, std::vector<int64_t> counts, torch::Tensor rope,
+                     std::vector<c10::optional<torch::Tensor>> masks, int64_t H, double eps, bool int8,
+                     std::vector<int64_t> taps, std::vector<torch::Tensor> features) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.scalar_type() == torch::kFloat, "quant.layers: h must be (n, d) fp32");
   const size_t R = counts.size();
-  TORCH_CHECK(R > 0 && keys.size() == R && values.size() == R && starts.size() == R && masks.size() == R,
-              "quant.layers_batch: one cache list, start, count and mask per request");
+  TORCH_CHECK(R > 0 && keys.size() == R && values.size() == R && starts.size() == R && masks.size() == R &&
+                  features.size() == R,
+              "quant.layers: one cache list, start, count, mask and features per request");
   std::vector<torch::Tensor> holders(R);
   std::vector<Segment> segments;
   int64_t offset = 0;
   for (size_t r = 0; r < R; ++r) {
     TORCH_CHECK(counts[r] > 0 && keys[r].size() == stack.size() && values[r].size() == stack.size(),
-                "quant.layers_batch: request ", r, " needs at least one row and one cache per layer");
-    segments.push_back({offset, counts[r], starts[r], mask_data(masks[r], holders[r], counts[r], starts[r] + counts[r])});
+                "quant.layers: request ", r, " needs at least one row and one cache per layer");
+    const bool* mask = mask_data(masks[r], holders[r], counts[r], starts[r] + counts[r]);
+    segments.push_back({offset, counts[r], starts[r], mask});
     offset += counts[r];
   }
-  TORCH_CHECK(offset == h.size(0), "quant.layers_batch: the counts must add up to h's rows");
+  TORCH_CHECK(offset == h.size(0), "quant.layers: the counts must add up to h's rows");
+  const int64_t d = h.size(1);
   std::vector<torch::Tensor*> k(R), v(R);
   for (size_t i = 0; i < stack.size(); ++i) {
     for (size_t r = 0; r < R; ++r) {
@@ -1416,6 +1398,11 @@ torch::Tensor layers_batch(torch::Tensor h, const std::vector<std::shared_ptr<La
       v[r] = &values[r][i];
     }
     decoder_layer(h, *stack[i], segments, k, v, rope, H, eps, int8);
+    const auto tap = std::find(taps.begin(), taps.end(), static_cast<int64_t>(i));
+    if (tap != taps.end())
+      for (size_t r = 0; r < R; ++r)
+        features[r].narrow(0, starts[r], counts[r]).narrow(1, d * (1 + (tap - taps.begin())), d)
+            .copy_(h.narrow(0, segments[r].offset, counts[r]));
   }
   return h;
 }
@@ -1426,13 +1413,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant", py::arg("x"),
         py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(), py::arg("int8") = false);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  m.def("repack_q4k_x8", &repack_q4k_x8, "Q4_K rows regrouped eight at a time for the int8 path", py::arg("rows"),
-        py::arg("K"));
-  m.attr("Q4_K_X8") = Q4_K_X8;
-  m.def("repack_legacy_x8", &repack_legacy_x8, "Q4_1 or Q8_0 rows regrouped eight at a time for the int8 path",
+  m.def("repack", &repack, "(rows regrouped eight at a time for the int8 path, their type); None for other types",
         py::arg("rows"), py::arg("type"), py::arg("K"));
-  m.attr("Q4_1_X8") = Q4_1_X8;
-  m.attr("Q8_0_X8") = Q8_0_X8;
 #endif
   m.def("release", [](torch::Tensor t) {
         // Drops this process's mapping of the whole pages inside a memory-mapped tensor (they stay in the
@@ -1460,10 +1442,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("norm_in"), py::arg("norm_post"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_bias"),
            py::arg("o"), py::arg("o_types"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
            py::arg("down_types"));
-  m.def("layers_batch", &layers_batch, "the decoder stack over several requests' new positions in one forward",
+  m.def("layers", &layers, "the decoder stack over one or more requests' new positions, h updated in place",
         py::arg("h"), py::arg("stack"), py::arg("keys"), py::arg("values"), py::arg("starts"), py::arg("counts"),
-        py::arg("rope"), py::arg("masks"), py::arg("H"), py::arg("eps"), py::arg("int8"));
-  m.def("layers", &layers, "the decoder stack over n new positions, h updated in place", py::arg("h"),
-        py::arg("stack"), py::arg("keys"), py::arg("values"), py::arg("start"), py::arg("rope"), py::arg("mask"),
-        py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"), py::arg("features"));
+        py::arg("rope"), py::arg("masks"), py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"),
+        py::arg("features"));
 }
