@@ -220,7 +220,6 @@ class QuantModel:
         view.layers = [self.layers[i] for i in kept]
         return view
 
-    @torch.inference_mode()
     def forward(
         self,
         ids: torch.Tensor,
@@ -256,8 +255,8 @@ class QuantModel:
             else (torch.arange(r.start, r.start + len(r.ids)), causal_mask(r.start, len(r.ids)))
             for r in requests
         ]  # positions (n,) and mask (n, start + n) or None (causal) of each request
-        rope = k.rope_table(torch.cat([positions for positions, _ in layout]), self.inv_freq)  # shared by the layers
-        h = self.embed_rows(torch.cat([r.ids for r in requests]))  # (rows, d)
+        rope = k.rope_table(_cat([positions for positions, _ in layout]), self.inv_freq)  # shared by the layers
+        h = self.embed_rows(_cat([r.ids for r in requests]))  # (rows, d)
         counts = [len(r.ids) for r in requests]
         h = k.layers(
             h, [layer.weights for layer in self.layers], [r.keys for r in requests], [r.values for r in requests],
@@ -270,7 +269,12 @@ class QuantModel:
             r.features[r.start : r.start + n, :d] = h[offset : offset + n]
             kept.append(h[offset + n - r.keep : offset + n])
             offset += n
-        return list(self.lm_head(torch.cat(kept)).split([r.keep for r in requests]))
+        return list(self.lm_head(_cat(kept)).split([r.keep for r in requests]))
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without its copy for the one request of a plain forward (the decode loop's case)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _kernel_types() -> list[str]:
