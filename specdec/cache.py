@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from specdec.backends.lean import tree_layout
+from specdec.backends.lean import BatchItem, tree_layout
 from specdec.errors import ContextLengthError
 from specdec.models.load import Model
 
@@ -137,6 +137,11 @@ class LeanKVCache(KVCache):
         scored in one forward, seeing the cached tokens and its ancestors, and row i of the logits
         scores the token after node i; call keep_path() next. Raises ContextLengthError past the
         model's context length, ValueError for parents that are not a tree."""
+        return extend_batch([self], [tokens], [all_logits], [parents])[0]
+
+    def item(self, tokens: list[int], all_logits: bool = True, parents: list[int] | None = None) -> BatchItem:
+        """The forward's arguments that append `tokens` to this cache (growing it first), for
+        extend_batch; the tokens count as cached once that forward has run. Errors: extend()."""
         start, end = len(self.tokens), len(self.tokens) + len(tokens)
         if end > self.model.n_ctx:
             raise ContextLengthError(f"{end} tokens exceed {self.model.name}'s context of {self.model.n_ctx}")
@@ -147,19 +152,8 @@ class LeanKVCache(KVCache):
             self.features = grown(self.features, capacity, start, dim=0)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
         tree = None if parents is None else tree_layout(parents, start, self.lean.device)
-        logits = self.lean.forward(
-            ids,
-            self.k,
-            self.v,
-            self.features,
-            start,
-            len(tokens) if all_logits else 1,
-            tree,
-            argmax_only=self.argmax_only,
-            taps=self.taps,
-        )
-        self.tokens.extend(tokens)
-        return logits
+        keep = len(tokens) if all_logits else 1
+        return BatchItem(ids, self.k, self.v, self.features, start, keep, tree, self.argmax_only)
 
     def keep_path(self, start: int, path: list[int]) -> None:
         """After a tree forward that began at `start` cached tokens: keep the nodes `path` (indices
@@ -182,3 +176,30 @@ class LeanKVCache(KVCache):
 
     def _drop(self, n: int) -> None:
         """Nothing to free: the rows past the length are overwritten by the next forward."""
+
+
+def extend_batch(
+    caches: list[KVCache],
+    blocks: list[list[int]],
+    all_logits: list[bool] | None = None,
+    parents: list[list[int] | None] | None = None,
+) -> list[torch.Tensor]:
+    """KVCache.extend of several sequences of one model: cache i appended blocks[i] (a token tree
+    where parents[i] is given). On a backend with a batched forward (the quantized one) every
+    block runs in ONE forward, each over its own cache; elsewhere one forward per cache. Either way
+    cache i gets the logits and states its extend alone would give, to the bit (the kernels are
+    batch-invariant). Returns each cache's logits, as extend. Errors: extend()'s; a cache that
+    raises leaves the others untouched (every block is checked before any forward runs)."""
+    n = len(caches)
+    all_logits = [True] * n if all_logits is None else all_logits
+    parents = [None] * n if parents is None else parents
+    if not all(isinstance(c, LeanKVCache) for c in caches):  # transformers: one forward per cache
+        return [c.extend(b, a) for c, b, a in zip(caches, blocks, all_logits)]
+    items = [c.item(b, a, p) for c, b, a, p in zip(caches, blocks, all_logits, parents)]
+    taps = {c.taps for c in caches}
+    if len(taps) > 1:
+        raise ValueError(f"the caches of one batched forward must tap the same layers, got {sorted(taps)}")
+    out = caches[0].lean.forward_batch(items, taps.pop())
+    for c, b in zip(caches, blocks):
+        c.tokens.extend(b)
+    return out

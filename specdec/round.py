@@ -84,6 +84,22 @@ class Round:
     depth: int
 
 
+@dataclass
+class Proposal:
+    """A round up to its verify: `checked`, the draft the target scores after the last committed
+    token (a chain, or a tree where the verifier takes one); kk, the draft length planned;
+    n_verified drafted tokens to score, depth the draft's; times from spec.clock."""
+
+    tokens: list[int]
+    checked: Draft
+    kk: int
+    n_verified: int
+    depth: int
+    match_length: int | None
+    t_round: float  # when planning began
+    draft_s: float  # seconds drafting
+
+
 def speculative_round(
     spec: Speculation, tokens: list[int], budget: int, room: int, verifier: Verifier, stats: RunStats
 ) -> Round:
@@ -92,8 +108,19 @@ def speculative_round(
     budget: new tokens still allowed (>= 1); room: positions left in the target's context (>= 1).
     A round commits at most k+1 tokens and its forward reaches position len(tokens) - 1 + k, so k is
     clamped to budget - 1 and room - 1. The round's draft and verify seconds and its counts are
-    added to stats; the policy, if any, learns from it.
+    added to stats; the policy, if any, learns from it. It is propose(), the verifier's score, and
+    conclude(); a batched engine (specdec.batch) runs the score of many sequences as one forward.
     """
+    proposal = propose(spec, tokens, budget, room, verifier.verifies_trees)
+    t1 = spec.clock()
+    scores = verifier.score(tokens, proposal.checked)
+    return conclude(spec, proposal, scores, spec.clock() - t1, verifier, stats)
+
+
+def propose(spec: Speculation, tokens: list[int], budget: int, room: int, trees: bool) -> Proposal:
+    """A round's plan and draft (steps 1-2): what the target is to score after `tokens`.
+    trees: whether the verifier takes a token tree (else a tree's main chain is verified).
+    Arguments as speculative_round."""
     policy, drafter, clock = spec.policy, spec.drafter, spec.clock
     t_round = clock()
     kk = min(spec.k_max if policy else spec.k, budget - 1, room - 1)
@@ -112,7 +139,7 @@ def speculative_round(
         draft = drafter.propose(tokens, kk, spec.sampler)
     t1 = clock()
     tree = draft.parents is not None
-    if tree and not verifier.verifies_trees:
+    if tree and not trees:
         draft, tree = draft.chain(), False
     chain = usable((draft.chain() if tree else draft).tokens[:kk], spec.vocab)
     cut_at = len(chain)
@@ -126,27 +153,44 @@ def speculative_round(
         probs = None if draft.probs is None else draft.probs[:cut_at]
         checked = Draft(chain[:cut_at], probs)
         n_verified = depth = cut_at
-    scores = verifier.score(tokens, checked)
-    t2 = clock()
-    stats.draft_s += t1 - t0
-    stats.verify_s += t2 - t1
-    accepted, token = verifier.judge(scores, tokens, checked)
+    return Proposal(tokens, checked, kk, n_verified, depth, draft.match_length, t_round, t1 - t0)
+
+
+def conclude(
+    spec: Speculation,
+    proposal: Proposal,
+    scores: Any,
+    verify_s: float,
+    verifier: Verifier,
+    stats: RunStats,
+    timed: bool = True,
+) -> Round:
+    """A round after its verify (steps 3-5): judge the target's `scores` of proposal.checked (a
+    forward of verify_s seconds), roll back, count, and let the policy learn. timed: whether that
+    forward scored this round alone (else the caller times the forward for the verify-cost curve)."""
+    policy, clock = spec.policy, spec.clock
+    tokens = proposal.tokens
+    draft_s = proposal.draft_s
+    stats.draft_s += draft_s
+    stats.verify_s += verify_s
+    accepted, token = verifier.judge(scores, tokens, proposal.checked)
     verifier.rollback(len(tokens) + len(accepted))
-    stats.record_round(n_verified, len(accepted), depth)
+    stats.record_round(proposal.n_verified, len(accepted), proposal.depth)
     if policy:
-        other_ms = (clock() - t_round - (t2 - t0)) * 1e3
+        other_ms = (clock() - proposal.t_round - draft_s - verify_s) * 1e3
         policy.observe(
-            n_verified,
+            proposal.n_verified,
             len(accepted),
-            (t2 - t1) * 1e3,
-            (t1 - t0) * 1e3,
+            verify_s * 1e3,
+            draft_s * 1e3,
             other_ms,
-            kk,
+            proposal.kk,
             spec.incremental,
-            depth,
-            draft.match_length,
+            proposal.depth,
+            proposal.match_length,
+            timed=timed,
         )
-    return Round(accepted + [token], n_verified, len(accepted), depth)
+    return Round(accepted + [token], proposal.n_verified, len(accepted), proposal.depth)
 
 
 def usable(tokens: list[int], vocab: int) -> list[int]:

@@ -9,6 +9,7 @@ Sampling").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -84,3 +85,80 @@ class Sampler:
             return int(logits.argmax()), None
         probs = processed_probs(logits[None], self.params)[0]
         return int(torch.multinomial(probs, 1, generator=self.generator)), probs
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's frequency and presence penalties and the repetition penalty (an extension, as in
+    vLLM and transformers), applied to the target's logits before sampling or the argmax.
+
+    frequency: subtracted once per earlier occurrence of a token in the output; presence:
+    subtracted once from every token the output holds (both in [-2, 2] in OpenAI's API);
+    repetition: > 0, divides the positive logits (multiplies the negative ones) of every token of
+    the prompt and the output (CTRL, Keskar et al. 2019). As vLLM applies them: repetition first.
+    Raises ValueError for a repetition penalty <= 0 or a non-finite value.
+    """
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(x) for x in (self.frequency, self.presence, self.repetition)):
+            raise ValueError("penalties must be finite numbers")
+        if self.repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 turns it off), got {self.repetition}")
+
+    @property
+    def neutral(self) -> bool:
+        return self.frequency == 0 and self.presence == 0 and self.repetition == 1
+
+    def apply(self, logits: torch.Tensor, prompt: list[int], output: list[int], draft: list[int]) -> torch.Tensor:
+        """The penalised logits of a verified block: logits (n, V), row i scoring the position after
+        output + draft[:i] (row 0 the next token, n <= len(draft) + 1). Returns (n, V) float32 on
+        the CPU; row i depends only on logits[i] and that history, elementwise, so it has the bits
+        plain decoding gets at the same position."""
+        logits = logits.float().cpu()
+        n, vocab = logits.shape
+        if self.neutral:
+            return logits
+        counts = torch.zeros(n, vocab)
+        counts += torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab].float()
+        for i, t in enumerate(draft[: n - 1]):  # row i + 1 has also seen draft token i
+            if 0 <= t < vocab:
+                counts[i + 1 :, t] += 1
+        if self.repetition != 1:
+            seen = counts > 0
+            if prompt:
+                seen[:, torch.tensor(sorted({t for t in prompt if 0 <= t < vocab}), dtype=torch.long)] = True
+            scaled = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+            logits = torch.where(seen, scaled, logits)
+        if self.frequency:
+            logits = logits - self.frequency * counts
+        if self.presence:
+            logits = logits - self.presence * (counts > 0).float()
+        return logits
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of a committed token (its raw logits' log-softmax, before
+    penalties and temperature, as vLLM reports them) and the `top` most likely tokens there, as
+    (token, log-probability) pairs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """TokenLogprob of tokens[i] under logits row i (rows (n, V), n >= len(tokens)), with the `top`
+    most likely tokens (0: none). Each row is computed alone, so its bits do not depend on the
+    other rows (a speculative block gives what plain decoding gives)."""
+    out = []
+    for i, t in enumerate(tokens):
+        row = torch.log_softmax(logits[i].float().cpu(), dim=-1)
+        best = torch.topk(row, top) if top else None
+        pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+        out.append(TokenLogprob(t, float(row[t]), pairs))
+    return out

@@ -117,6 +117,10 @@ class AdaptiveK:
         self.cap = k_max
         self.confidence: list[float] = []  # the drafter's probability for each token drafted
         self._t_last = 0.0  # when the last draft step ended
+        # in a batch (specdec.batch): rows the rest of this step's forward runs, and the batch's
+        # committed tokens per ms; 0 and 0.0 alone
+        self.shared_rows = 0
+        self.shared_rate = 0.0
 
     # ---- estimates ----------------------------------------------------------------------------
     def acceptances(self, n: int, cls: int = 0, optimistic: bool = False) -> list[float]:
@@ -147,10 +151,12 @@ class AdaptiveK:
         """What verifying a draft m tokens deep costs over a plain step, in ms: V(n + 1) - V(1)
         at the current context, n = nodes(m), plus margin x V(1); 0 for m = 0. It may be negative
         where the kernel for n + 1 rows beats the one-row kernel: verifying even a useless draft
-        then beats a plain step."""
+        then beats a plain step. In a batch, V(b + n + 1) - V(b + 1), b = shared_rows: the
+        forward's other rows come first, so that drafts get dearer as rows fill the CPU."""
         if m == 0:
             return 0.0
-        return self.verify(self.nodes(m) + 1) - self.verify(1) + self.margin * self.verify(1)
+        base = self.shared_rows
+        return self.verify(base + self.nodes(m) + 1) - self.verify(base + 1) + self.margin * self.verify(1)
 
     def _best_rate(self, cap: int, incremental: bool) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
@@ -192,9 +198,9 @@ class AdaptiveK:
         self.shadowing = not incremental and cheap
         if self.shadowing:  # free: always draft fully, then cut() decides what to verify
             plain = 1.0 / (self.verify(1) + self.overhead_ms)
-            self.rho = max(plain, self.tokens_ema / self.ms_ema if self.ms_ema else 0.0)
+            self.rho = max(plain, self.tokens_ema / self.ms_ema if self.ms_ema else 0.0, self.shared_rate)
             return cap
-        self.rho = self._best_rate(cap, incremental)
+        self.rho = max(self._best_rate(cap, incremental), self.shared_rate)
         best_m = self._best_depth(self.acceptances(cap, optimistic=True), incremental)  # UCB
         length = match() if match is not None and not best_m else None
         if length:  # lookup's draft: no draft steps to pay
@@ -272,13 +278,17 @@ class AdaptiveK:
         incremental: bool,
         depth: int | None = None,
         match_length: int | None = None,
+        timed: bool = True,
     ) -> None:
         """Learn from the finished round: n_verified drafted tokens were scored in a forward of
         verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens.
         depth: of a token tree, its depth (default n_verified, a chain). match_length: the draft's
-        (Draft.match_length), whose class the acceptance is learned under, as cut() reads it."""
+        (Draft.match_length), whose class the acceptance is learned under, as cut() reads it.
+        timed: whether that forward scored this round alone; a batched forward (specdec.batch)
+        is put on the verify-cost curve by the batch, once, with all its rows."""
         depth = n_verified if depth is None else depth
-        self.verify.observe(n_verified + 1, verify_ms)
+        if timed:
+            self.verify.observe(n_verified + 1, verify_ms)
         if n_verified and depth:
             self.nodes_per_depth = self._ema(self.nodes_per_depth, n_verified / depth)
         self.overhead_ms = self._ema(self.overhead_ms, other_ms)

@@ -18,6 +18,7 @@ transformers' to floating-point rounding (tests/test_lean.py).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,20 @@ from specdec.backends.linear import Linear, fused
 from specdec.backends.screen import ScreenedHead, screening_pays
 
 SUPPORTED = ("llama", "qwen2")
+
+
+@dataclass
+class BatchItem:
+    """One sequence's part of a batched forward (forward_batch): the arguments of LeanModel.forward."""
+
+    ids: torch.Tensor  # (n,) new token ids
+    keys: list[torch.Tensor]  # per layer (KVH, capacity, D)
+    values: list[torch.Tensor]
+    features: torch.Tensor  # (capacity, d * (1 + taps))
+    start: int  # cached tokens before the new ones
+    keep: int  # logits of the last `keep` new tokens
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None  # positions (n,), mask (n, start + n)
+    argmax_only: bool = False  # only each row's argmax of the logits is read (greedy)
 
 
 def weight_bytes(hf: torch.nn.Module) -> int:
@@ -215,6 +230,15 @@ class LeanModel:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm (Zhang & Sennrich 2019), one fused op; statistics in fp32 for low precisions."""
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def forward_batch(self, requests: list[BatchItem], taps: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """Several sequences' forwards (each a BatchItem of forward's arguments), one after another:
+        this backend has no batched kernels; specdec.backends.quant.QuantModel.forward_batch runs
+        them as one. Returns each one's logits, as forward."""
+        return [
+            self.forward(r.ids, r.keys, r.values, r.features, r.start, r.keep, r.tree, r.argmax_only, taps)
+            for r in requests
+        ]
 
     @torch.inference_mode()
     def forward(

@@ -20,11 +20,10 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from specdec.backends.lean import causal_mask, rope_inv_freq
+from specdec.backends.lean import BatchItem, causal_mask, rope_inv_freq
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -114,19 +113,6 @@ class _Layer:
             self.norm_in, self.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
             gate_up.data, gate_up.types, down.data, down.types,
         )  # fmt: skip
-
-
-@dataclass
-class BatchItem:
-    """One request's part of QuantModel.forward_batch: the arguments of QuantModel.forward."""
-
-    ids: torch.Tensor  # (n,) new token ids
-    keys: list[torch.Tensor]  # per layer (KVH, capacity, D)
-    values: list[torch.Tensor]
-    features: torch.Tensor  # (capacity, d * (1 + taps))
-    start: int  # cached tokens before the new ones
-    keep: int  # logits of the last `keep` new tokens
-    tree: tuple[torch.Tensor, torch.Tensor] | None = None  # positions (n,), mask (n, start + n)
 
 
 class QuantModel:
