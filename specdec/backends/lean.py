@@ -187,6 +187,8 @@ class LeanModel:
     transformers backend for such models.
     """
 
+    batch_invariant = False  # oneDNN picks kernels by the number of rows: the last bits may differ
+
     def __init__(self, hf):
         reason = unsupported_reason(hf)
         if reason:

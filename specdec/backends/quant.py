@@ -129,6 +129,7 @@ class QuantModel:
 
     dtype = torch.float32
     device = torch.device("cpu")
+    batch_invariant = True  # a row's bits never depend on the other rows of its forward
     screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
 
     def __init__(self, gguf, config, activations: str = "auto"):

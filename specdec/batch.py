@@ -1,0 +1,212 @@
+"""Continuous batching: many generations at once, every sequence's tokens those of its run alone.
+
+Each step runs ONE target forward (specdec.cache.extend_batch) over the rows of every active
+sequence: a decoding sequence's last committed token plus its draft (lengths differ from sequence
+to sequence), and a chunk of a joining sequence's prompt (chunked prefill, as in Sarathi-Serve and
+vLLM, so that a long prompt does not stall the others). Each sequence keeps its own KV cache, so it
+verifies, samples, stops and rolls back alone, with no copies. Sequences join and leave between
+steps (continuous batching, Orca, Yu et al. 2022).
+
+Exactness: on the quantized backend, whose kernels are batch-invariant, a sequence's logits have
+the bits of its forward alone, and so its tokens and logprobs are those of specdec.engine.generate
+with the same arguments, whatever else is in the batch. The fp32 lean and transformers backends
+run the sequences' forwards one after another (no speed-up), each prompt in one block: tokens as
+generate's, logprobs up to the last bits (their verify forwards are not batch-invariant, see
+docs/engine.md).
+
+Speculation under a shared budget: with k="auto" each sequence's policy (specdec.adaptive) plans
+its draft as if alone, except that the forward's other rows come first on the verify-cost curve
+and the rate a draft must beat is the batch's committed tokens per ms (Dinkelbach's rho, as for
+one sequence). Drafted tokens then pay only while the batch's forward is still bound by reading
+the weights; as rows fill the CPU, draft lengths shrink to 0 (goodput, as SmartSpec, Liu et al.
+2024, chooses them). One sequence alone plans exactly as generate(k="auto") does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.cache import extend_batch
+from specdec.models.load import Model, synchronize
+from specdec.round import Proposal
+from specdec.sequence import AUTO_K_MAX, Generation, Sequence
+
+PREFILL_CHUNK = 128  # prompt tokens a step's forward takes, over all joining sequences
+
+
+@dataclass
+class Step:
+    """What one step ran: `decoding` sequences verified drafts of `drafted` tokens each (0 for a
+    plain round), `prefilling` sequences fed prompt chunks; `rows` new tokens in the forward of
+    `forward_s` seconds, which committed `committed` tokens."""
+
+    decoding: int
+    prefilling: int
+    rows: int
+    drafted: list[int]
+    forward_s: float
+    committed: int
+
+
+@dataclass
+class _Slot:
+    seq: Sequence
+    on_commit: Callable[[Sequence, list[int]], None] | None
+    on_finish: Callable[[Sequence, Generation], None] | None
+    blocks: list[list[int]]  # prompt blocks still to feed
+    joined: float = field(default_factory=time.perf_counter)
+    ready: bool = False
+
+
+class Batch:
+    """Sequences of one target decoded together, a step at a time (see the module's docstring).
+
+    prefill_chunk: prompt tokens a step feeds, over all joining sequences, oldest first (on a
+    backend whose kernels are not batch-invariant a prompt goes in one block, as generate feeds
+    it). calibrate: time the verify-cost curve for a k="auto" sequence's context when it is not
+    yet timed (as generate does; it stalls that one step). Raises ValueError for prefill_chunk < 1.
+    """
+
+    def __init__(self, target: Model, prefill_chunk: int = PREFILL_CHUNK, calibrate: bool = True):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.target, self.prefill_chunk, self.calibrate = target, prefill_chunk, calibrate
+        self.slots: list[_Slot] = []
+        # chunked prefill only where a prompt's cache rows have the same bits in any chunks
+        self.invariant = target.backend == "lean" and getattr(target.lean(), "batch_invariant", False)
+        self.rate = 0.0  # the batch's committed tokens per ms, a running average over steps
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def add(
+        self,
+        seq: Sequence,
+        on_commit: Callable[[Sequence, list[int]], None] | None = None,
+        on_finish: Callable[[Sequence, Generation], None] | None = None,
+    ) -> None:
+        """Let a new Sequence join at the next step. on_commit(seq, tokens) is called after each of
+        its rounds with the tokens committed; on_finish(seq, generation) once, when it ends."""
+        chunk = self.prefill_chunk if self.invariant else None
+        self.slots.append(_Slot(seq, on_commit, on_finish, seq.prefill_blocks(chunk)))
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (its client went away): its rows leave from the next step on."""
+        self.slots = [s for s in self.slots if s.seq is not seq]
+
+    def step(self) -> Step:
+        """One forward over every active sequence's rows; commits each decoding sequence's round
+        and ends the finished ones (on_finish). Returns what it ran. Raises ValueError when the
+        batch is empty."""
+        if not self.slots:
+            raise ValueError("the batch is empty: add() a sequence first")
+        for s in list(self.slots):  # a sequence with nothing to feed, or finished from the start
+            if not s.blocks and not s.ready:
+                self._ready(s)
+        decoding = [s for s in self.slots if s.ready]
+        prefill, budget = [], self.prefill_chunk
+        for s in self.slots:
+            if not s.ready and budget > 0:
+                prefill.append(s)
+                budget -= len(s.blocks[0])
+        shared = len(self.slots) > 1
+        rows = len(decoding) + sum(len(s.blocks[0]) for s in prefill)
+        proposals: list[Proposal] = []
+        for s in decoding:
+            policy = s.seq.policy
+            if policy:
+                policy.shared_rows = rows - 1 if shared else 0  # the rest of the forward, drafts so far included
+                policy.shared_rate = self.rate if shared else 0.0
+            proposals.append(s.seq.next_round())
+            rows += len(proposals[-1].checked.tokens)
+        if not decoding and not prefill:  # every sequence ended before its first round
+            return Step(0, 0, 0, [], 0.0, 0)
+        caches, blocks, all_logits, parents = [], [], [], []
+        for s, p in zip(decoding, proposals):
+            block, tree = s.seq.block(p)
+            caches.append(s.seq.kv)
+            blocks.append(block)
+            all_logits.append(True)
+            parents.append(tree)
+        for s in prefill:
+            caches.append(s.seq.kv)
+            blocks.append(s.blocks.pop(0))
+            all_logits.append(False)
+            parents.append(None)
+        synchronize(self.target.device)
+        t0 = time.perf_counter()
+        logits = extend_batch(caches, blocks, all_logits, parents)
+        synchronize(self.target.device)
+        forward_s = time.perf_counter() - t0
+        committed = 0
+        for s, p, scores in zip(decoding, proposals, logits):
+            tokens = s.seq.commit(p, scores, forward_s, timed=False)
+            committed += len(tokens)
+            if s.on_commit is not None:
+                s.on_commit(s.seq, tokens)
+        for costs in {id(s.seq.policy.verify): s.seq.policy.verify for s in decoding if s.seq.policy}.values():
+            costs.observe(sum(len(b) for b in blocks), forward_s * 1e3)
+        if decoding:
+            rate = committed / (forward_s * 1e3 + 1e-9)
+            self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
+        for s in prefill:
+            if not s.blocks:
+                self._ready(s)
+        for s in decoding:
+            if s.seq.finished:
+                self._finish(s)
+        drafted = [len(p.checked.tokens) for p in proposals]
+        return Step(len(decoding), len(prefill), sum(len(b) for b in blocks), drafted, forward_s, committed)
+
+    def run(self) -> None:
+        """Step until every sequence has finished."""
+        while self.slots:
+            self.step()
+
+    def _ready(self, s: _Slot) -> None:
+        """A sequence's prompt is in its cache: calibrate if need be, then decode from the next step."""
+        s.seq.ready(self.calibrate)
+        s.seq.stats.prefill_s = time.perf_counter() - s.joined
+        s.ready = True
+        if s.seq.finished:  # max_new_tokens = 0
+            self._finish(s)
+
+    def _finish(self, s: _Slot) -> None:
+        self.slots.remove(s)
+        generation = s.seq.result(time.perf_counter() - s.joined)
+        if s.on_finish is not None:
+            s.on_finish(s.seq, generation)
+
+
+def generate_batch(target: Model, prompts: Seq[Seq[int] | torch.Tensor], **kwargs) -> list[Generation]:
+    """specdec.engine.generate of several prompts at once, batched (see the module's docstring):
+    each Generation's tokens are those generate(target, prompt, **kwargs) gives for its prompt
+    alone. kwargs: generate's but stream and policy (a drafter is given by name, or as drafters=
+    [...], one Drafter per prompt: a drafter's state is its sequence's); prefill_chunk: Batch's.
+    With k="auto" each sequence has its own policy over one verify-cost curve.
+    Raises what generate raises, before any forward runs."""
+    prefill_chunk = kwargs.pop("prefill_chunk", PREFILL_CHUNK)
+    costs = VerifyCosts.for_model(target) if kwargs.get("k", "auto") == "auto" else None
+    drafters = kwargs.pop("drafters", None)
+    if drafters is not None and len(drafters) != len(prompts):
+        raise ValueError(f"drafters: one per prompt, got {len(drafters)} for {len(prompts)} prompts")
+    if drafters is None and not isinstance(kwargs.get("drafter"), (str, type(None))):
+        raise ValueError("a Drafter object cannot serve several sequences at once: pass its name, or drafters=[...]")
+    batch = Batch(target, prefill_chunk)
+    out: dict[int, Generation] = {}
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        args = dict(kwargs, drafter=drafters[i]) if drafters is not None else dict(kwargs)
+        if costs is not None:
+            args["policy"] = AdaptiveK(costs, k_max=kwargs.get("k_max", AUTO_K_MAX))
+        seqs.append(Sequence(target, prompt, **args))
+    for i, seq in enumerate(seqs):
+        batch.add(seq, on_finish=lambda _s, g, i=i: out.__setitem__(i, g))
+    batch.run()
+    return [out[i] for i in range(len(prompts))]

@@ -1,0 +1,144 @@
+"""specdec.batch: many sequences decoded together, one forward per step. Every sequence's tokens,
+stop reason and logprobs equal its generate() alone, whatever else is in the batch, on every
+backend; sequences join and leave between steps; the goodput rule shrinks drafts as rows fill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.batch import Batch, generate_batch
+from specdec.engine import generate
+from specdec.models.load import load_model
+from specdec.models.quantize import quantize_model
+from specdec.models.registry import REGISTRY
+from specdec.models.weights import cache_dir, is_pulled
+from specdec.sampling import Penalties
+from specdec.sequence import Sequence
+
+from .conftest import make_model, prompt_ids, remake
+
+
+def _quant(arch: str = "llama", seed: int = 3):
+    fp32 = make_model(arch, seed=seed)
+    return remake(fp32, hf=None, lean=None, gguf=quantize_model(fp32.hf, "q8_0", "tiny"), config=fp32.hf.config)
+
+
+PROMPTS = [prompt_ids(5), prompt_ids(23, seed=1), prompt_ids(12, seed=2), prompt_ids(40, seed=3)[:37], [1]]
+
+
+def _same(got, want) -> None:
+    assert got.tokens == want.tokens
+    assert got.text == want.text
+    assert got.stats.stop_reason == want.stats.stop_reason
+    assert got.logprobs == want.logprobs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "run",
+    [
+        dict(drafter=None),
+        dict(drafter="prompt-lookup", k=3),
+        dict(drafter="prompt-lookup", k="auto"),
+        dict(drafter="suffix", k=2, logprobs=3),
+        dict(drafter="prompt-lookup", k=4, penalties=Penalties(0.5, 0.3, 1.2)),
+        dict(drafter="prompt-lookup", k=3, temperature=0.8, top_p=0.9, seed=7),
+    ],
+)
+def test_each_sequence_of_a_batch_equals_its_solo_run_quantized(arch, run):
+    target = _quant(arch)
+    kw = dict(run, max_new_tokens=20)
+    got = generate_batch(target, PROMPTS, prefill_chunk=8, **kw)  # prompts over several steps
+    for prompt, g in zip(PROMPTS, got):
+        _same(g, generate(target, prompt, **kw))
+
+
+@pytest.mark.parametrize("backend", ["lean", "hf"])
+def test_each_sequence_of_a_batch_equals_its_solo_run_fp32(backend):
+    target = make_model("llama", seed=4)
+    if backend == "hf":
+        target = remake(target, backend="hf")
+    kw = dict(drafter="prompt-lookup", k=3, max_new_tokens=16, logprobs=2)
+    got = generate_batch(target, PROMPTS, prefill_chunk=8, **kw)
+    for prompt, g in zip(PROMPTS, got):
+        want = generate(target, prompt, **kw)
+        assert (g.tokens, g.text, g.stats.stop_reason) == (want.tokens, want.text, want.stats.stop_reason)
+        # fp32 kernels are not batch-invariant: logprobs agree up to the last bits
+        got_lp = torch.tensor([t.logprob for t in g.logprobs])
+        assert torch.allclose(got_lp, torch.tensor([t.logprob for t in want.logprobs]), atol=1e-5)
+
+
+def test_sequences_join_and_leave_between_steps():
+    target = _quant()
+    batch = Batch(target, prefill_chunk=6)
+    done, streamed = {}, {}
+    kw = dict(drafter="prompt-lookup", k=3, max_new_tokens=12)
+
+    def add(i: int) -> Sequence:
+        seq = Sequence(target, PROMPTS[i], **kw)
+        streamed[i] = []
+        batch.add(
+            seq,
+            on_commit=lambda _s, tokens: streamed[i].extend(tokens),
+            on_finish=lambda _s, g: done.__setitem__(i, g),
+        )
+        return seq
+
+    add(0)
+    steps = [batch.step(), batch.step()]
+    gone = add(1)  # joins while 0 decodes
+    add(2)
+    steps.append(batch.step())
+    batch.remove(gone)  # its client went away
+    add(3)
+    batch.run()
+    assert sorted(done) == [0, 2, 3]
+    for i in (0, 2, 3):
+        _same(done[i], generate(target, PROMPTS[i], **kw))
+        assert streamed[i] == done[i].tokens  # every round's tokens reached its stream, in order
+    assert (steps[0].decoding, steps[0].prefilling, steps[0].rows) == (0, 1, 4)  # prompt 0 but its last token
+    assert steps[1].decoding == 1 and steps[1].rows == 1 + steps[1].drafted[0]
+    # the step's prefill budget (6) goes to the oldest joining sequence first
+    assert steps[2].prefilling == 1 and steps[2].rows == 1 + steps[2].drafted[0] + 6
+    with pytest.raises(ValueError, match="empty"):
+        batch.step()
+
+
+def test_a_batch_refuses_a_shared_drafter_object():
+    target = _quant()
+    from specdec.drafters.lookup import PromptLookup
+
+    with pytest.raises(ValueError, match="several sequences"):
+        generate_batch(target, PROMPTS, drafter=PromptLookup())
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate_batch(target, PROMPTS, drafters=[PromptLookup()])
+
+
+def test_shared_rows_make_drafts_dearer():
+    """The goodput rule: the same draft costs more where the forward's other rows come first on a
+    curve that steepens (compute-bound), so a policy in a full batch drafts less or not at all."""
+    costs = VerifyCosts.__new__(VerifyCosts)
+    costs.ms, costs.shapes, costs.shape, costs.optimistic_slope = {}, {}, {}, 0.1
+    costs.ms.update({n: 10.0 + (0.2 * n if n <= 8 else 1.6 + 2.0 * (n - 8)) for n in range(1, 80)})
+    policy = AdaptiveK(costs, k_max=6)
+    alone = [policy.extra_verify_ms(m) for m in range(7)]
+    policy.shared_rows = 40
+    full = [policy.extra_verify_ms(m) for m in range(7)]
+    assert full[0] == alone[0] == 0
+    assert all(f > a for f, a in zip(full[1:], alone[1:]))
+
+
+def test_a_batch_of_real_smollm2_gives_each_request_its_solo_tokens():
+    spec = REGISTRY["smollm2-135m"]
+    if not is_pulled(spec.name, cache_dir()):
+        pytest.skip(f"{spec.name} is not pulled: run `specdec models pull {spec.name}`")
+    target = load_model(spec.name)
+    texts = ["Name three colours.", "Count to ten: one, two,", "Hi", "Write a haiku about the sea."] * 2
+    prompts = [target.encode(t, chat=True) for t in texts]
+    kw = dict(drafter="prompt-lookup", k="auto", max_new_tokens=24, logprobs=1)
+    torch.manual_seed(0)
+    got = generate_batch(target, prompts, prefill_chunk=16, **kw)
+    for prompt, g in zip(prompts, got):
+        _same(g, generate(target, prompt, **kw))
