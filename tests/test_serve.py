@@ -300,13 +300,17 @@ class SlowDrafter(Drafter):
     """Proposes nothing, slowly: a full 80-token run takes about 4 s."""
 
     def __init__(self):
-        self.calls = 0
+        self.counter = [0]  # shared with its forks (Drafter.fork), one per sequence
+
+    @property
+    def calls(self) -> int:
+        return self.counter[0]
 
     def prepare(self, target):
         pass
 
     def propose(self, context, k, sampler):
-        self.calls += 1
+        self.counter[0] += 1
         time.sleep(0.05)
         return Draft([])
 
@@ -314,7 +318,9 @@ class SlowDrafter(Drafter):
 def test_full_queue_answers_429_and_the_queue_drains():
     gate = GateDrafter()
     model = make_model("llama", seed=1)  # never stops on EOS
-    app = create_app(model, "gate", 2, drafters={"gate": gate}, model_name="tiny", max_queue=2, max_tokens=4)
+    app = create_app(
+        model, "gate", 2, drafters={"gate": gate}, model_name="tiny", max_queue=2, max_tokens=4, max_batch=1
+    )  # one sequence in the batch: the next two wait in the queue
     with running(app) as url, ThreadPoolExecutor(3) as pool:
         c = client(url)
         ask = lambda: c.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=4, temperature=0)  # noqa: E731
@@ -381,15 +387,19 @@ def test_client_disconnect_cancels_its_generation(stream):
         ({"stop": 3}, "stop", "expected a string or a list of strings"),
         ({"drafter": "nope"}, "drafter", "this server has: prompt-lookup"),
         ({"drafter": "model"}, "drafter", "--draft MODEL"),
-        ({"n": 2}, "n", "send n separate requests"),
+        ({"n": 0}, "n", "n must be between 1 and 16"),
+        ({"n": 17}, "n", "n must be between 1 and 16"),
+        ({"logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
+        ({"logprobs": True}, "logprobs", "an integer 0..20"),
+        ({"top_logprobs": 2}, "top_logprobs", "a chat field"),
         ({"prompt": ["w1", "w2"]}, "prompt", "one prompt per request"),
         ({"prompt": [1, 2, 10_000]}, "prompt", "outside the model's vocabulary"),
         ({"prompt": ""}, "prompt", "the prompt is empty"),
         ({"prompt": None}, "prompt", "prompt"),
         ({"seed": 2**70}, "seed", "seed"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty", "frequency_penalty = 0.5 is not supported"),
-        ({"presence_penalty": -1}, "presence_penalty", "leave the field out (or send 0)"),
-        ({"repetition_penalty": 1.1}, "repetition_penalty", "(or send 1)"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "less than or equal to 2"),
+        ({"presence_penalty": -3}, "presence_penalty", "greater than or equal to -2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
         ({"logit_bias": {"5": 10}}, "logit_bias", "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format", "not a field this server honours"),
         ({"min_p": 0.1}, "min_p", "the fields it reads: model, max_tokens"),

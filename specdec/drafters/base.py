@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -36,6 +37,12 @@ class Drafter:
 
     def prepare(self, target: Model) -> None:
         """Called at the start of each generation with the target model."""
+
+    def fork(self) -> Drafter:
+        """A drafter for another generation run at the same time (specdec.batch): it shares what
+        no generation changes (models, heads, a learned corpus) and nothing a generation does.
+        The default, a shallow copy, suits drafters whose prepare() makes all per-generation state."""
+        return copy.copy(self)
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
         """At most k tokens to follow `context` (prompt + committed output)."""

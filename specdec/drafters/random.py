@@ -6,6 +6,8 @@ back to plain decoding (specdec.adaptive.policy)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdec.drafters.base import Drafter
@@ -24,6 +26,12 @@ class RandomDrafter(Drafter):
 
     def prepare(self, target: Model) -> None:
         self.vocab = len(target.tokenizer)
+
+    def fork(self) -> RandomDrafter:
+        """A copy whose generator continues from this one's state, apart from it (Drafter.fork)."""
+        other = copy.copy(self)
+        other.generator = torch.Generator().set_state(self.generator.get_state())
+        return other
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
         return Draft(torch.randint(0, self.vocab, (k,), generator=self.generator).tolist())

@@ -16,6 +16,7 @@ extends it by the tokens committed since its last call instead of rebuilding it.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import json
 from collections.abc import Iterable, Sequence
@@ -289,6 +290,14 @@ class SuffixDrafter(Drafter):
         self.ctx = SuffixAutomaton(self.max_depth)
         self.prompt_len: int | None = None
         self.corpus_state, self.corpus_match, self._rematch = 0, 0, False
+
+    def fork(self) -> SuffixDrafter:
+        """A copy sharing the corpus, with its own context automaton (Drafter.fork). A fork's
+        output is not remembered: the corpus learns from generations run through this drafter."""
+        other = copy.copy(self)
+        other._reset()
+        other.remember = False
+        return other
 
     def prepare(self, target: Model | None) -> None:
         """Start a new generation: remember the last one's output when remember=True, then reset."""

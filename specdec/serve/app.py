@@ -4,14 +4,17 @@ Endpoints: `POST /v1/completions` and `POST /v1/chat/completions` (a JSON body b
 `"stream": true`, server-sent events in OpenAI's chunk format), `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text).
 
-One worker thread runs `specdec.engine.generate`, one request at a time, taken from a bounded queue;
-the HTTP event loop never waits on the model. A full queue answers 429. A client that disconnects
-cancels its generation: a queued one is skipped, a running one stops after its current round (the
-engine's stream callback raises). Each request is validated before it is queued, and every error is
-a JSON body `{"error": {"message", "type", "code", "param"}}` with a 4xx status (5xx only for a bug).
+One worker thread (specdec.serve.worker) decodes every admitted request in one continuous batch
+(specdec.batch): each step is one target forward over all of them, and each request's output is
+what it would be alone. Requests beyond the batch wait in a bounded queue; a full queue answers
+429. The HTTP event loop never waits on the model. A client that disconnects frees its rows at the
+next step. Each request is validated before it is queued, and every error is a JSON body
+`{"error": {"message", "type", "code", "param"}}` with a 4xx status (5xx only for a bug).
 
-Beyond OpenAI's fields a request may carry `drafter` (a drafter this server has, or "none"), `k`
-(draft length) and `top_k`; its `usage` carries the run's speculative statistics.
+OpenAI's fields are honoured or refused, never dropped: n choices, stop, logprobs (completions:
+0..20; chat: logprobs with top_logprobs), frequency and presence penalties, seed. Beyond them a
+request may carry `drafter` (a drafter this server has, or "none"), `k` (draft length), `top_k`
+and `repetition_penalty`; its `usage` carries each choice's speculative statistics.
 """
 
 from __future__ import annotations
@@ -21,13 +24,10 @@ import hmac
 import json
 import logging
 import math
-import queue
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,42 +35,24 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.adaptive import VerifyCosts
+from specdec.batch import PREFILL_CHUNK
 from specdec.drafters import Drafter
 from specdec.drafters.factory import DRAFTERS, REQUIRED, drafter_from_options, options_for
-from specdec.engine import Generation, generate
 from specdec.models.load import Model, check_same_tokenizer
-from specdec.sampling import SamplingParams
+from specdec.sampling import Penalties, SamplingParams, TokenLogprob
+from specdec.sequence import MAX_TOP_LOGPROBS, Generation
+from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
+from specdec.serve.worker import Job, Worker
 from specdec.stats import RunStats
-from specdec.textstream import TextDeltas
 
 log = logging.getLogger("specdec.serve.app")
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send "temperature": 0 for greedy decoding
-
-
-class ApiError(Exception):
-    """An error answered as HTTP `status` with an OpenAI-style body:
-    {"error": {"message": ..., "type": ..., "code": ..., "param": ...}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+MAX_N = 16  # choices per request
+MAX_BATCH = 64  # sequences decoded at once
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -83,7 +65,7 @@ class _StreamOptions(BaseModel):
 
 class _Params(BaseModel):
     """The fields both endpoints share. A field the server does not know is refused (400), never
-    silently dropped; OpenAI's penalties and logit_bias are accepted at their neutral values only."""
+    silently dropped; logit_bias is accepted empty only."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
@@ -96,10 +78,11 @@ class _Params(BaseModel):
     stream: bool = False
     stream_options: _StreamOptions | None = None
     n: int | None = None
-    logprobs: Any = None
-    frequency_penalty: float | None = None  # only 0: penalties are not applied (yet)
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # extension (vLLM's); only 1
+    logprobs: bool | int | None = None  # chat: true/false; completions: 0..20 alternatives
+    top_logprobs: int | None = None  # chat: 0..20 alternatives
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's); 1 = off
     logit_bias: dict | None = None  # only empty
     drafter: str | None = None  # extension: a drafter this server has, or "none"
     k: StrictInt | str | None = None  # extension: draft length (a string goes to the engine as it is)
@@ -198,41 +181,12 @@ _ONE_OF = {  # fields that take one of several types, and how to say so
 }
 
 
-# ---- the queue and the worker -----------------------------------------------------------------
-
-
-class _Cancelled(Exception):
-    """Raised from the engine's stream callback to stop a generation whose client went away."""
-
-
-@dataclass
-class _Job:
-    """One generation request on its way through the queue. The worker thread reports back through
-    `events` (on the event loop): ("delta", text) when streaming, then ("done", Generation) or
-    ("error", ApiError). `cancelled` is set when the client goes away."""
-
-    ids: list[int]
-    drafter: Drafter | None
-    drafter_name: str
-    run: dict  # the rest of engine.generate's keyword arguments
-    stream: bool
-    loop: asyncio.AbstractEventLoop
-    arrived: float  # time.perf_counter() at arrival
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    started_output: bool = False
-
-    def push(self, kind: str, value: Any = None) -> None:
-        """From the worker thread: hand an event to the request's handler."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled.set()
+# ---- the server -------------------------------------------------------------------------------
 
 
 class Server:
-    """The state behind the app: the target, its drafters, the bounded queue, the worker thread
-    and the metrics. Built by create_app; started and stopped by the app's lifespan."""
+    """The state behind the app: the target, its drafters, the worker (queue, batch, thread) and the
+    metrics. Built by create_app; started and stopped by the app's lifespan."""
 
     def __init__(
         self,
@@ -244,135 +198,50 @@ class Server:
         max_queue: int,
         max_tokens: int,
         cache=None,
+        max_batch: int = MAX_BATCH,
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.target, self.drafters, self.drafter, self.k = target, dict(drafters), drafter, k
-        # k = "auto": one policy per drafter, kept across requests, over one verify-cost curve
-        costs = VerifyCosts.for_model(target, cache)
-        self.policies = {name: AdaptiveK(costs) for name in self.drafters}
-        self.model_name, self.max_queue, self.max_tokens = model_name, max_queue, max_tokens
+        self.model_name, self.max_queue, self.max_tokens, self.max_batch = model_name, max_queue, max_tokens, max_batch
         self.created = int(time.time())
-        self.queue: queue.Queue[_Job] = queue.Queue(maxsize=max_queue)
-        self.running = 0
-        self.current: _Job | None = None
         self.metrics = Metrics(self._gauges)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # k = "auto": every sequence's policy plans over one verify-cost curve
+        costs = VerifyCosts.for_model(target, cache)
+        self.worker = Worker(target, costs, self.metrics, max_batch, max_queue, prefill_chunk, self.metrics.step)
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {
-            "specdec_queue_depth": ("Requests waiting in the queue.", self.queue.qsize()),
+            "specdec_queue_depth": ("Requests waiting in the queue.", self.worker.queue.qsize()),
             "specdec_queue_capacity": (
                 "Most requests the queue holds; past it the server answers 429.",
                 self.max_queue,
             ),
-            "specdec_requests_running": ("Requests being generated now (0 or 1).", self.running),
+            "specdec_requests_running": ("Requests in the batch now.", self.worker.running),
+            "specdec_batch_sequences": (
+                "Sequences in the batch now (a request with n choices is n).",
+                self.worker.sequences,
+            ),
+            "specdec_batch_capacity": ("Most sequences the batch decodes at once.", self.max_batch),
         }
 
     # -- lifecycle --
     def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._work, name="specdec-worker", daemon=True)
-        self._thread.start()
+        self.worker.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what is queued and running, and wait (up to timeout seconds) for the worker."""
-        self._stop.set()
-        current = self.current
-        if current is not None:
-            current.cancelled.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        while True:  # whoever still waits gets an answer
-            try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            self.metrics.count("cancelled")
-            job.push(
-                "error",
-                ApiError(
-                    503,
-                    "the server is shutting down; retry on another instance",
-                    type="server_error",
-                    code="shutting_down",
-                ),
-            )
+        """Stop the worker (up to timeout seconds); what is queued or running gets a 503."""
+        self.worker.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self.worker.alive
 
-    # -- the worker thread --
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: Job) -> None:
         """Queue a job; ApiError 429 when the queue is full."""
-        try:
-            self.queue.put_nowait(job)
-        except queue.Full:
-            raise ApiError(
-                429,
-                f"the server is busy: {self.max_queue} requests are already waiting; retry in a moment",
-                type="rate_limit_error",
-                code="queue_full",
-            ) from None
-
-    def _work(self) -> None:
-        while not self._stop.is_set():
-            try:
-                job = self.queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if job.cancelled.is_set() or self._stop.is_set():
-                self.metrics.count("cancelled")
-                continue
-            self.current, self.running = job, 1
-            try:
-                event = self._run(job)
-            except BaseException as e:  # never let the worker die, nor a client wait forever
-                log.exception("the worker failed outside a generation")
-                event = ("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
-            self.current, self.running = None, 0  # before the client hears: it may ask /metrics next
-            if event is not None:
-                job.push(*event)
-
-    def _run(self, job: _Job) -> tuple[str, Any] | None:
-        """Generate one job; returns its last event for the client: ("done", Generation) or
-        ("error", ApiError), or None when it was cancelled. Counts it in the metrics."""
-        deltas = TextDeltas(self.target.tokenizer, job.run["stop"]) if job.stream else None
-
-        def on_round(tokens: list[int]) -> None:
-            if job.cancelled.is_set():
-                raise _Cancelled
-            job.started_output = True
-            if deltas is not None:
-                piece = deltas(tokens)
-                if piece:
-                    job.push("delta", piece)
-
-        try:
-            gen = generate(self.target, job.ids, job.drafter, stream=on_round, **job.run)
-        except _Cancelled:
-            self.metrics.count("cancelled")
-            return None
-        except Exception as e:
-            if isinstance(e, (ValueError, TypeError)) and not job.started_output:  # the engine refused a parameter
-                k = job.run["k"]
-                message = (
-                    f'k = {k!r} is not supported: send an integer >= 0 or "auto"'
-                    if isinstance(e, TypeError) and isinstance(k, str)
-                    else str(e)
-                )
-                self.metrics.count("invalid")
-                return "error", ApiError(
-                    400, message, code="invalid_parameter", param="k" if isinstance(k, str) else None
-                )
-            log.exception("generation failed")
-            self.metrics.count("failed")
-            return "error", ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
-        self.metrics.record(gen.stats, time.perf_counter() - job.arrived)
-        return "done", gen
+        self.worker.submit(job)
 
     # -- requests --
-    def job(self, req: _Params, ids: list[int], arrived: float, max_tokens: int | None) -> _Job:
+    def job(self, req: _Params, ids: list[int], arrived: float, max_tokens: int | None, chat: bool) -> Job:
         """Check a request's parameters and build its job; ApiError 4xx naming the bad field."""
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
@@ -382,35 +251,26 @@ class Server:
                 code="model_not_found",
                 param="model",
             )
-        if req.n not in (None, 1):
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= MAX_N:
+            raise ApiError(400, f"n must be between 1 and {MAX_N}, got {n}", code="invalid_parameter", param="n")
+        if req.logit_bias:
             raise ApiError(
                 400,
-                f"n = {req.n} is not supported: this server returns one choice per request; send n separate requests",
+                f"logit_bias = {json.dumps(req.logit_bias)[:80]} is not supported by this server: it would change the "
+                "distribution at every position; leave the field out (or send {})",
                 code="unsupported_parameter",
-                param="n",
+                param="logit_bias",
             )
-        for name_, value, neutral in (
-            ("frequency_penalty", req.frequency_penalty, 0),
-            ("presence_penalty", req.presence_penalty, 0),
-            ("repetition_penalty", req.repetition_penalty, 1),
-            ("logit_bias", req.logit_bias or None, None),
-        ):
-            if value is not None and value != neutral:
-                raise ApiError(
-                    400,
-                    f"{name_} = {json.dumps(value)[:80]} is not supported by this server: it would change the "
-                    f"distribution at every position; leave the field out"
-                    + (f" (or send {neutral})" if neutral is not None else ""),
-                    code="unsupported_parameter",
-                    param=name_,
-                )
-        if req.logprobs not in (None, False, 0):
-            raise ApiError(
-                400,
-                "logprobs are not supported by this server; leave the field out",
-                code="unsupported_parameter",
-                param="logprobs",
+        try:
+            penalties = Penalties(
+                req.frequency_penalty or 0.0,
+                req.presence_penalty or 0.0,
+                1.0 if req.repetition_penalty is None else req.repetition_penalty,
             )
+        except ValueError as e:
+            raise ApiError(400, str(e), code="invalid_parameter", param="repetition_penalty") from None
+        logprobs = self._logprobs(req, chat)
         name = req.drafter if req.drafter is not None else self.drafter
         if name == "none":
             drafter = None
@@ -449,17 +309,59 @@ class Server:
         k = self.k if req.k is None else req.k
         if isinstance(k, str) and k.strip().isdigit():
             k = int(k)
+        if k != "auto" and not isinstance(k, int):
+            raise ApiError(
+                400, f'k = {k!r} is not supported: send an integer >= 0 or "auto"', code="invalid_parameter", param="k"
+            )
         run = dict(
             k=k,
-            policy=self.policies.get(name) if k == "auto" else None,
             max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             seed=req.seed,
             stop=stop,
+            penalties=penalties,
+            logprobs=logprobs,
         )
-        return _Job(ids, drafter, name, run, req.stream, asyncio.get_running_loop(), arrived)
+        return Job(ids, drafter, name, run, n, req.stream, asyncio.get_running_loop(), arrived)
+
+    @staticmethod
+    def _logprobs(req: _Params, chat: bool) -> int | None:
+        """How many top logprobs a request asks for beside each token's (None: no logprobs).
+        Completions: logprobs = 0..20; chat: logprobs = true, with top_logprobs = 0..20."""
+        if chat:
+            if req.top_logprobs is not None and not req.logprobs:
+                raise ApiError(
+                    400, "top_logprobs needs logprobs = true", code="invalid_parameter", param="top_logprobs"
+                )
+            if req.logprobs not in (None, False, True):
+                raise ApiError(
+                    400, "logprobs must be true or false in a chat request (top_logprobs: how many alternatives)",
+                    code="invalid_parameter", param="logprobs",
+                )  # fmt: skip
+            top = req.top_logprobs or 0
+            name, value = "top_logprobs", top if req.logprobs else None
+        else:
+            if req.top_logprobs is not None:
+                raise ApiError(
+                    400, "top_logprobs is a chat field; a completion request sends logprobs = 0..20",
+                    code="invalid_parameter", param="top_logprobs",
+                )  # fmt: skip
+            if isinstance(req.logprobs, bool) or not isinstance(req.logprobs, (int, type(None))):
+                raise ApiError(
+                    400, "logprobs must be an integer 0..20 in a completion request",
+                    code="invalid_parameter", param="logprobs",
+                )  # fmt: skip
+            name, value = "logprobs", req.logprobs
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ApiError(
+                400,
+                f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {value}",
+                code="invalid_parameter",
+                param=name,
+            )
+        return value
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -550,28 +452,60 @@ class Server:
             ids = ids["input_ids"]
         return list(ids)
 
-    def usage(self, stats: RunStats, drafter_name: str) -> dict:
-        """OpenAI's token counts plus the run's speculative statistics (see specdec.stats)."""
+    def usage(self, generations: list[Generation], drafter_name: str) -> dict:
+        """OpenAI's token counts (the prompt once, every choice's tokens) plus the speculative
+        statistics of each choice's run (see specdec.stats): a dict, or a list of them for n > 1."""
+        spec = [self._speculative(g.stats, drafter_name) for g in generations]
+        prompt, completion = generations[0].stats.prompt_tokens, sum(g.stats.new_tokens for g in generations)
         return {
-            "prompt_tokens": stats.prompt_tokens,
-            "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens,
-            "speculative": {
-                "drafter": drafter_name,
-                "k": stats.k,
-                "mean_k": _finite(stats.drafted / stats.rounds if stats.rounds else math.nan),
-                "rounds": stats.rounds,
-                "drafted": stats.drafted,
-                "accepted": stats.accepted,
-                "acceptance_rate": _finite(stats.alpha),
-                "mean_accepted_length": _finite(stats.tau),
-                "acceptance_per_position": stats.acceptance_per_position,
-                "tokens_per_s": _finite(stats.tokens_per_s),
-                "prefill_s": stats.prefill_s,
-                "draft_s": stats.draft_s,
-                "verify_s": stats.verify_s,
-                "total_s": stats.total_s,
-            },
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "speculative": spec[0] if len(spec) == 1 else spec,
+        }
+
+    @staticmethod
+    def _speculative(stats: RunStats, drafter_name: str) -> dict:
+        return {
+            "drafter": drafter_name,
+            "k": stats.k,
+            "mean_k": _finite(stats.drafted / stats.rounds if stats.rounds else math.nan),
+            "rounds": stats.rounds,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "acceptance_rate": _finite(stats.alpha),
+            "mean_accepted_length": _finite(stats.tau),
+            "acceptance_per_position": stats.acceptance_per_position,
+            "tokens_per_s": _finite(stats.tokens_per_s),
+            "prefill_s": stats.prefill_s,
+            "draft_s": stats.draft_s,
+            "verify_s": stats.verify_s,
+            "total_s": stats.total_s,
+        }
+
+    def logprobs(self, entries: list[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
+        """Logprobs in OpenAI's format: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
+        completions' {tokens, token_logprobs, top_logprobs, text_offset} (offset: characters of the
+        choice's text before these tokens)."""
+        if entries is None:
+            return None
+        piece = lambda t: self.target.tokenizer.decode([t])  # noqa: E731
+        if chat:
+            item = lambda t, lp: {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())}  # noqa: E731
+            return {
+                "content": [
+                    dict(item(e.token, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top]) for e in entries
+                ]
+            }
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(piece(e.token))
+        return {
+            "tokens": [piece(e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
         }
 
 
@@ -616,7 +550,7 @@ def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int, cach
     """One instance of every registered drafter whose required options the server has (all but the
     model drafter, which comes only with `draft`), each built with the server's settings it takes
     (prompt lookup's n-gram sizes; the draft model) and its defaults otherwise.
-    Requests run one at a time, so they can share these instances (prepare() resets each run)."""
+    Each sequence of the batch runs a fork of one of these (Drafter.fork)."""
     settings = dict(draft=draft, max_ngram=max_ngram, min_ngram=min_ngram, cache=cache)
     out: dict[str, Drafter] = {}
     for name in DRAFTERS:
@@ -636,6 +570,8 @@ def create_app(
     model_name: str | None = None,
     max_queue: int = 64,
     max_tokens: int = 256,
+    max_batch: int = MAX_BATCH,
+    prefill_chunk: int = PREFILL_CHUNK,
     max_ngram: int = 3,
     min_ngram: int = 1,
     cache=None,
@@ -649,7 +585,9 @@ def create_app(
     target's tokenizer), a key of `drafters`, or None / "none" for plain decoding. k: the default
     draft length. drafters: extra named drafter objects requests may choose (they override
     built-in names). model_name: the id clients send as "model" (default: target.name).
-    max_queue: requests that may wait while one runs; past it the server answers 429.
+    max_batch: sequences decoded at once in one continuous batch (specdec.batch; a request with
+    n choices is n sequences); max_queue: requests that may wait beyond them; past it the server
+    answers 429. prefill_chunk: prompt tokens a step feeds (chunked prefill).
     max_tokens: the default of a request's max_tokens (a request asking for more than the context
     holds gets a 400). api_key: when given, every /v1/ request must send `Authorization: Bearer
     <api_key>` (else 401), as vLLM's and llama.cpp's servers do. max_body_bytes: larger request
@@ -674,13 +612,20 @@ def create_app(
         )
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must not be empty (leave it out to serve without one)")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-    server = Server(target, available, drafter, k, model_name or target.name, max_queue, max_tokens, cache)
+    server = Server(
+        target, available, drafter, k, model_name or target.name, max_queue, max_tokens, cache, max_batch,
+        prefill_chunk,
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -735,8 +680,8 @@ def create_app(
         return {
             "status": "ok",
             "model": server.model_name,
-            "queue_depth": server.queue.qsize(),
-            "running": server.running,
+            "queue_depth": server.worker.queue.qsize(),
+            "running": server.worker.running,
         }
 
     @app.get("/v1/models")
@@ -780,7 +725,7 @@ def create_app(
                 req = await _parse(request, CompletionRequest, max_body_bytes)
                 ids = server.encode_completion(req)
                 max_new = req.max_tokens
-            job = server.job(req, ids, arrived, max_new)
+            job = server.job(req, ids, arrived, max_new, chat)
             server.submit(job)
         except ApiError as e:
             server.metrics.count("rejected" if e.status == 429 else "invalid")
@@ -791,12 +736,20 @@ def create_app(
             return _EventStream(_events(job, chat, ident, include_usage), on_close=job.cancelled.set)
         return await _complete(request, job, chat, ident)
 
-    def _chunk(chat: bool, ident: str, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+    def _chunk(
+        chat: bool,
+        ident: str,
+        text: str | None,
+        finish: str | None = None,
+        role: bool = False,
+        index: int = 0,
+        logprobs: dict | None = None,
+    ) -> dict:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {
             "id": ident,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -805,31 +758,35 @@ def create_app(
             "choices": [choice],
         }
 
-    async def _events(job: _Job, chat: bool, ident: str, include_usage: bool) -> AsyncIterator[str]:
-        sent = 0
+    async def _events(job: Job, chat: bool, ident: str, include_usage: bool) -> AsyncIterator[str]:
+        sent = [0] * job.n  # characters streamed per choice
         if chat:
-            yield _sse(_chunk(chat, ident, None, role=True))
+            for i in range(job.n):
+                yield _sse(_chunk(chat, ident, None, role=True, index=i))
         while True:
             kind, value = await job.events.get()
             if kind == "delta":
-                sent += len(value)
-                yield _sse(_chunk(chat, ident, value))
+                i, text, entries = value
+                logprobs = server.logprobs(entries, chat, sent[i])
+                sent[i] += len(text)
+                yield _sse(_chunk(chat, ident, text if text or not chat else None, index=i, logprobs=logprobs))
             elif kind == "error":
                 yield _sse(value.body())
                 return
             else:
-                gen: Generation = value
-                if gen.text[sent:]:
-                    yield _sse(_chunk(chat, ident, gen.text[sent:]))
-                yield _sse(_chunk(chat, ident, None, FINISH_REASONS[gen.stats.stop_reason]))
+                generations: list[Generation] = value
+                for i, gen in enumerate(generations):
+                    if gen.text[sent[i] :]:
+                        yield _sse(_chunk(chat, ident, gen.text[sent[i] :], index=i))
+                    yield _sse(_chunk(chat, ident, None, FINISH_REASONS[gen.stats.stop_reason], index=i))
                 if include_usage:
                     last = _chunk(chat, ident, None)
-                    last.update(choices=[], usage=server.usage(gen.stats, job.drafter_name))
+                    last.update(choices=[], usage=server.usage(generations, job.drafter_name))
                     yield _sse(last)
                 yield _sse("[DONE]")
                 return
 
-    async def _complete(request: Request, job: _Job, chat: bool, ident: str) -> Response:
+    async def _complete(request: Request, job: Job, chat: bool, ident: str) -> Response:
         result = asyncio.ensure_future(job.events.get())
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -844,25 +801,24 @@ def create_app(
         kind, value = result.result()
         if kind == "error":
             return value.response()
-        gen: Generation = value
-        finish = FINISH_REASONS[gen.stats.stop_reason]
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": gen.text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        else:
-            choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": finish}
+        generations: list[Generation] = value
+        choices = []
+        for i, gen in enumerate(generations):
+            finish = FINISH_REASONS[gen.stats.stop_reason]
+            logprobs = server.logprobs(gen.logprobs, chat)
+            if chat:
+                message = {"role": "assistant", "content": gen.text}
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                choices.append({"index": i, "text": gen.text, "logprobs": logprobs, "finish_reason": finish})
         return JSONResponse(
             {
                 "id": ident,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
                 "model": server.model_name,
-                "choices": [choice],
-                "usage": server.usage(gen.stats, job.drafter_name),
+                "choices": choices,
+                "usage": server.usage(generations, job.drafter_name),
             }
         )
 

@@ -1,6 +1,6 @@
 """The server's counters, in the Prometheus text exposition format (version 0.0.4).
 
-Hand-formatted: a handful of counters, gauges and one histogram need no client library. Every
+Hand-formatted: a handful of counters, gauges and histograms need no client library. Every
 update takes one lock, since the generation worker thread and the HTTP event loop both write.
 """
 
@@ -14,6 +14,9 @@ from specdec.stats import RunStats
 
 OUTCOMES = ("completed", "cancelled", "rejected", "invalid", "failed")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # seconds
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # sequences
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows per forward
+DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafted tokens
 
 
 class Metrics:
@@ -34,6 +37,12 @@ class Metrics:
         self.latency_buckets = [0] * len(LATENCY_BUCKETS)
         self.latency_sum = 0.0
         self.latency_count = 0
+        # per step of the batch: sequences decoding, rows per forward, each sequence's draft length
+        self.steps = 0
+        self.batch_size = _Histogram(BATCH_BUCKETS)
+        self.rows = _Histogram(ROW_BUCKETS)
+        self.draft_length = _Histogram(DRAFT_BUCKETS)
+        self.forward_s = 0.0
 
     def count(self, outcome: str) -> None:
         """Count one request that ended with `outcome` (one of OUTCOMES)."""
@@ -61,6 +70,17 @@ class Metrics:
                 self.latency_buckets[i] += latency_s <= bound
             self.latency_sum += latency_s
             self.latency_count += 1
+
+    def step(self, step) -> None:
+        """Add one step of the batch (a specdec.batch.Step)."""
+        with self._lock:
+            self.steps += 1
+            self.forward_s += step.forward_s
+            if step.decoding:
+                self.batch_size.add(step.decoding)
+            self.rows.add(step.rows)
+            for k in step.drafted:
+                self.draft_length.add(k)
 
     def render(self) -> str:
         """All metrics as Prometheus text."""
@@ -124,9 +144,41 @@ class Metrics:
                     ("_count", self.latency_count),
                 ],
             )
+            metric("specdec_steps_total", "counter", "Batch steps (one target forward each).", [("", self.steps)])
+            metric(
+                "specdec_forward_seconds_total", "counter", "Seconds in the steps' target forwards.",
+                [("", self.forward_s)],
+            )  # fmt: skip
+            for name, help_, hist in [
+                ("specdec_batch_size", "Sequences decoding per step (prefilling ones not counted).", self.batch_size),
+                ("specdec_forward_rows", "New tokens (rows) per target forward, prompt chunks included.", self.rows),
+                (
+                    "specdec_draft_length",
+                    "Draft length chosen per sequence per step (0: a plain round).",
+                    self.draft_length,
+                ),
+            ]:
+                metric(name, "histogram", help_, hist.samples())
             for name, (help_, value) in self._gauges().items():
                 metric(name, "gauge", help_, [("", value)])
         return "\n".join(out) + "\n"
+
+
+class _Histogram:
+    """A Prometheus histogram's cumulative buckets, sum and count."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
+
+    def add(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            self.counts[i] += value <= bound
+        self.sum += value
+        self.count += 1
+
+    def samples(self) -> list[tuple[str, float]]:
+        buckets = [(f'_bucket{{le="{_num(b)}"}}', n) for b, n in zip(self.bounds, self.counts)]
+        return buckets + [('_bucket{le="+Inf"}', self.count), ("_sum", self.sum), ("_count", self.count)]
 
 
 def _num(v: float) -> str:
