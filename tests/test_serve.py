@@ -28,6 +28,7 @@ from specdec.drafters.base import Drafter
 from specdec.engine import generate
 from specdec.errors import TokenizerMismatchError
 from specdec.models.load import load_model
+from specdec.sampling import Penalties
 from specdec.serve.app import create_app
 
 from .conftest import VOCAB, make_model, make_tokenizer
@@ -425,6 +426,76 @@ def test_neutral_penalties_are_accepted(served):
     assert with_neutral["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
+def test_penalties_and_logprobs_equal_generates(served, tiny):
+    prompt = "w1 w2 w3 w4 w5 w1 w2 w3 w4"
+    body = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    penalties = dict(frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.2)
+    r = client(served).completions.create(**body, extra_body={"k": 3, **penalties})
+    want = generate(
+        tiny, tiny.encode(prompt), PromptLookup(3), k=3, max_new_tokens=12, temperature=0,
+        penalties=Penalties(0.8, 0.3, 1.2), logprobs=3,
+    )  # fmt: skip
+    plain = generate(tiny, tiny.encode(prompt), None, k=0, max_new_tokens=12, temperature=0)
+    assert want.tokens != plain.tokens  # the penalties bite
+    choice = r.choices[0]
+    assert choice.text == want.text
+    assert choice.logprobs.token_logprobs == [e.logprob for e in want.logprobs]  # exactly
+    # each token's text as it adds to the output (an EOS shows as itself: it has a logprob too)
+    assert "".join(choice.logprobs.tokens).startswith(choice.text) and len(choice.logprobs.tokens) == len(want.tokens)
+    assert [list(top.values()) for top in choice.logprobs.top_logprobs] == [
+        [lp for _, lp in e.top] for e in want.logprobs
+    ]
+    assert choice.logprobs.text_offset == [len("".join(choice.logprobs.tokens[:i])) for i in range(len(want.tokens))]
+    # chat: logprobs = true with top_logprobs
+    messages = [{"role": "user", "content": "w1 w2 w3 w1 w2"}]
+    c = client(served).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    ids = chat_ids(tiny, messages)
+    want = generate(tiny, ids, PromptLookup(3), k=3, max_new_tokens=6, temperature=0, logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert [e.logprob for e in content] == [e.logprob for e in want.logprobs]
+    assert [[t.logprob for t in e.top_logprobs] for e in content] == [[lp for _, lp in e.top] for e in want.logprobs]
+    assert "".join(e.token for e in content) == c.choices[0].message.content
+
+
+def test_n_choices_are_independent_sequences(served, tiny):
+    prompt = "w1 w2 w3 w4 w1 w2"
+    r = client(served).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=5, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for i, c in enumerate(r.choices):  # choice i is the run with seed + i
+        want = generate(tiny, tiny.encode(prompt), PromptLookup(3), k=3, max_new_tokens=8, temperature=0.9, seed=5 + i)
+        assert c.text == want.text
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(tiny.encode(prompt))
+    stream = client(served).completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0.9, seed=5, n=3, stream=True
+    )
+    texts = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+
+
+def test_steps_are_reported_per_step(tiny):
+    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny")
+    with running(app) as url, ThreadPoolExecutor(8) as pool:
+        c = client(url)
+        list(
+            pool.map(
+                lambda i: c.completions.create(model="tiny", prompt=words(i), max_tokens=12, temperature=0), range(8)
+            )
+        )
+        m = metrics(url)
+    steps = m["specdec_steps_total"]
+    assert steps > 0 and m["specdec_forward_rows_count"] == steps
+    assert m["specdec_batch_size_count"] > 0
+    assert m["specdec_batch_size_sum"] / m["specdec_batch_size_count"] > 1  # requests shared forwards
+    assert m["specdec_draft_length_count"] == m["specdec_rounds_total"]  # one draft length per round
+    assert m['specdec_batch_size_bucket{le="+Inf"}'] == m["specdec_batch_size_count"]
+
+
 def test_an_api_key_is_required_when_set_and_limits_are_kept(tiny):
     app = create_app(tiny, "prompt-lookup", 3, model_name="tiny", max_tokens=8, api_key="s3cret", max_body_bytes=2000)
     with running(app) as url:
@@ -532,3 +603,50 @@ def test_metrics_count_one_request_exactly(tiny):
     assert m['specdec_request_latency_seconds_bucket{le="+Inf"}'] == 1
     assert 0 < m["specdec_request_latency_seconds_sum"] < 60
     assert m["specdec_queue_depth"] == 0 and m["specdec_queue_capacity"] == 64
+
+
+# ---- the load generator -----------------------------------------------------------------------
+
+
+def test_loadtest_percentiles_and_table():
+    from specdec.serve.loadtest import Answer, Level, _percentiles, report, table
+
+    p = _percentiles([float(x) for x in range(1, 101)])
+    assert (p["p50"], p["p90"], p["p99"], p["mean"]) == (50, 90, 99, 50.5)
+    a = Answer(text="x y", tokens=5, ttft_s=0.1, gaps_s=[0.05, 0.05], latency_s=0.5)
+    assert a.tpot_s == pytest.approx(0.1)
+    levels = [Level(1, 2.0, [a, a]), Level(2, 1.0, [a, Answer(text="other", tokens=5, ttft_s=0.2, latency_s=0.6)])]
+    rows = report("s", levels)
+    assert [r["tokens_per_s"] for r in rows] == [5.0, 10.0] and [r["same_as_first"] for r in rows] == [2, 1]
+    assert "| s | 2 | 2 | 10.0 | 2.00 |" in table(rows)
+
+
+def test_64_concurrent_streams_of_real_smollm2_each_equal_their_solo_output():
+    """The serving goal: 64 streaming requests at once through the openai client, none lost or
+    mixed, each equal to the same request's generate() alone (the quantized kernels are
+    batch-invariant), with TTFT percentiles reported."""
+    from specdec.models.registry import REGISTRY
+    from specdec.models.weights import cache_dir, is_pulled
+    from specdec.serve.loadtest import Request, run_level
+
+    spec = REGISTRY["smollm2-135m"]
+    if not is_pulled(spec.name, cache_dir()):
+        pytest.skip(f"{spec.name} is not pulled: run `specdec models pull {spec.name}`")
+    target = load_model(spec.name)
+    texts = ["Name three colours.", "Count to ten: one, two,", "Hi", "Write a haiku about the sea.",
+             "What is 2 + 2?", "List the planets.", "Say hello in French.", "def fib(n):"]  # fmt: skip
+    ids = [target.encode(f"{t} (request {i})", chat=True) for i, t in enumerate(texts * 8)]
+    app = create_app(target, "prompt-lookup", "auto", model_name="smol", max_tokens=24)
+    with running(app) as url:
+        level = asyncio.run(
+            run_level(url, "smol", [Request(ids=i) for i in ids], 64, dict(max_tokens=24, temperature=0))
+        )
+        m = metrics(url)
+    assert [a.error for a in level.answers] == [None] * 64
+    for prompt, answer in zip(ids, level.answers):
+        want = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=24)
+        assert answer.text == want.text and answer.tokens == len(want.tokens)
+    s = level.summary()
+    print(f"64 streams: TTFT p50 {s['ttft_ms']['p50']:.0f} ms, p99 {s['ttft_ms']['p99']:.0f} ms")
+    assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] < 120_000
+    assert m["specdec_batch_size_sum"] / m["specdec_batch_size_count"] > 8  # they really ran together

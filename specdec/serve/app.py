@@ -483,28 +483,42 @@ class Server:
             "total_s": stats.total_s,
         }
 
-    def logprobs(self, entries: list[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
+    def logprobs(
+        self, entries: list[TokenLogprob] | None, chat: bool, before: list[int] = (), offset: int = 0
+    ) -> dict | None:
         """Logprobs in OpenAI's format: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
-        completions' {tokens, token_logprobs, top_logprobs, text_offset} (offset: characters of the
-        choice's text before these tokens)."""
+        completions' {tokens, token_logprobs, top_logprobs, text_offset}. A token's text is what it
+        adds after the tokens before it (`before`: the choice's earlier tokens; offset: the
+        characters of its text before these)."""
         if entries is None:
             return None
-        piece = lambda t: self.target.tokenizer.decode([t])  # noqa: E731
+        decode = self.target.tokenizer.decode
+        context = list(before)[-8:]  # a few tokens before, so that a token's leading space shows
+
+        def piece(token: int, prior: list[int]) -> str:
+            return decode(prior + [token], skip_special_tokens=False)[len(decode(prior, skip_special_tokens=False)) :]
+
+        tokens, tops = [], []
+        for e in entries:
+            tokens.append(piece(e.token, context))
+            tops.append([(piece(t, context), lp) for t, lp in e.top])
+            context = (context + [e.token])[-8:]
         if chat:
-            item = lambda t, lp: {"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())}  # noqa: E731
+            item = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}  # noqa: E731
             return {
                 "content": [
-                    dict(item(e.token, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top]) for e in entries
+                    dict(item(text, e.logprob), top_logprobs=[item(t, lp) for t, lp in top])
+                    for text, e, top in zip(tokens, entries, tops)
                 ]
             }
         offsets = []
-        for e in entries:
+        for text in tokens:
             offsets.append(offset)
-            offset += len(piece(e.token))
+            offset += len(text)
         return {
-            "tokens": [piece(e.token) for e in entries],
+            "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{piece(t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [dict(top) for top in tops],
             "text_offset": offsets,
         }
 
@@ -760,6 +774,8 @@ def create_app(
 
     async def _events(job: Job, chat: bool, ident: str, include_usage: bool) -> AsyncIterator[str]:
         sent = [0] * job.n  # characters streamed per choice
+        earlier: list[list[int]] = [[] for _ in range(job.n)]  # tokens whose logprobs were streamed, per choice
+        offsets = [0] * job.n  # their characters
         if chat:
             for i in range(job.n):
                 yield _sse(_chunk(chat, ident, None, role=True, index=i))
@@ -767,7 +783,10 @@ def create_app(
             kind, value = await job.events.get()
             if kind == "delta":
                 i, text, entries = value
-                logprobs = server.logprobs(entries, chat, sent[i])
+                logprobs = server.logprobs(entries, chat, earlier[i], offsets[i])
+                if entries is not None:
+                    earlier[i] += [e.token for e in entries]
+                    offsets[i] = len(server.target.tokenizer.decode(earlier[i], skip_special_tokens=False))
                 sent[i] += len(text)
                 yield _sse(_chunk(chat, ident, text if text or not chat else None, index=i, logprobs=logprobs))
             elif kind == "error":

