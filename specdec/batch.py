@@ -15,11 +15,13 @@ generate's, logprobs up to the last bits (their verify forwards are not batch-in
 docs/engine.md).
 
 Speculation under a shared budget: with k="auto" each sequence's policy (specdec.adaptive) plans
-its draft as if alone, except that the forward's other rows come first on the verify-cost curve
-and the rate a draft must beat is the batch's committed tokens per ms (Dinkelbach's rho, as for
-one sequence). Drafted tokens then pay only while the batch's forward is still bound by reading
-the weights; as rows fill the CPU, draft lengths shrink to 0 (goodput, as SmartSpec, Liu et al.
-2024, chooses them). One sequence alone plans exactly as generate(k="auto") does.
+its draft as if alone, except that a drafted row costs what it adds to the batch's forward after
+the other rows (a line through the batch's own steps, specdec.adaptive.rowcosts) and the rate a
+draft must beat is the batch's committed tokens per ms (Dinkelbach's rho, as for one sequence).
+Drafted tokens then pay only while the batch's forward is still bound by reading the weights, or
+where they are likely to be accepted; as rows fill the CPU, draft lengths shrink toward 0
+(goodput, as SmartSpec, Liu et al. 2024, chooses them). One sequence alone plans exactly as
+generate(k="auto") does.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.adaptive.rowcosts import RowCosts
 from specdec.cache import extend_batch
 from specdec.models.load import Model, synchronize
 from specdec.round import Proposal
@@ -81,6 +84,7 @@ class Batch:
         # chunked prefill only where a prompt's cache rows have the same bits in any chunks
         self.invariant = target.backend == "lean" and getattr(target.lean(), "batch_invariant", False)
         self.rate = 0.0  # the batch's committed tokens per ms, a running average over steps
+        self.costs: RowCosts | None = None  # ms of a forward by rows, fitted to the steps (k = "auto")
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -121,8 +125,11 @@ class Batch:
         for s in decoding:
             policy = s.seq.policy
             if policy:
+                if self.costs is None:
+                    self.costs = RowCosts(policy.verify)
                 policy.shared_rows = rows - 1 if shared else 0  # the rest of the forward, drafts so far included
                 policy.shared_rate = self.rate if shared else 0.0
+                policy.shared_cost = self.costs if shared else None
             proposals.append(s.seq.next_round())
             rows += len(proposals[-1].checked.tokens)
         if not decoding and not prefill:  # every sequence ended before its first round
@@ -150,8 +157,11 @@ class Batch:
             committed += len(tokens)
             if s.on_commit is not None:
                 s.on_commit(s.seq, tokens)
+        rows = sum(len(b) for b in blocks)
         for costs in {id(s.seq.policy.verify): s.seq.policy.verify for s in decoding if s.seq.policy}.values():
-            costs.observe(sum(len(b) for b in blocks), forward_s * 1e3)
+            costs.observe(rows, forward_s * 1e3)
+        if self.costs is not None:
+            self.costs.observe(rows, forward_s * 1e3)
         if decoding:
             rate = committed / (forward_s * 1e3 + 1e-9)
             self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
@@ -162,7 +172,7 @@ class Batch:
             if s.seq.finished:
                 self._finish(s)
         drafted = [len(p.checked.tokens) for p in proposals]
-        return Step(len(decoding), len(prefill), sum(len(b) for b in blocks), drafted, forward_s, committed)
+        return Step(len(decoding), len(prefill), rows, drafted, forward_s, committed)
 
     def run(self) -> None:
         """Step until every sequence has finished."""

@@ -323,7 +323,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     lt.add_argument("--ngram-k", type=int, default=4, help="vllm-ngram's draft length (default 4)")
     lt.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", "none"), help="sent as the bearer key")
-    lt.add_argument("--out", help="folder for results.json and README.md (a results/ entry)")
+    lt.add_argument("--out", help="folder for serving.json and README.md (a results/ entry)")
     lt.add_argument("--threads", type=int, help="torch threads of specdec's server (default: torch's choice)")
     _loading_options(lt)
     lt.set_defaults(run=_loadtest)
@@ -699,11 +699,12 @@ def _loadtest(args) -> int:
         meta = {
             "command": "specdec " + " ".join(sys.argv[1:]),
             **environment(),
+            "target": args.target if not args.url else args.url,
             "workload": str(args.workload),
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
         }
-        (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        (out / "serving.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
         (out / "README.md").write_text(
             f"# Serving: {args.target}, {args.workload} ({len(prompts)} prompts, {n} requests per level), "
             f"{args.max_tokens} tokens, temperature {args.temperature}\n\n{meta['cpu']}, "

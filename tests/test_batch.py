@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.adaptive.rowcosts import RowCosts
 from specdec.batch import Batch, generate_batch
 from specdec.engine import generate
 from specdec.models.load import load_model
@@ -116,18 +117,38 @@ def test_a_batch_refuses_a_shared_drafter_object():
         generate_batch(target, PROMPTS, drafters=[PromptLookup()])
 
 
+def test_row_costs_fit_the_batchs_steps():
+    curve = {n: 10.0 + 0.5 * n for n in range(1, 10)}
+    costs = RowCosts(lambda n: curve.get(n, 15.0 - n))  # a noisy curve: falls past 9
+    assert costs(12) == 14.5  # before the fit: the curve made non-decreasing
+    for rows in [8, 8, 9]:
+        costs.observe(rows, 5.0 + 2.0 * rows)
+    assert costs.line() is None  # the rows have not spread yet
+    for rows in [16, 24, 30, 12]:
+        costs.observe(rows, 5.0 + 2.0 * rows)
+    a, b = costs.line()
+    assert a == pytest.approx(5.0) and b == pytest.approx(2.0)
+    falling = RowCosts(lambda n: 1.0)
+    for rows in [4, 20, 40]:
+        falling.observe(rows, 100.0 - rows)
+    assert falling.line()[1] == 0.0  # a row never costs less than nothing
+
+
 def test_shared_rows_make_drafts_dearer():
-    """The goodput rule: the same draft costs more where the forward's other rows come first on a
-    curve that steepens (compute-bound), so a policy in a full batch drafts less or not at all."""
+    """The goodput rule: alone, a drafted row costs what the verify-cost curve adds (cheap while the
+    weights' reading dominates); in a batch, what it adds to the batch's forward (the fitted slope)."""
     costs = VerifyCosts.__new__(VerifyCosts)
-    costs.ms, costs.shapes, costs.shape, costs.optimistic_slope = {}, {}, {}, 0.1
-    costs.ms.update({n: 10.0 + (0.2 * n if n <= 8 else 1.6 + 2.0 * (n - 8)) for n in range(1, 80)})
+    costs.ms, costs.shapes, costs.shape, costs.optimistic_slope = {n: 10.0 + 0.2 * n for n in range(1, 10)}, {}, {}, 0.1
     policy = AdaptiveK(costs, k_max=6)
     alone = [policy.extra_verify_ms(m) for m in range(7)]
-    policy.shared_rows = 40
+    batch = RowCosts(costs)
+    for rows in range(8, 48, 4):
+        batch.observe(rows, 4.0 + 1.5 * rows)
+    policy.shared_rows, policy.shared_cost = 40, batch
     full = [policy.extra_verify_ms(m) for m in range(7)]
     assert full[0] == alone[0] == 0
-    assert all(f > a for f, a in zip(full[1:], alone[1:]))
+    assert full[1:] == pytest.approx([1.5 * m + 0.02 * costs(1) for m in range(1, 7)])
+    assert all(f > 3 * a for f, a in zip(full[1:], alone[1:]))
 
 
 def test_a_batch_of_real_smollm2_gives_each_request_its_solo_tokens():

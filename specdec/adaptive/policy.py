@@ -117,10 +117,11 @@ class AdaptiveK:
         self.cap = k_max
         self.confidence: list[float] = []  # the drafter's probability for each token drafted
         self._t_last = 0.0  # when the last draft step ended
-        # in a batch (specdec.batch): rows the rest of this step's forward runs, and the batch's
-        # committed tokens per ms; 0 and 0.0 alone
+        # in a batch (specdec.batch): rows the rest of this step's forward runs, the batch's
+        # committed tokens per ms and its forward's ms by rows (a RowCosts); 0, 0.0 and None alone
         self.shared_rows = 0
         self.shared_rate = 0.0
+        self.shared_cost = None
 
     # ---- estimates ----------------------------------------------------------------------------
     def acceptances(self, n: int, cls: int = 0, optimistic: bool = False) -> list[float]:
@@ -151,12 +152,15 @@ class AdaptiveK:
         """What verifying a draft m tokens deep costs over a plain step, in ms: V(n + 1) - V(1)
         at the current context, n = nodes(m), plus margin x V(1); 0 for m = 0. It may be negative
         where the kernel for n + 1 rows beats the one-row kernel: verifying even a useless draft
-        then beats a plain step. In a batch, V(b + n + 1) - V(b + 1), b = shared_rows: the
-        forward's other rows come first, so that drafts get dearer as rows fill the CPU."""
+        then beats a plain step. In a batch, C(b + n + 1) - C(b + 1) instead, C = shared_cost
+        (ms by rows of a batched forward), b = shared_rows: the forward's other rows come first,
+        so that drafts get dearer as rows fill the CPU."""
         if m == 0:
             return 0.0
-        base = self.shared_rows
-        return self.verify(base + self.nodes(m) + 1) - self.verify(base + 1) + self.margin * self.verify(1)
+        if self.shared_cost is not None:
+            base, cost = self.shared_rows, self.shared_cost
+            return cost(base + self.nodes(m) + 1) - cost(base + 1) + self.margin * self.verify(1)
+        return self.verify(self.nodes(m) + 1) - self.verify(1) + self.margin * self.verify(1)
 
     def _best_rate(self, cap: int, incremental: bool) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
