@@ -312,7 +312,11 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--concurrency", default="1,8", help="comma-separated levels (default 1,8)")
     lt.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
     lt.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
-    lt.add_argument("--drafter", default="prompt-lookup", help="specdec's drafter (default prompt-lookup; none)")
+    lt.add_argument(
+        "--drafter",
+        default="none,prompt-lookup",
+        help="specdec's drafters, comma-separated, one server each (default none,prompt-lookup; none: plain)",
+    )
     lt.add_argument("-k", default="auto", help="specdec's draft length (default auto)")
     lt.add_argument("--peers", default="", help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python)")
     lt.add_argument(
@@ -677,13 +681,14 @@ def _loadtest(args) -> int:
         target = load_model(args.target, **_load_kwargs(args))
         ids = [target.encode(p.text, chat=True) for p in prompts]
         requests = [loadtest.Request(ids=ids[i % len(ids)]) for i in range(n)]
-        k = k_arg(args.k)
-        app = create_app(
-            target, args.drafter, k, model_name=args.target, max_tokens=args.max_tokens, cache=args.cache_dir
-        )
-        name = f"specdec ({args.drafter}, k={k})"
-        with specdec_server(app) as url:
-            rows += loadtest.report(name, drive(name, url, args.target, requests))
+        for drafter in [d.strip() for d in args.drafter.split(",") if d.strip()]:
+            k = 0 if drafter == "none" else k_arg(args.k)
+            app = create_app(
+                target, drafter, k, model_name=args.target, max_tokens=args.max_tokens, cache=args.cache_dir
+            )
+            name = "specdec plain" if drafter == "none" else f"specdec {drafter}, k={k}"
+            with specdec_server(app) as url:
+                rows += loadtest.report(name, drive(name, url, args.target, requests))
         for peer in peers:
             folder = converted_folder(args.target)
             k_peer = args.ngram_k if peer == "vllm-ngram" else 0
