@@ -135,6 +135,15 @@ def _load_kwargs(args, draft: bool = False) -> dict:
     )
 
 
+def _loading_args(args) -> list[str]:
+    """The loading options as command-line flags again (for a server the load generator starts)."""
+    out = ["--dtype", args.dtype, "--backend", args.backend, "--device", args.device]
+    out += ["--quantize", args.quantize] if args.quantize else []
+    out += ["--pull"] if args.pull else []
+    out += ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    return out
+
+
 def _default_peers() -> str:
     """The bench's peers: transformers always, llama.cpp where llama-cpp-python is installed."""
     import importlib.util
@@ -288,6 +297,7 @@ def _parser() -> argparse.ArgumentParser:
         "--prefill-chunk", type=int, default=128, help="prompt tokens a batch step feeds (chunked prefill; default 128)"
     )
     sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
+    sv.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     sv.add_argument(
         "--api-key",
         default=os.environ.get("SPECDEC_API_KEY"),
@@ -329,7 +339,7 @@ def _parser() -> argparse.ArgumentParser:
     lt.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", "none"), help="sent as the bearer key")
     lt.add_argument("--out", help="folder for serving.json and README.md (a results/ entry)")
     lt.add_argument("--threads", type=int, help="torch threads of specdec's server (default: torch's choice)")
-    _loading_options(lt)
+    _loading_options(lt, draft=False)
     lt.set_defaults(run=_loadtest)
 
     cs = sub.add_parser("calibrate-skip", help="choose the decoder layers a layer-skip draft keeps, and store them")
@@ -601,6 +611,8 @@ def _serve(args) -> int:
     if args.drafter != "none":  # the model drafter needs --draft; the others take no flag to check
         check_options(args.drafter, **options_for(args.drafter, {"draft": args.draft}))
     hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target = load_model(args.target, **_load_kwargs(args))
     draft = load_model(args.draft, **_load_kwargs(args, draft=True)) if args.draft else None
     app = create_app(
@@ -675,19 +687,16 @@ def _loadtest(args) -> int:
         )
         rows += loadtest.report(args.url, drive(args.url, args.url, model, requests))
     else:
-        from specdec.serve.app import create_app
-
         hf_logging.disable_progress_bar()
         target = load_model(args.target, **_load_kwargs(args))
         ids = [target.encode(p.text, chat=True) for p in prompts]
         requests = [loadtest.Request(ids=ids[i % len(ids)]) for i in range(n)]
         for drafter in [d.strip() for d in args.drafter.split(",") if d.strip()]:
             k = 0 if drafter == "none" else k_arg(args.k)
-            app = create_app(
-                target, drafter, k, model_name=args.target, max_tokens=args.max_tokens, cache=args.cache_dir
-            )
+            serve = ["--target", args.target, "--drafter", drafter, "-k", str(k), "--max-tokens", str(args.max_tokens)]
+            serve += _loading_args(args) + (["--threads", str(args.threads)] if args.threads else [])
             name = "specdec plain" if drafter == "none" else f"specdec {drafter}, k={k}"
-            with specdec_server(app) as url:
+            with specdec_server(serve, log=Path(f"/tmp/specdec-serve-{drafter}.log")) as url:
                 rows += loadtest.report(name, drive(name, url, args.target, requests))
         for peer in peers:
             folder = converted_folder(args.target)

@@ -14,7 +14,7 @@ import json
 import os
 import socket
 import subprocess
-import threading
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -34,23 +34,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def specdec_server(app) -> Iterator[str]:
-    """Serve a specdec app (specdec.serve.app.create_app) with uvicorn in a thread; yields its URL."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("specdec's server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+def specdec_server(args: list[str], log: Path | None = None) -> Iterator[str]:
+    """`specdec serve` with these arguments (--target, --drafter, -k, ...) in its own process, as a
+    user runs it (the load generator's client then shares no interpreter with it), on a free
+    loopback port. Yields its URL once /health answers; stops it after."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "specdec.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
+    with _process(cmd, f"http://127.0.0.1:{port}", "specdec's server", log) as url:
+        yield url
 
 
 @contextlib.contextmanager
@@ -69,23 +60,30 @@ def vllm_server(
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", name,
         "--dtype", "float32", "--max-model-len", str(max_model_len), "--port", str(port), "--host", "127.0.0.1",
-        "--gpu-memory-utilization", "0.25", "--enforce-eager", "--disable-log-requests",
+        "--gpu-memory-utilization", "0.25", "--enforce-eager",
     ]  # fmt: skip
     if ngram_k:
         spec = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
         cmd += ["--speculative-config", json.dumps(spec)]
+    with _process(cmd, f"http://127.0.0.1:{port}", "vLLM's server", log) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], url: str, what: str, log: Path | None) -> Iterator[str]:
+    """Run a server command in its own process group until the `with` ends; yields `url` once its
+    /health answers (RuntimeError, with the end of its log, when it exits or takes 10 minutes)."""
     log = log or Path(os.devnull)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
         while True:
             if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-3000:] if log.exists() and log != Path(os.devnull) else ""
-                raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{tail}")
+                tail = log.read_text(errors="replace")[-3000:] if log != Path(os.devnull) else ""
+                raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}")
             if time.monotonic() > deadline:
-                raise RuntimeError("vLLM's server did not answer /health within 10 minutes")
+                raise RuntimeError(f"{what} did not answer /health within 10 minutes")
             try:
                 if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
                     break

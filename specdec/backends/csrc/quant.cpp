@@ -1409,9 +1409,12 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::shared_ptr<Layer>>&
 
 }  // namespace
 
+// The long-running functions release the GIL (as torch's own ops do), so that a server's other
+// threads (its HTTP event loop) run while a forward computes; they touch no Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant", py::arg("x"),
-        py::arg("parts"), py::arg("types"), py::arg("bias") = py::none(), py::arg("int8") = false);
+  m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("parts"), py::arg("types"),
+        py::arg("bias") = py::none(), py::arg("int8") = false);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("repack", &repack, "(rows regrouped eight at a time for the int8 path, their type); None for other types",
         py::arg("rows"), py::arg("type"), py::arg("K"));
@@ -1424,12 +1427,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
       }, "drop the resident pages of a memory-mapped tensor (never call it on other memory)");
   m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX512-VNNI)");
-  m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
   m.def("swiglu", &swiglu, "silu(gate) * up");
   m.def("rope_table", &rope_table, "cos and sin of the rotary angles at positions");
   m.def("rope", &rope, "rotary embedding in place, rotate-half layout");
-  m.def("attention", &attention, "causal or masked attention over a KV cache, one task per position and head");
+  m.def("attention", &attention, "causal or masked attention over a KV cache, one task per position and head",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "the weights of one Llama/Qwen2 decoder layer")
       .def(py::init([](torch::Tensor norm_in, torch::Tensor norm_post, std::vector<torch::Tensor> qkv,
                        std::vector<int64_t> qkv_types, c10::optional<torch::Tensor> qkv_bias,
@@ -1443,7 +1448,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("o"), py::arg("o_types"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
            py::arg("down_types"));
   m.def("layers", &layers, "the decoder stack over one or more requests' new positions, h updated in place",
-        py::arg("h"), py::arg("stack"), py::arg("keys"), py::arg("values"), py::arg("starts"), py::arg("counts"),
+        py::call_guard<py::gil_scoped_release>(), py::arg("h"), py::arg("stack"), py::arg("keys"), py::arg("values"),
+        py::arg("starts"), py::arg("counts"),
         py::arg("rope"), py::arg("masks"), py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"),
         py::arg("features"));
 }
