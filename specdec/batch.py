@@ -158,8 +158,8 @@ class Batch:
             if s.on_commit is not None:
                 s.on_commit(s.seq, tokens)
         rows = sum(len(b) for b in blocks)
-        for costs in {id(s.seq.policy.verify): s.seq.policy.verify for s in decoding if s.seq.policy}.values():
-            costs.observe(rows, forward_s * 1e3)
+        if len(blocks) == 1 and decoding and decoding[0].seq.policy:  # alone: on its curve, as generate times it
+            decoding[0].seq.policy.verify.observe(rows, forward_s * 1e3)
         if self.costs is not None:
             self.costs.observe(rows, forward_s * 1e3)
         if decoding:

@@ -650,3 +650,15 @@ def test_64_concurrent_streams_of_real_smollm2_each_equal_their_solo_output():
     print(f"64 streams: TTFT p50 {s['ttft_ms']['p50']:.0f} ms, p99 {s['ttft_ms']['p99']:.0f} ms")
     assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] < 120_000
     assert m["specdec_batch_size_sum"] / m["specdec_batch_size_count"] > 8  # they really ran together
+
+
+def test_specdec_serve_steps_the_batch_in_its_main_thread(model_dir, tiny):
+    """`specdec serve` as users run it (run_server: HTTP in a thread, the batch in the main one)."""
+    from specdec.bench.serving import specdec_server
+
+    prompt = "w1 w2 w3 w4 w1 w2 w3"
+    with specdec_server(["--target", str(model_dir), "--drafter", "prompt-lookup", "-k", "3"]) as url:
+        health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+        r = client(url).completions.create(model=str(model_dir), prompt=prompt, max_tokens=10, temperature=0)
+    assert health["status"] == "ok"
+    assert r.choices[0].text == greedy(tiny, tiny.encode(prompt), 10).text

@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -208,6 +209,7 @@ class Server:
         # k = "auto": every sequence's policy plans over one verify-cost curve
         costs = VerifyCosts.for_model(target, cache)
         self.worker = Worker(target, costs, self.metrics, max_batch, max_queue, prefill_chunk, self.metrics.step)
+        self.inline = False  # run_server steps the batch in the calling thread
 
     def _gauges(self) -> dict[str, tuple[str, float]]:
         return {
@@ -226,7 +228,9 @@ class Server:
 
     # -- lifecycle --
     def start(self) -> None:
-        self.worker.start()
+        """Start stepping in a thread, unless run_server steps in its own thread (inline)."""
+        if not self.inline:
+            self.worker.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the worker (up to timeout seconds); what is queued or running gets a 503."""
@@ -845,7 +849,21 @@ def create_app(
 
 
 def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` with uvicorn until interrupted (Ctrl-C). Blocks."""
+    """Serve `app` until interrupted (Ctrl-C). Blocks. uvicorn answers HTTP in a thread while the
+    calling thread, the one that loaded the model, steps the batch (Worker.run says why)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    server: Server = app.state.server
+    server.inline = True
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=http.run, name="specdec-http", daemon=True)
+    thread.start()
+    try:
+        while not http.started and thread.is_alive():
+            time.sleep(0.05)
+        server.worker.run(until=lambda: not thread.is_alive() or http.should_exit)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        http.should_exit = True
+        thread.join(30)

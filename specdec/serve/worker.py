@@ -91,6 +91,7 @@ class Worker:
         self.batch = Batch(target, prefill_chunk)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._inline = False  # run() steps in a caller's thread
 
     @property
     def running(self) -> int:
@@ -104,9 +105,21 @@ class Worker:
 
     # -- lifecycle --
     def start(self) -> None:
+        """Step in a thread of its own (the app's lifespan starts it)."""
         self._stop.clear()
-        self._thread = threading.Thread(target=self._work, name="specdec-worker", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="specdec-worker", daemon=True)
         self._thread.start()
+
+    def run(self, until: Callable[[], bool] = lambda: False) -> None:
+        """Step in the calling thread until stop() or until() is true. specdec.serve.app.run_server
+        steps in the main thread, the one that loaded the model: the OpenMP threads of a forward
+        then stay one team (a second thread's team beside the loading thread's idle one makes GNU
+        OpenMP stop spinning at its barriers, and a forward about 2.5x slower on 2 cores)."""
+        self._inline = threading.current_thread() is not self._thread
+        try:
+            self._work(until)
+        finally:
+            self._inline = False
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop stepping (up to timeout seconds), and answer every request still waiting or running
@@ -131,7 +144,7 @@ class Worker:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._inline or (self._thread is not None and self._thread.is_alive())
 
     def submit(self, job: Job) -> None:
         """Queue a job; ApiError 429 when the queue is full."""
@@ -146,8 +159,8 @@ class Worker:
             ) from None
 
     # -- the thread --
-    def _work(self) -> None:
-        while not self._stop.is_set():
+    def _work(self, until: Callable[[], bool] = lambda: False) -> None:
+        while not self._stop.is_set() and not until():
             try:
                 self._admit()
                 self._drop_cancelled()
