@@ -179,9 +179,8 @@ def serving_table(results_dir: str | os.PathLike, readme_dir: str | os.PathLike 
     lines = [
         SERVING_NOTE,
         "",
-        "| server | model, workload: requests x tokens | machine | concurrent | tokens/s | x 1 | "
-        "TTFT p50 / p99 ms | same |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| run | server | concurrent | tokens/s | x 1 | TTFT p50 / p99 ms | same |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     paths = sorted(Path(results_dir).glob("*/serving.json"))
     for path in paths:
@@ -189,16 +188,18 @@ def serving_table(results_dir: str | os.PathLike, readme_dir: str | os.PathLike 
             run = json.loads(path.read_text())
             link = Path(os.path.relpath(path.parent, readme_dir)).as_posix() + "/"
             machine = re.sub(r"\((R|TM)\)", "", str(run["cpu"]))
+            label = (
+                f"[{run['target']}, {run['workload']}: {run['rows'][0]['requests']} x {run['max_tokens']}, {machine}]"
+            )
             first: dict[str, float] = {}
-            for r in run["rows"]:
+            for i, r in enumerate(run["rows"]):
                 base = first.setdefault(r["server"], r["tokens_per_s"])
                 lines.append(
-                    f"| [{r['server']}]({link}) | {run['target']}, {run['workload']}: {r['requests']} x "
-                    f"{run['max_tokens']} | {machine} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
-                    f"{r['tokens_per_s'] / base:.2f} | {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | "
-                    f"{r['same_as_first']}/{r['requests']} |"
+                    f"| {label + f'({link})' if i == 0 else ''} | {r['server']} | {r['concurrency']} | "
+                    f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
+                    f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | {r['same_as_first']}/{r['requests']} |"
                 )
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, IndexError) as e:
             raise ValueError(f"cannot read {path}: {e}") from e
     return "\n".join(lines) if paths else None
 
