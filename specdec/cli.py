@@ -317,8 +317,10 @@ def _parser() -> argparse.ArgumentParser:
         "--target", default="smollm2-135m", help="the model specdec serves, and whose tokenizer encodes the prompts"
     )
     lt.add_argument("--workload", default="spec-bench", help="packaged name or .jsonl path (default spec-bench)")
-    lt.add_argument("--limit", type=int, default=8, help="distinct prompts (default 8)")
-    lt.add_argument("--requests", type=int, help="requests per level, the prompts cycled (default: --limit)")
+    lt.add_argument("--limit", type=int, default=1, help="prompts per category (default 1)")
+    lt.add_argument(
+        "--requests", type=int, help="requests per level, the prompts cycled in file order (default: one per prompt)"
+    )
     lt.add_argument("--concurrency", default="1,8", help="comma-separated levels (default 1,8)")
     lt.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
     lt.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
@@ -642,6 +644,7 @@ def _serve(args) -> int:
 def _loadtest(args) -> int:
     import asyncio
     import json
+    import tempfile
 
     from transformers.utils import logging as hf_logging
 
@@ -653,9 +656,11 @@ def _loadtest(args) -> int:
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     bad = [p for p in peers if p not in PEERS]
-    if bad or not levels or min(levels) < 1 or args.limit < 1 or args.max_tokens < 1:
+    if bad or not levels or min(levels) < 1 or args.limit < 1 or args.max_tokens < 1 or (args.requests or 1) < 1:
         raise ValueError(
-            f"--peers takes {', '.join(PEERS)}" if bad else "--concurrency, --limit and --max-tokens must be >= 1"
+            f"--peers takes {', '.join(PEERS)}"
+            if bad
+            else "--concurrency, --limit, --requests and --max-tokens must be >= 1"
         )
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -696,13 +701,13 @@ def _loadtest(args) -> int:
             serve = ["--target", args.target, "--drafter", drafter, "-k", str(k), "--max-tokens", str(args.max_tokens)]
             serve += _loading_args(args) + (["--threads", str(args.threads)] if args.threads else [])
             name = "specdec plain" if drafter == "none" else f"specdec {drafter}, k={k}"
-            with specdec_server(serve, log=Path(f"/tmp/specdec-serve-{drafter}.log")) as url:
+            with specdec_server(serve, log=Path(tempfile.gettempdir()) / f"specdec-serve-{drafter}.log") as url:
                 rows += loadtest.report(name, drive(name, url, args.target, requests))
         for peer in peers:
             folder = converted_folder(args.target)
             k_peer = args.ngram_k if peer == "vllm-ngram" else 0
             with vllm_server(
-                args.vllm_python, folder, args.target, k_peer, log=Path(f"/tmp/specdec-{peer}.log")
+                args.vllm_python, folder, args.target, k_peer, log=Path(tempfile.gettempdir()) / f"specdec-{peer}.log"
             ) as url:
                 name = f"vLLM ngram k={k_peer}" if k_peer else "vLLM"
                 rows += loadtest.report(name, drive(name, url, args.target, requests))

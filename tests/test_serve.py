@@ -662,3 +662,17 @@ def test_specdec_serve_steps_the_batch_in_its_main_thread(model_dir, tiny):
         r = client(url).completions.create(model=str(model_dir), prompt=prompt, max_tokens=10, temperature=0)
     assert health["status"] == "ok"
     assert r.choices[0].text == greedy(tiny, tiny.encode(prompt), 10).text
+
+
+def test_loadtest_command_drives_a_running_server(served, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["loadtest", "--url", served, "--concurrency", "1,3", "--requests", "3", "--max-tokens", "4"]
+    assert main([*argv, "--workload", "humaneval", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| server | concurrent |" in printed and f"| {served} | 3 | 3 |" in printed
+    run = json.loads((out / "serving.json").read_text())
+    assert [r["concurrency"] for r in run["rows"]] == [1, 3]
+    assert all(r["failed"] == 0 and r["tokens"] == 12 and r["same_as_first"] == 3 for r in run["rows"])
+    assert "cpu" in run and run["max_tokens"] == 4
+    assert main(["loadtest", "--url", served, "--concurrency", "0"]) != 0
+    assert "--concurrency, --limit, --requests and --max-tokens must be >= 1" in capsys.readouterr().err
