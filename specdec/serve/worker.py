@@ -167,7 +167,7 @@ class Worker:
                 if not len(self.batch):
                     continue
                 step = self.batch.step()
-            except BaseException as e:  # never let the worker die, nor a client wait forever
+            except Exception as e:  # never let the worker die, nor a client wait forever (Ctrl-C still stops it)
                 log.exception("a batch step failed")
                 self._fail_all(ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
                 continue
