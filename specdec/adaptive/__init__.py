@@ -1,5 +1,5 @@
-"""Adaptive draft length (k = "auto"): the verify-cost curve (costs), the acceptance estimates
-(acceptance) and the per-round decision (policy)."""
+"""Adaptive draft length (k = "auto"): the verify-cost curve (costs), a batched forward's cost by
+rows (rowcosts), the acceptance estimates (acceptance) and the per-round decision (policy)."""
 
 from specdec.adaptive.acceptance import Acceptance, match_class
 from specdec.adaptive.costs import VerifyCosts

@@ -23,6 +23,9 @@ How the policy drafts:
 - when plain rounds win for a while, one depth of the usual draft is probed now and then
   (exponential back-off) to notice when drafting starts paying again.
 
+In a batch (specdec.batch) a drafted row costs what it adds to the batch's forward (shared_cost,
+after shared_rows other rows) and rho is at least the batch's rate (shared_rate): SmartSpec's
+goodput rule (Liu et al. 2024).
 Related work: SpecDec++ (Huang et al. 2024) and dynamic speculation lookahead (Mamou et al. 2024)
 choose the draft length per round; BanditSpec and SWIFT adapt online. Design and measurements:
 docs/adaptive-k.md.
