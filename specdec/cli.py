@@ -800,6 +800,7 @@ def _train(args) -> int:
         data=args.data,
         conversations=args.conversations,
         max_tokens=args.max_tokens,
+        exclude=tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name))),  # benchmarks unseen
     )
     last = summary["history"][-1]
     print(

@@ -221,13 +221,6 @@ def features_and_labels(
     return out
 
 
-def workload_texts() -> tuple[str, ...]:
-    """Every packaged benchmark prompt's text, kept out of training data."""
-    from specdec.bench.workloads import PACKAGED, load_workload, workload_path
-
-    return tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name)))
-
-
 def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
     """The n token ids the head may draft: those the target emits most in the data, then the
     lowest ids not chosen yet (BPE gives frequent merges low ids)."""
@@ -306,13 +299,14 @@ def train_head(
     data: str | None = None,
     conversations: int = 2000,
     max_tokens: int = 512,
+    exclude: tuple[str, ...] = (),
 ) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
 
     data: instead of steps 1-2, real conversations (specdec.train.conversations): "sharegpt" or a
     JSON / JSONL file; up to `conversations` of them, cut to max_tokens each, trained on their
-    assistant turns; the benchmark workloads' prompts are kept out. The source goes into the
-    head's metadata.
+    assistant turns, skipping any that contains one of the `exclude` texts (`specdec train` passes
+    every packaged benchmark prompt). The source goes into the head's metadata.
 
     taps: decoder layers (0-based) whose hidden states the head's first step also reads (EAGLE-3's
     fused low / middle / high features; DraftHead.default_taps gives EAGLE-3's choice); None or []
@@ -327,7 +321,7 @@ def train_head(
     LeanKVCache(target, capacity=1, taps=tuple(taps))  # refuses a layer the target lacks, before the answers
     torch.manual_seed(seed)
     if data is not None:
-        rows = conversation_rows(target, data, conversations, max_tokens, exclude=workload_texts(), seed=seed)
+        rows = conversation_rows(target, data, conversations, max_tokens, exclude=exclude, seed=seed)
         source = {"data": data, "conversations": len(rows), "max_tokens": max_tokens}
     else:
         rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
