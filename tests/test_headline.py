@@ -129,3 +129,31 @@ def test_the_readmes_table_is_the_one_results_gives():
     changing results/."""
     root = Path(__file__).resolve().parents[1]
     assert headline.main(["--results", str(root / "results"), "--readme", str(root / "README.md"), "--check"]) == 0
+
+
+def test_the_serving_table_sets_each_server_at_its_most_requests_beside_one_at_a_time(tmp_path):
+    def row(server, c, tps, same):
+        ms = {"p50": 10.0, "p99": 20.0}
+        return {
+            "server": server,
+            "concurrency": c,
+            "requests": 8,
+            "tokens_per_s": tps,
+            "ttft_ms": ms,
+            "same_as_first": same,
+        }
+
+    run = tmp_path / "results" / "serving_x"
+    run.mkdir(parents=True)
+    rows = [row("a", 1, 100.0, 8), row("a", 8, 250.0, 8), row("b", 1, 10.0, 8), row("b", 8, 60.0, 7)]
+    data = {"cpu": "Intel(R) Xeon(R)", "target": "m", "workload": "w", "max_tokens": 64, "rows": rows}
+    (run / "serving.json").write_text(json.dumps(data))
+    lines = headline.serving_table(tmp_path / "results", tmp_path).splitlines()[4:]
+    assert (
+        lines[0]
+        == "| [m, w, 64 tokens, Intel Xeon](results/serving_x/) | a | 100.0 | 8 | 250.0 | 2.50 | 10 / 20 | 8/8 |"
+    )
+    assert lines[1] == "|  | b | 10.0 | 8 | 60.0 | 6.00 | 10 / 20 | 7/8 |"
+    assert headline.serving_table(tmp_path / "none", tmp_path) is None
+    readme = "x\n<!-- serving:begin -->\nold\n<!-- serving:end -->\n"
+    assert "| a | 100.0 |" in headline.splice_serving(readme, headline.serving_table(tmp_path / "results", tmp_path))
