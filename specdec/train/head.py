@@ -45,7 +45,10 @@ class DraftHead(nn.Module):
 
     config: hidden (d), heads, kv_heads, head_dim, intermediate, rope_theta, eps, target (name of
     the model it was trained on), taps (decoder layers whose outputs the first step also reads;
-    absent or [] for none). vocab_ids: (N,) long, the token ids it can draft.
+    absent or [] for none), input_norm (whether the layer RMS-normalises fc's output before
+    attention; EAGLE-1 and vLLM's EagleLlamaForCausalLM do not, so heads made by `for_target` do not;
+    absent means true, as in heads made before it existed). vocab_ids: (N,) long, the token ids it
+    can draft.
     """
 
     def __init__(self, config: dict, vocab_ids: torch.Tensor):
@@ -56,7 +59,8 @@ class DraftHead(nn.Module):
         self.taps = tuple(config.get("taps") or ())
         self.fuse = nn.Linear((1 + len(self.taps)) * d, d, bias=False) if self.taps else None
         self.fc = nn.Linear(2 * d, d, bias=False)
-        self.norm_in = nn.Parameter(torch.ones(d))
+        # EAGLE-1's layer reads fc's output as it is; heads made before export-head normalised it first
+        self.norm_in = nn.Parameter(torch.ones(d)) if config.get("input_norm", True) else None
         self.qkv = nn.Linear(d, (h + 2 * kv) * hd, bias=False)
         self.o = nn.Linear(h * hd, d, bias=False)
         self.norm_post = nn.Parameter(torch.ones(d))
@@ -89,6 +93,7 @@ class DraftHead(nn.Module):
             "eps": float(c.rms_norm_eps),
             "target": model.name,
             "taps": list(taps or []),
+            "input_norm": False,
         }
         head = cls(config, vocab_ids)
         a, m = last.self_attn, last.mlp
@@ -97,7 +102,6 @@ class DraftHead(nn.Module):
             head.o.weight.copy_(a.o_proj.weight)
             head.gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
             head.down.weight.copy_(m.down_proj.weight)
-            head.norm_in.copy_(last.input_layernorm.weight)
             head.norm_post.copy_(last.post_attention_layernorm.weight)
             d = c.hidden_size
             head.fc.weight.mul_(0.1)
@@ -125,7 +129,7 @@ class DraftHead(nn.Module):
         """(T, d) input features: the target's (T, (1 + len(taps)) d) features fused by `fuse`
         (the tapped layers' hidden states RMS-normalised first), or (T, d) ones as they are (the
         final feature alone, or the head's own prediction)."""
-        d = self.norm_in.shape[0]
+        d = self.config["hidden"]
         if features.shape[-1] == d:
             return features
         if self.fuse is None or features.shape[-1] != d * (1 + len(self.taps)):
@@ -143,9 +147,8 @@ class DraftHead(nn.Module):
         T, hd = features.shape[0], self.head_dim
         x = self.fc(torch.cat([embeds, self.fused(features)], dim=-1))
         cos, sin = rope(self.inv_freq, start, start + T, x.dtype)
-        qk, v = self.qkv(F.rms_norm(x, (x.shape[-1],), self.norm_in, self.eps)).split(
-            ((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1
-        )
+        normed = x if self.norm_in is None else F.rms_norm(x, (x.shape[-1],), self.norm_in, self.eps)
+        qk, v = self.qkv(normed).split(((self.n_heads + self.n_kv) * hd, self.n_kv * hd), dim=-1)
         qk = rotate(qk.reshape(T, self.n_heads + self.n_kv, hd), cos, sin)
         return x, qk[:, : self.n_heads], qk[:, self.n_heads :], v.reshape(T, self.n_kv, hd)
 
@@ -222,7 +225,7 @@ class HeadCache:
 
     def __init__(self, head: DraftHead, capacity: int = 256):
         self.head = head
-        self.k = torch.empty(head.n_kv, capacity, head.head_dim, device=head.norm_in.device)
+        self.k = torch.empty(head.n_kv, capacity, head.head_dim, device=head.inv_freq.device)
         self.v = torch.empty_like(self.k)
 
     def reserve(self, start: int, end: int) -> None:
