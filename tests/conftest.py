@@ -38,9 +38,12 @@ def make_model(
     eos: frozenset[int] = frozenset(),
     n_ctx: int = N_CTX,
     name: str | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
 ) -> Model:
-    """A 2-layer random model. eos is empty by default so runs have a known length. "gemma3" has a
-    sliding-window layer (window 8) followed by a full-attention one, as Gemma 3 does."""
+    """A 2-layer random model, hidden size 64. eos is empty by default so runs have a known length.
+    "gemma3" has a sliding-window layer (window 8) followed by a full-attention one, as Gemma 3
+    does."""
     cls_cfg = {
         "llama": (LlamaForCausalLM, LlamaConfig),
         "qwen2": (Qwen2ForCausalLM, Qwen2Config),
@@ -54,8 +57,8 @@ def make_model(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=n_ctx,
         bos_token_id=1,
         eos_token_id=EOS,

