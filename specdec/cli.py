@@ -429,7 +429,9 @@ def _parser() -> argparse.ArgumentParser:
         "vllm-eagle",
         help="run a draft head exported as EAGLE-1 in vLLM beside specdec's eagle drafter: outputs and acceptance",
     )
-    ve.add_argument("--target", default="smollm2-135m", help="a registry name (default: smollm2-135m)")
+    ve.add_argument(
+        "--target", default="smollm2-135m", help="a registry name or Hugging Face folder (default: smollm2-135m)"
+    )
     ve.add_argument("--head", type=Path, help="a head file (default: the target's, from `specdec train` or shipped)")
     ve.add_argument("--workload", default="spec-bench", help="packaged name or .jsonl path (default spec-bench)")
     ve.add_argument(
@@ -830,8 +832,12 @@ def _vllm_eagle(args) -> int:
     from specdec.models.weights import converted_folder
     from specdec.train.head import HeadError, find_head
 
-    if args.target not in REGISTRY:
-        raise ValueError(f"vllm-eagle runs registry models (vLLM reads their converted folder); got {args.target!r}")
+    if args.target in REGISTRY:
+        folder = converted_folder(args.target, args.cache_dir)  # vLLM's CPU backend runs no GGUF blocks
+    elif (Path(args.target) / "config.json").is_file():
+        folder = Path(args.target)
+    else:
+        raise ValueError(f"vllm-eagle runs a registry model or a local Hugging Face folder; got {args.target!r}")
     hf_logging.disable_progress_bar()
     target = load_model(args.target, dtype=torch.float32, cache=args.cache_dir)
     head = args.head or find_head(target.name, args.cache_dir)
@@ -839,10 +845,11 @@ def _vllm_eagle(args) -> int:
         raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target {args.target}`")
     workload = workload_path(args.workload)
     prompts = load_workload(workload, args.categories.split(","), args.limit)
-    ids = [target.encode(p.text, chat=p.chat) for p in prompts]
+    chat = bool(getattr(target.tokenizer, "chat_template", None))
+    ids = [target.encode(p.text, chat=p.chat and chat) for p in prompts]
     result = vllm_eagle.compare(
         target,
-        converted_folder(args.target, args.cache_dir),
+        folder,
         Path(head),
         ids,
         args.vllm_python,
