@@ -173,5 +173,8 @@ def report(result: dict, cpu: str, workload: str, target: str) -> str:
             "(same weights, different kernels: fp32 rounding can tip a near-tie). The engines count the ends of a "
             "generation differently, by at most one round per prompt (specdec.bench.vllm_eagle).",
             "",
+            f"vLLM's wall time over the prompts, one at a time: plain {v['plain_seconds']:.1f} s, with the head "
+            f"{v['eagle_seconds']:.1f} s ({v['plain_seconds'] / v['eagle_seconds']:.2f}x).",
+            "",
         ]
     )
