@@ -8,10 +8,9 @@ after token t) and e(x_{t+1}) (the embedding of the next token), concatenated (2
 to d by `fc`, then one Llama decoder layer (RoPE attention over the earlier positions of the head's
 own KV cache, SwiGLU MLP) that, as EAGLE-1's does, attends over fc's output without normalising it
 first (config input_norm; specdec.train.export writes such heads for vLLM and SGLang); its output
-is f^_{t+1}. Drafting applies the target's output
-layer to f^_{t+1}, restricted to `vocab_ids` (the N most useful tokens, as FR-Spec and EAGLE-3
-do, so a draft step reads N rows of the output layer instead of all), and feeds (f^_{t+1}, e(drafted
-token)) back in for the next step.
+is f^_{t+1}. Drafting applies the target's output layer to f^_{t+1}, restricted to `vocab_ids`
+(the N most useful tokens, as FR-Spec and EAGLE-3 do, so a draft step reads N rows of the output
+layer instead of all), and feeds (f^_{t+1}, e(drafted token)) back in for the next step.
 
 Files: `save_head` writes safetensors (weights in bf16 to stay small; vocab ids) with the
 architecture in its metadata, atomically; `load_head` reads them back in fp32 and checks the
