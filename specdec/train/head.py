@@ -79,8 +79,9 @@ class DraftHead(nn.Module):
     @classmethod
     def for_target(cls, model, vocab_ids: torch.Tensor, taps: list[int] | None = None) -> DraftHead:
         """A fresh head shaped like the target (a Llama-family specdec Model): its decoder layer
-        starts as a copy of the target's last one and fc passes the feature through, a better
-        start than random. taps: decoder layers (0-based) whose outputs the first step also reads
+        starts as a copy of the target's last one (the copied input norm folded into q, k and v;
+        o and down at zero, so the layer starts by adding nothing) and fc passes the feature
+        through, a better start than random. taps: decoder layers (0-based) whose outputs the first step also reads
         (default none); fuse starts by passing the final feature through and ignoring them."""
         c, last = model.hf.config, model.hf.model.layers[-1]
         hd, theta = attention_shape(c)
@@ -104,6 +105,14 @@ class DraftHead(nn.Module):
             head.gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
             head.down.weight.copy_(m.down_proj.weight)
             head.norm_post.copy_(last.post_attention_layernorm.weight)
+            # EAGLE-1's layer attends over fc's output unnormalised: fold the copied layer's input norm,
+            # over the typical size of a feature (the final norm's weights' RMS; features are final-normed),
+            # into q, k and v; and start its residual branches at zero (the copied ones write at the scale
+            # of the target's residual stream, far larger than a feature's), so the head starts as fc
+            final = model.hf.model.norm.weight
+            head.qkv.weight.mul_(last.input_layernorm.weight / final.pow(2).mean().sqrt())
+            head.o.weight.zero_()
+            head.down.weight.zero_()
             d = c.hidden_size
             head.fc.weight.mul_(0.1)
             head.fc.weight[:, d:] += torch.eye(d)
