@@ -832,6 +832,8 @@ def _vllm_eagle(args) -> int:
     from specdec.models.weights import converted_folder
     from specdec.train.head import HeadError, find_head
 
+    if args.k < 1:
+        raise ValueError(f"-k must be at least 1 (vLLM's num_speculative_tokens), got {args.k}")
     if args.target in REGISTRY:
         folder = converted_folder(args.target, args.cache_dir)  # vLLM's CPU backend runs no GGUF blocks
     elif (Path(args.target) / "config.json").is_file():

