@@ -21,11 +21,13 @@ machines with different CPUs wants TORCH_EXTENSIONS_DIR set per machine.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from specdec.errors import KernelBuildError
 
 SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
+HEADERS = sorted((Path(__file__).parent / "csrc" / "quant").glob("*.h"))  # included by SOURCE, one header a concern
 
 # GGML type ids (ggml.h) the kernels multiply in their blocks; other types are dequantized to fp32 at load.
 TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
@@ -44,10 +46,12 @@ def kernels():
             from specdec.backends.gemv import _ninja_on_path
 
             _ninja_on_path()
+            # torch's loader rebuilds when the sources or the flags change: the headers' digest is a flag
+            digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
             _module = load(
                 "specdec_quant",
                 [str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", f"-DSPECDEC_HEADERS={digest}"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

@@ -1,0 +1,157 @@
+// Shared by every kernel: 16-lane vectors, their fixed-order sums, e^x, the GGML types' block sizes.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float vec __attribute__((vector_size(64)));  // 16 fp32 lanes
+typedef int32_t ivec __attribute__((vector_size(64)));
+
+constexpr int L = 16;  // lanes
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+inline vec splat(float s) { return vec{} + s; }
+
+inline vec fma(vec a, vec b, vec c) {  // a * b + c, rounded once
+#if defined(__AVX512F__)
+  return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  typedef float half __attribute__((vector_size(32)));
+  half lo = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                            __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                            __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  half hi = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                            __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                            __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  vec r;
+  for (int i = 0; i < L; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+inline float lane_sum(vec a) {
+  typedef float half __attribute__((vector_size(32)));
+  typedef float quarter __attribute__((vector_size(16)));
+  half h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// x . y over n floats: 16-lane fused multiply-adds in order, then the tail one by one.
+inline float dot(const float* x, const float* y, int64_t n) {
+  vec acc = {};
+  int64_t i = 0;
+  for (; i + L <= n; i += L) acc = fma(load(x + i), load(y + i), acc);
+  float s = lane_sum(acc);
+  for (; i < n; ++i) s = std::fma(x[i], y[i], s);
+  return s;
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// e^x for 16 lanes (Cody-Waite range reduction, degree-6 polynomial; relative error about 2e-7).
+// Our own so that its bits never depend on which library routine or vector width runs it.
+inline vec vexp(vec x) {
+  const vec hi = splat(88.0f), lo = splat(-87.0f);
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  const vec magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vec n = fma(x, splat(1.44269504088896341f), magic) - magic;
+  vec r = fma(n, splat(-0.693359375f), x);
+  r = fma(n, splat(2.12194440e-4f), r);
+  vec p = splat(1.9875691500e-4f);
+  p = fma(p, r, splat(1.3981999507e-3f));
+  p = fma(p, r, splat(8.3334519073e-3f));
+  p = fma(p, r, splat(4.1665795894e-2f));
+  p = fma(p, r, splat(1.6666665459e-1f));
+  p = fma(p, r, splat(5.0000001201e-1f));
+  p = fma(p, r * r, r) + splat(1.0f);
+  ivec e = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return p * scale;
+}
+
+inline float sexp(float x) {  // the same e^x for one value, through lane 0
+  vec v = splat(x);
+  return vexp(v)[0];
+}
+
+
+enum Type : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+struct Layout {
+  int64_t block;  // elements per block
+  int64_t bytes;  // bytes per block
+};
+
+inline Layout layout(int64_t type) {
+  switch (type) {
+    case F32: return {32, 128};
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "specdec quant: unsupported GGML type ", type);
+}
+
+// 16 bytes widened to 16 int32 lanes, unsigned or signed.
+inline ivec widen_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  ivec v;
+  for (int i = 0; i < L; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+inline ivec widen_s8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  ivec v;
+  for (int i = 0; i < L; ++i) v[i] = static_cast<int8_t>(p[i]);
+  return v;
+#endif
+}
+inline vec to_float(ivec v) { return __builtin_convertvector(v, vec); }
+inline ivec lanes_from(int start) {
+  ivec v;
+  for (int i = 0; i < L; ++i) v[i] = start + i;
+  return v;
+}
+
+}  // namespace

@@ -1,0 +1,136 @@
+// matmul: x W^T over stacked parts of any handled type, each part on its fastest batch-invariant kernel.
+#pragma once
+
+#include "fp32.h"
+#include "int8_x8.h"
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool HAS_Q8 = true;
+#else
+constexpr bool HAS_Q8 = false;
+#endif
+
+// x: (M, K) fp32; parts: matrices (N_p, row_bytes) uint8 of GGML types `types`, each with K columns;
+// bias: (sum N_p,) fp32 or None. Returns (M, sum N_p) = x W^T + b, W the parts stacked and
+// dequantized. Each output is one thread's dot product in a fixed order, so its bits do not depend
+// on M, on the other rows, or on the thread count.
+torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types,
+                     c10::optional<torch::Tensor> bias, bool int8) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quant.matmul: x must be (M, K) fp32");
+  TORCH_CHECK(parts.size() == types.size() && !parts.empty(), "quant.matmul: one type per part");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> offsets{0};
+  bool grouped = false;  // any part regrouped eight rows at a time: threads then take whole groups
+  for (size_t p = 0; p < parts.size(); ++p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (const int64_t group_bytes = regrouped_bytes(types[p], K)) {
+      TORCH_CHECK(int8, "quant.matmul: a regrouped part needs int8 activations");
+      TORCH_CHECK(K % (types[p] == Q4_K_X8 ? 256 : 32) == 0 && parts[p].dim() == 2 &&
+                      parts[p].scalar_type() == torch::kUInt8 && parts[p].is_contiguous() &&
+                      parts[p].size(1) == group_bytes,
+                  "quant.matmul: part ", p, " must be repack's (N / 8, ", group_bytes, ")");
+      offsets.push_back(offsets.back() + 8 * parts[p].size(0));
+      grouped = true;
+      continue;
+    }
+#endif
+    const Layout lay = layout(types[p]);
+    TORCH_CHECK(K % lay.block == 0, "quant.matmul: K = ", K, " is not a multiple of the block size ", lay.block);
+    TORCH_CHECK(parts[p].dim() == 2 && parts[p].scalar_type() == torch::kUInt8 && parts[p].is_contiguous() &&
+                    parts[p].size(1) == K / lay.block * lay.bytes,
+                "quant.matmul: part ", p, " must be contiguous uint8 (N, ", K / lay.block * lay.bytes, ")");
+    offsets.push_back(offsets.back() + parts[p].size(0));
+  }
+  const int64_t N = offsets.back();
+  for (int64_t o : offsets)
+    TORCH_CHECK(!grouped || o % 8 == 0, "quant.matmul: with a regrouped part, every part's rows must come in eights");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
+                "quant.matmul: bias must be contiguous fp32 (", N, ",)");
+    b = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  auto y = torch::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  TORCH_CHECK(!int8 || HAS_Q8, "quant.matmul: int8 activations need AVX512-VNNI (see int8_available())");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  QRows qx;
+  std::vector<std::vector<int32_t>> biases(129);  // by offset: -offset * sum4, row after row
+  KRows kx;
+  bool legacy = false, super = false;
+  for (int64_t t : types) (t == Q4_K || t == Q6_K || t == Q4_K_X8 ? super : legacy) |= t != F32;
+  if (int8 && super) quantize_rows_k(xp, M, K, kx);
+  if (int8 && legacy) {
+    quantize_rows(xp, M, K, qx);
+    for (int64_t t : types) if (!regrouped_bytes(t, K)) dispatch(t, [&]<int64_t type>() {
+        constexpr int32_t o = offset_of<type>();
+        if (type == F32 || o == 0 || !biases[o].empty()) return;
+        biases[o].resize(qx.sum4.size());
+        for (size_t i = 0; i < qx.sum4.size(); ++i) biases[o][i] = -o * qx.sum4[i];
+      });
+  }
+#endif
+  const int64_t unit = grouped ? 8 : 1;  // rows a thread takes together
+  at::parallel_for(0, N / unit, 16 / unit, [&](int64_t begin_unit, int64_t end_unit) {
+    const int64_t begin = begin_unit * unit, end = end_unit * unit;
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const int64_t lo = std::max(begin, offsets[p]), hi = std::min(end, offsets[p + 1]);
+      if (lo >= hi) continue;
+      const int64_t row_bytes = parts[p].size(1);
+      const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes;  // regrouped parts
+      if (types[p] == Q4_1_X8)
+        part_outputs_lx8<Q4_1_X8>(groups, row_bytes, lo, hi, qx, yp, N);
+      else if (types[p] == Q8_0_X8)
+        part_outputs_lx8<Q8_0_X8>(groups, row_bytes, lo, hi, qx, yp, N);
+      else if (types[p] == Q4_K_X8)
+        part_outputs_x8(groups, row_bytes, lo, hi, kx, yp, N);
+      else
+#endif
+      dispatch(types[p], [&]<int64_t t>() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if constexpr (t == Q4_K || t == Q6_K) {
+          if (int8) {
+            part_outputs_k<t>(rows, row_bytes, lo, hi, kx, yp, N);
+            return;
+          }
+        } else if constexpr (t != F32) {
+          if (int8) {
+            constexpr int32_t o = offset_of<t>();
+            part_outputs_q8<t>(rows, row_bytes, lo, hi, qx, o ? biases[o].data() : nullptr, yp, N);
+            return;
+          }
+        }
+#endif
+        part_outputs<t>(rows, row_bytes, lo, hi, K, xp, M, yp, N);
+      });
+      if (b)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = lo; j < hi; ++j) yp[m * N + j] += b[j];
+    }
+  });
+  return y;
+}
+
+// Rows `ids` of a (V, row_bytes) matrix of GGML type `type` with K columns, dequantized: (n, K) fp32.
+torch::Tensor dequantize_rows(torch::Tensor w, int64_t type, int64_t K, torch::Tensor ids) {
+  const Layout lay = layout(type);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && K % lay.block == 0 &&
+                  w.size(1) == K / lay.block * lay.bytes,
+              "quant.dequantize_rows: bad weight");
+  ids = ids.to(torch::kLong).contiguous();
+  const int64_t n = ids.numel(), V = w.size(0);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(0 <= idp[i] && idp[i] < V, "token id ", idp[i], " out of range [0, ", V, ")");
+  auto out = torch::empty({n, K}, torch::kFloat);
+  for (int64_t i = 0; i < n; ++i) decode_row(type, w.data_ptr<uint8_t>() + idp[i] * w.size(1), K, out.data_ptr<float>() + i * K);
+  return out;
+}
+
+}  // namespace
