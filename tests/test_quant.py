@@ -186,22 +186,24 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
 
 
 @needs_int8
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("shape", ["short", "blocked"])
-def test_parts_regrouped_eight_rows_at_a_time_are_the_same_product_and_batch_invariant(qtype, shape):
-    """repack regroups Q4_K, Q4_1 and Q8_0 rows eight at a time for the int8 kernels: the product is
-    the quantized activations times gguf's dequantization, within fp32 rounding; each row invariant
-    to the batch and threads; stacked after a part that goes a row at a time (Q6_K, as in Qwen's
-    qkv; Q5_0) and with a bias, each part's outputs unchanged. "blocked": enough weight rows that
+def test_parts_regrouped_sixteen_rows_at_a_time_are_the_same_product_and_batch_invariant(qtype, shape):
+    """repack regroups every quantized type's rows sixteen at a time for the int8 kernels: the product
+    is the quantized activations times gguf's dequantization, within fp32 rounding; each row invariant
+    to the batch (1..19 rows: tiles of 8 and a remainder) and threads; stacked after a part that goes
+    a row at a time and with a bias, each part's outputs unchanged. "blocked": enough weight rows that
     prefill's blocking over the weights takes several blocks; 160: an odd number of 32-blocks."""
     super_block = _block(qtype)[0] == 256
-    K, N = {(True, "short"): (512, 40), (True, "blocked"): (2560, 160)}.get(
-        (super_block, shape), (160, 40) if shape == "short" else (1184, 400)
+    K, N = {(True, "short"): (512, 48), (True, "blocked"): (2560, 160)}.get(
+        (super_block, shape), (160, 48) if shape == "short" else (1184, 400)
     )
     raw = random_blocks(qtype, N, K, seed=16)
     w = reference(qtype, raw)
     packed, xtype = kernels().repack(torch.from_numpy(raw), TYPES[qtype], K)
-    assert packed.shape[0] == N // 8 and xtype not in TYPES.values()
+    assert packed.shape[0] == N // 16 and xtype not in TYPES.values()
+    # the same bytes reordered; Q4_K's 6-bit scales and minimums become bytes (148 for 144 a row)
+    assert packed.numel() == (raw.size // 144 * 148 if qtype == "Q4_K" else raw.size)
     x = torch.randn(19, K, generator=torch.Generator().manual_seed(17))
     x[:, 5] *= 40
     y = matmul(x, [packed], [xtype], int8=True)
@@ -210,37 +212,42 @@ def test_parts_regrouped_eight_rows_at_a_time_are_the_same_product_and_batch_inv
     scale = xq.abs() @ w.double().abs().T
     assert ((y.double() - want).abs() <= 2e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
     assert_rows_invariant(lambda rows: matmul(rows, [packed], [xtype], int8=True), x, max_n=19)
-    kind = "Q6_K" if super_block else "Q5_0"
-    other = torch.from_numpy(random_blocks(kind, 8, K, seed=18))
-    bias = torch.randn(N + 8, generator=torch.Generator().manual_seed(19))
+    kind = "Q6_K" if super_block else "Q5_0"  # row at a time: sixteen rows not regrouped
+    other = torch.from_numpy(random_blocks(kind, 16, K, seed=18))
+    bias = torch.randn(N + 16, generator=torch.Generator().manual_seed(19))
     both = matmul(x, [other, packed], [TYPES[kind], xtype], bias, int8=True)
     assert torch.equal(both, torch.cat([matmul(x, [other], [TYPES[kind]], int8=True), y], dim=1) + bias)
     assert_rows_invariant(lambda rows: matmul(rows, [other, packed], [TYPES[kind], xtype], bias, True), x)
     with pytest.raises(RuntimeError, match="int8"):
         matmul(x, [packed], [xtype])
-    with pytest.raises(RuntimeError, match="eight"):
-        kernels().repack(torch.from_numpy(raw[:12]), TYPES[qtype], K)
-    assert kernels().repack(torch.from_numpy(random_blocks("Q5_0", 8, 160, seed=1)), TYPES["Q5_0"], 160) is None
+    with pytest.raises(RuntimeError, match="sixteen"):
+        kernels().repack(torch.from_numpy(raw[:24]), TYPES[qtype], K)
+    with pytest.raises(RuntimeError, match="sixteens"):  # a row-at-a-time part of 8 rows before a regrouped one
+        matmul(x, [other[:8], packed], [TYPES[kind], xtype], int8=True)
+    assert kernels().repack(fp32_part(torch.randn(16, 64)), TYPES["F32"], 64) is None
 
 
 @needs_int8
-def test_quant_linear_repacks_q4k_parts_and_keeps_the_raw_rows():
+def test_quant_linear_repacks_parts_in_sixteens_and_keeps_the_raw_rows():
     K = 512
-    raws = [random_blocks("Q4_K", 24, K, seed=11), random_blocks("Q6_K", 8, K, seed=12)]
+    raws = [random_blocks("Q4_K", 32, K, seed=11), random_blocks("Q6_K", 16, K, seed=12)]
     parts = [
-        QTensor("w", t, (24 if t == "Q4_K" else 8, K), torch.from_numpy(r)) for t, r in zip(("Q4_K", "Q6_K"), raws)
+        QTensor("w", t, (32 if t == "Q4_K" else 16, K), torch.from_numpy(r)) for t, r in zip(("Q4_K", "Q6_K"), raws)
     ]
     linear = QuantLinear(parts, int8=True)
-    packed, xtype = kernels().repack(parts[0].data, TYPES["Q4_K"], K)
-    assert linear.types == [xtype, TYPES["Q6_K"]] and linear.raw[0] is parts[0].data
+    regrouped = [kernels().repack(p.data, TYPES[p.qtype], K) for p in parts]
+    assert linear.types == [xtype for _, xtype in regrouped] and linear.raw[0] is parts[0].data
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(13))
-    assert torch.equal(linear(x)[:, :24], matmul(x, [packed], [xtype], int8=True))
+    assert torch.equal(linear(x)[:, :32], matmul(x, [regrouped[0][0]], [regrouped[0][1]], int8=True))
+    assert torch.equal(linear(x)[:, 32:], matmul(x, [regrouped[1][0]], [regrouped[1][1]], int8=True))
     assert QuantLinear(parts, int8=False).types == [TYPES["Q4_K"], TYPES["Q6_K"]]  # fp32 activations: as in the file
-    legacy = [QTensor("w", t, (8, K), torch.from_numpy(random_blocks(t, 8, K, seed=20))) for t in ("Q4_1", "Q8_0")]
-    regrouped = [kernels().repack(p.data, TYPES[p.qtype], K)[1] for p in legacy]
-    assert QuantLinear(legacy, int8=True).types == regrouped and len(set(regrouped)) == 2
-    odd = [QTensor("w", "Q4_K", (20, K), torch.from_numpy(raws[0][:20]))]
-    assert QuantLinear(odd, int8=True).types == [TYPES["Q4_K"]]  # rows not in eights: not repacked
+    legacy = [QTensor("w", t, (16, K), torch.from_numpy(random_blocks(t, 16, K, seed=20))) for t in QTYPES[:5]]
+    types = [kernels().repack(p.data, TYPES[p.qtype], K)[1] for p in legacy]
+    assert QuantLinear(legacy, int8=True).types == types and len(set(types)) == 5
+    odd = [QTensor("w", "Q4_K", (24, K), torch.from_numpy(raws[0][:24]))]
+    assert QuantLinear(odd, int8=True).types == [TYPES["Q4_K"]]  # rows not in sixteens: not repacked
+    mixed = [parts[1], QTensor("w", "Q4_K", (8, K), torch.from_numpy(raws[0][:8]))]
+    assert QuantLinear(mixed, int8=True).types == [TYPES["Q6_K"], TYPES["Q4_K"]]  # one part not in sixteens: none
 
 
 def test_matmul_over_parts_of_different_types_with_a_bias():

@@ -33,8 +33,8 @@ class QuantLinear:
     specdec.models.gguf.QTensor with K columns) and b the concatenation of their biases (fp32 or
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
     dequantized to fp32 because the kernels do not handle their type, and, with int8 activations
-    (`int8`) and `repack`, of Q4_K, Q4_1 and Q8_0 parts whose rows come in eights, regrouped eight
-    rows at a time for the faster kernels. mapped(tensor) says whether a part lies in a file's
+    (`int8`) and `repack`, of the parts of a matrix whose parts' rows all come in sixteens,
+    regrouped sixteen rows at a time for the faster kernels. mapped(tensor) says whether a part lies in a file's
     memory map; the pages of a regrouped part that does are released. `raw` keeps the parts as
     given (for dequantize_rows)."""
 
@@ -66,10 +66,10 @@ class QuantLinear:
         self.raw, self.raw_types = list(self.data), list(self.types)
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
-        if int8 and repack and all(p.shape[0] % 8 == 0 for p in parts):
+        if int8 and repack and all(p.shape[0] % 16 == 0 for p in parts):
             for i, t in enumerate(self.types):
                 regrouped = self.kernels.repack(self.data[i], t, self.in_features)
-                if regrouped is None:  # a type that goes a row at a time
+                if regrouped is None:  # F32 goes a row at a time
                     continue
                 self.data[i], self.types[i] = regrouped
                 if mapped is not None and mapped(self.raw[i]):  # its file pages: no longer read
@@ -193,6 +193,12 @@ class QuantModel:
         """Rows `ids` (n,) of the output layer's weight, dequantized: (n, hidden) fp32 (a draft head's
         vocabulary)."""
         return self.kernels.dequantize_rows(self.lm_head.raw[0], self.lm_head.raw_types[0], self.hidden_size, ids)
+
+    def macs_per_row(self) -> int:
+        """Multiply-adds one row (one token) of a forward does in the matrices, the output layer
+        included: the sum of their rows times columns."""
+        matrices = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(m.out_features * m.in_features for m in matrices + [self.lm_head])
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads: every matrix in its blocks, the output layer included,

@@ -198,6 +198,15 @@ def _costs(pair: dict) -> list[str]:
             f"here that takes at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
             f"V({widest}) {frac[widest]:.0%}.",
         ]
+    row = costs.get("row_cost")
+    if row:
+        out += [
+            "",
+            f"An added row ({row['kernel']} kernel): {_ms(row['marginal_ms'])} ms (the slope of V(n)); its "
+            f"{row['macs_per_row'] / 1e6:.0f} M multiply-adds take {_ms(row['peak_ms'])} ms at the "
+            f"{row['peak_gmacs']:.0f} G/s this CPU's product instruction reached alone"
+            + (f": {row['fraction']:.0%} of that peak." if row.get("fraction") else "."),
+        ]
     if pair.get("products"):
         out += ["", f"Matrix products (fp32, CPU): {pair['products']}."]
     elif pair.get("kernel"):

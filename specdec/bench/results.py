@@ -50,7 +50,10 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                        "weights": str,  # what weight_mb is: the model's precision (quantized blocks for
                                         # "gguf ..."; absent in older files)
                        "fraction": {"1": float, ...},   # floor_ms / V(n)
-                       "screened_output_layer": bool}   # greedy read the output layer in bf16 (specdec.backends.screen)
+                       "screened_output_layer": bool},  # greedy read the output layer in bf16 (specdec.backends.screen)
+          "row_cost": {"kernel": "vnni" | "fp32", "macs_per_row": int, "peak_gmacs": float,  # specdec.bench.rowcost;
+                       "marginal_ms": float, "peak_ms": float, "fraction": float | null} | null  # null off the
+                                        # quantized backend (absent in older files)
         },
         "prompts": [{                   # raw measurements, one per prompt
           "id": str, "category": str, "prompt_tokens": int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,10 +19,29 @@ from specdec.backends.lean import weight_bytes
 from specdec.models.load import Model, synchronize
 
 
-def memory_bandwidth_gbs(device: torch.device = torch.device("cpu"), size_mb: int = 256, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s of `device`'s memory: the median time to sum a size_mb fp32 tensor
-    (larger than the CPU's caches; on a GPU, larger than its L2), with torch's current thread count
-    on the CPU."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports (/sys/devices/system/cpu/cpu0/cache), in bytes; 0 if none."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()  # e.g. "32768K"
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        if text.rstrip("KMG").isdigit():
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=0)
+
+
+def memory_bandwidth_gbs(
+    device: torch.device = torch.device("cpu"), size_mb: int | None = None, repeats: int = 5
+) -> float:
+    """Read bandwidth in GB/s of `device`'s memory: the median time to sum a size_mb fp32 tensor, by
+    default 256 MB or four times the CPU's last-level cache if that is larger (some VMs report
+    hundreds of MB), so that memory, not a cache, delivers it (on a GPU, 256 MB: larger than its L2),
+    with torch's current thread count on the CPU."""
+    if size_mb is None:
+        size_mb = 256 if device.type != "cpu" else max(256, 4 * last_level_cache_bytes() // 2**20)
     x = torch.ones(size_mb * 2**20 // 4, device=device)
     x.sum()  # first touch
     times = []

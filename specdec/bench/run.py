@@ -42,6 +42,7 @@ from specdec.bench.replay import controller, replayable
 from specdec.bench.replay import replay as replay_run
 from specdec.bench.results import SCHEMA
 from specdec.bench.roofline import memory_bandwidth_gbs, roofline
+from specdec.bench.rowcost import row_cost
 from specdec.bench.workloads import Prompt
 from specdec.cache import common_prefix, new_cache
 from specdec.drafters import Drafter
@@ -300,6 +301,7 @@ def bench_pair(
             generate(target, encoded[0], d, k=max(cost_ks), **{**run, "max_new_tokens": 8})
     if bandwidth_gbs:
         costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=greedy)
+    costs["row_cost"] = row_cost(target, costs["verify_ms"])
 
     # llama.cpp allocates its whole KV cache up front: room for the longest prompt and its output
     peer_ctx = min(target.n_ctx, -(-(max(map(len, encoded)) + max_new_tokens + peer_k + 16) // 256) * 256)

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "quant/layers.h"
+#include "quant/peak.h"
 
 
 // The long-running functions release the GIL (as torch's own ops do), so that a server's other
@@ -43,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const uintptr_t lo = (start + page - 1) / page * page, hi = (start + t.nbytes()) / page * page;
         if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
       }, "drop the resident pages of a memory-mapped tensor (never call it on other memory)");
+  m.def("peak", &peak, "multiply-adds per second of the CPU's int8 (VNNI) or fp32 product instruction, measured",
+        py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("iterations") = 2000000);
   m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX512-VNNI)");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32",
         py::call_guard<py::gil_scoped_release>());

@@ -39,6 +39,8 @@ struct QRows {
   std::vector<float> sum4f;   // (M, chunks * 16): the lane's scale times sum4
   std::vector<float> block_scale;  // (M, K / 32): the scale of each 32-block
   std::vector<int32_t> block_sum;  // (M, K / 32): the sum of its int8 values
+  std::vector<float> block_scaled_sum;  // (M, K / 32): block_scale * float(block_sum), a minimum's factor
+  std::vector<int32_t> offset_sum[3];   // (M, K / 32) each: -offset * block_sum for the offsets 8, 16, 128
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
@@ -52,6 +54,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
   r.sum4f.resize(M * lanes);
   r.block_scale.resize(M * (K / 32));
   r.block_sum.resize(M * (K / 32));
+  r.block_scaled_sum.resize(M * (K / 32));
+  for (auto& o : r.offset_sum) o.resize(M * (K / 32));
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       int8_t* q = r.q.data() + m * width;
@@ -67,7 +71,13 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtsepi32_epi8(v1));
         for (int l = 0; l < 8; ++l) s[8 * b + l] = d;  // block b's 32 values are lanes 8b..8b+7
         r.block_scale[m * (K / 32) + b] = d;
-        r.block_sum[m * (K / 32) + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));  // |v| <= 127: the bytes
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));  // |v| <= 127: the bytes
+        const int64_t at = m * (K / 32) + b;
+        r.block_sum[at] = sum;
+        r.block_scaled_sum[at] = d * static_cast<float>(sum);
+        r.offset_sum[0][at] = -8 * sum;
+        r.offset_sum[1][at] = -16 * sum;
+        r.offset_sum[2][at] = -128 * sum;
       }
       const __m512i ones = _mm512_set1_epi8(1);
       for (int64_t c = 0; c < r.chunks; ++c) {
@@ -221,6 +231,8 @@ struct KRows {  // input rows quantized per 256 columns
   std::vector<int8_t> q;       // (M, K)
   std::vector<float> scale;    // (M, supers)
   std::vector<int32_t> sum16;  // (M, supers * 16): sums of the int8 values of each 16 columns
+  std::vector<int32_t> pair16;  // (M, supers * 8): the sums of columns 32h..+15 and 32h+16..+31 as 16-bit halves
+  std::vector<int32_t> pair32;  // (M, supers * 4): the sums of columns 64i..+31 and 64i+32..+63 as 16-bit halves
 };
 
 void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
@@ -230,6 +242,8 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
   r.q.resize(M * K);
   r.scale.resize(M * r.supers);
   r.sum16.resize(M * r.supers * 16);
+  r.pair16.resize(M * r.supers * 8);
+  r.pair32.resize(M * r.supers * 4);
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t sb = 0; sb < r.supers; ++sb) {
@@ -245,6 +259,12 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtsepi32_epi8(v));
           s[i] = _mm512_reduce_add_epi32(v);  // |v| <= 127: the stored bytes are v exactly
         }
+        const auto halves = [](int32_t a, int32_t b) {  // |a|, |b| <= 32 * 127: each fits 16 bits
+          return static_cast<int32_t>((static_cast<uint32_t>(a) & 0xFFFF) | (static_cast<uint32_t>(b) << 16));
+        };
+        for (int h = 0; h < 8; ++h) r.pair16[(m * r.supers + sb) * 8 + h] = halves(s[2 * h], s[2 * h + 1]);
+        for (int i = 0; i < 4; ++i)
+          r.pair32[(m * r.supers + sb) * 4 + i] = halves(s[4 * i] + s[4 * i + 1], s[4 * i + 2] + s[4 * i + 3]);
       }
   });
 }

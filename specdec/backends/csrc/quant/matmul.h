@@ -2,7 +2,7 @@
 #pragma once
 
 #include "fp32.h"
-#include "int8_x8.h"
+#include "int8_x16.h"
 
 namespace {
 
@@ -23,16 +23,16 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<int64_t> offsets{0};
-  bool grouped = false;  // any part regrouped eight rows at a time: threads then take whole groups
+  bool grouped = false;  // any part regrouped sixteen rows at a time: threads then take whole groups
   for (size_t p = 0; p < parts.size(); ++p) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (const int64_t group_bytes = regrouped_bytes(types[p], K)) {
       TORCH_CHECK(int8, "quant.matmul: a regrouped part needs int8 activations");
-      TORCH_CHECK(K % (types[p] == Q4_K_X8 ? 256 : 32) == 0 && parts[p].dim() == 2 &&
+      TORCH_CHECK(K % layout(regrouped_base(types[p])).block == 0 && parts[p].dim() == 2 &&
                       parts[p].scalar_type() == torch::kUInt8 && parts[p].is_contiguous() &&
                       parts[p].size(1) == group_bytes,
-                  "quant.matmul: part ", p, " must be repack's (N / 8, ", group_bytes, ")");
-      offsets.push_back(offsets.back() + 8 * parts[p].size(0));
+                  "quant.matmul: part ", p, " must be repack's (N / 16, ", group_bytes, ")");
+      offsets.push_back(offsets.back() + GROUP * parts[p].size(0));
       grouped = true;
       continue;
     }
@@ -46,7 +46,8 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   }
   const int64_t N = offsets.back();
   for (int64_t o : offsets)
-    TORCH_CHECK(!grouped || o % 8 == 0, "quant.matmul: with a regrouped part, every part's rows must come in eights");
+    TORCH_CHECK(!grouped || o % GROUP == 0,
+                "quant.matmul: with a regrouped part, every part's rows must come in sixteens");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
@@ -62,7 +63,10 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   std::vector<std::vector<int32_t>> biases(129);  // by offset: -offset * sum4, row after row
   KRows kx;
   bool legacy = false, super = false;
-  for (int64_t t : types) (t == Q4_K || t == Q6_K || t == Q4_K_X8 ? super : legacy) |= t != F32;
+  for (int64_t t : types) {
+    const int64_t base = regrouped_bytes(t, K) ? regrouped_base(t) : t;
+    (base == Q4_K || base == Q6_K ? super : legacy) |= base != F32;
+  }
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
     quantize_rows(xp, M, K, qx);
@@ -74,7 +78,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       });
   }
 #endif
-  const int64_t unit = grouped ? 8 : 1;  // rows a thread takes together
+  const int64_t unit = grouped ? GROUP : 1;  // rows a thread takes together
   at::parallel_for(0, N / unit, 16 / unit, [&](int64_t begin_unit, int64_t end_unit) {
     const int64_t begin = begin_unit * unit, end = end_unit * unit;
     for (size_t p = 0; p < parts.size(); ++p) {
@@ -83,13 +87,9 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       const int64_t row_bytes = parts[p].size(1);
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / 8 * row_bytes;  // regrouped parts
-      if (types[p] == Q4_1_X8)
-        part_outputs_lx8<Q4_1_X8>(groups, row_bytes, lo, hi, qx, yp, N);
-      else if (types[p] == Q8_0_X8)
-        part_outputs_lx8<Q8_0_X8>(groups, row_bytes, lo, hi, qx, yp, N);
-      else if (types[p] == Q4_K_X8)
-        part_outputs_x8(groups, row_bytes, lo, hi, kx, yp, N);
+      if (regrouped_bytes(types[p], K))
+        regrouped_outputs(types[p], parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / GROUP * row_bytes, row_bytes,
+                          lo, hi, qx, kx, yp, N);
       else
 #endif
       dispatch(types[p], [&]<int64_t t>() {

@@ -1,0 +1,442 @@
+// Products with int8 activations over weight rows regrouped sixteen at a time at load (AVX512-VNNI).
+#pragma once
+
+#include "int8.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+namespace {
+
+// ---- sixteen weight rows interleaved ---------------------------------------------------------
+//
+// repack regroups a matrix's rows sixteen at a time, once at load, so that one 64-byte vector holds
+// four consecutive weights (as unsigned bytes, or their packed nibbles) of each of sixteen rows:
+// 32-bit lane r is row r. One vpdpbusd multiplies sixteen output rows by four input bytes
+// broadcast from memory, so an input row costs one instruction per 64 multiply-adds; a block's
+// integer sums land one output row per lane, and every fp32 step after them uses all sixteen
+// lanes. The weights' unpacking is shared by every input row of a tile. (This is also the layout
+// of an AMX tile's B operand: sixteen columns of four consecutive K values a row.)
+//
+// Per output row, in the order of its blocks, the steps depend on its own weight row and input
+// row only:
+//   32-weight types: I = sum(u * xq) - offset * sum(xq) (int32, exact), acc = fma(float(I), d * dx,
+//     acc), and for the types with a minimum acc = fma(m, dx * sum(xq), acc);
+//   Q4_K: per super-block T = sum over sub-blocks j of scale_j * sum_j(u * xq) and
+//     Mn = sum_j min_j * sum_j(xq) (int32, exact), acc = fma(float(T), d * dx, acc),
+//     macc = fma(float(Mn), dmin * -dx, macc); the output is acc + macc;
+//   Q6_K: T = sum over 16-column sub-blocks g of scale_g * (sum_g(u * xq) - 32 sum_g(xq)), acc =
+//     fma(float(T), d * dx, acc).
+// So the bits depend on neither the number of input rows nor the thread count. For Q4_1, Q8_0 and
+// Q4_K these are the operations, and the bits, of the eight-row layout this one replaced.
+
+constexpr int64_t GROUP = 16;  // weight rows per group
+constexpr int X16_TILE = 8;    // input rows per tile: each tile streams the group's weights once
+constexpr int64_t X16 = 200;   // a regrouped layout's type id is X16 + its GGML type (not a GGML type)
+
+template <int64_t type>
+constexpr bool five_bit() {
+  return type == Q5_0 || type == Q5_1;
+}
+
+// Bytes of one 32-block of a group of 16 rows: d[16] fp16 | m[16] fp16 (Q4_1, Q5_1) | the fifth bits
+// as eight 64-bit masks (Q5_0, Q5_1: mask v, bit 4r + i = row r's bit of weight 4v + i) | the
+// weights: Q8_0 eight vectors (vector v, lane r: row r's weights 4v..4v+3, plus 128), the others
+// four vectors of packed nibbles (vector g, lane r: row r's qs[4g..4g+3], whose low nibbles are
+// weights 4g.. and high nibbles weights 16 + 4g..). The same bytes per row as the GGML block.
+template <int64_t type>
+constexpr int64_t legacy_group_bytes() {
+  return 32 + (has_min<type>() ? 32 : 0) + (five_bit<type>() ? 64 : 0) + (type == Q8_0 ? 512 : 256);
+}
+
+// rows (N, K / 32 * block bytes) of a 32-weight type, N a multiple of 16 -> (N / 16, K / 32 * group bytes).
+template <int64_t type>
+torch::Tensor repack_legacy(const torch::Tensor& rows, int64_t K) {
+  const Layout lay = layout(type);
+  constexpr int64_t gb = legacy_group_bytes<type>();
+  constexpr int head = has_min<type>() ? 4 : 2;  // bytes of d (and m) at a block's start
+  const int64_t groups = rows.size(0) / GROUP, B = K / 32;
+  auto out = torch::zeros({groups, B * gb}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi)
+      for (int64_t b = 0; b < B; ++b) {
+        uint8_t* o = dst + (gi * B + b) * gb;
+        for (int r = 0; r < GROUP; ++r) {
+          const uint8_t* p = src + (gi * GROUP + r) * rows.size(1) + b * lay.bytes;
+          std::memcpy(o + 2 * r, p, 2);
+          int64_t at = 32;
+          if constexpr (has_min<type>()) {
+            std::memcpy(o + at + 2 * r, p + 2, 2);
+            at += 32;
+          }
+          const uint8_t* qs = p + head;
+          if constexpr (five_bit<type>()) {
+            const uint32_t qh = load_u32(p + head);
+            for (int w = 0; w < 32; ++w)  // weight w = 4v + i: mask v, bit 4r + i
+              o[at + 8 * (w / 4) + r / 2] |= static_cast<uint8_t>(((qh >> w) & 1) << (4 * (r % 2) + w % 4));
+            at += 64;
+            qs += 4;
+          }
+          if constexpr (type == Q8_0) {
+            for (int w = 0; w < 32; ++w) o[at + 64 * (w / 4) + 4 * r + w % 4] = qs[w] ^ 0x80;
+          } else {
+            for (int g = 0; g < 4; ++g) std::memcpy(o + at + 64 * g + 4 * r, qs + 4 * g, 4);
+          }
+        }
+      }
+  });
+  return out;
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + o, _MM_HINT_T0);
+}
+
+// sum over v < n of u[v] * (xq[4v..4v+3] broadcast), from init, in `chains` interleaved chains (integer,
+// so exact in any order; two hide the latency when few input rows run side by side).
+template <int n, int chains>
+inline __m512i block_dot(const __m512i* u, const int8_t* xq, __m512i init) {
+  if constexpr (chains == 1) {
+    for (int v = 0; v < n; ++v) init = _mm512_dpbusd_epi32(init, u[v], _mm512_set1_epi32(load_i32(xq + 4 * v)));
+    return init;
+  } else {
+    __m512i b = _mm512_setzero_si512();
+    for (int v = 0; v < n; v += 2) {
+      init = _mm512_dpbusd_epi32(init, u[v], _mm512_set1_epi32(load_i32(xq + 4 * v)));
+      b = _mm512_dpbusd_epi32(b, u[v + 1], _mm512_set1_epi32(load_i32(xq + 4 * v + 4)));
+    }
+    return _mm512_add_epi32(init, b);
+  }
+}
+
+template <int T>
+constexpr int chains_for() {
+  return T < 4 ? 2 : 1;
+}
+
+constexpr int offset_index(int32_t offset) { return offset == 8 ? 0 : offset == 16 ? 1 : 2; }
+
+// One group of sixteen weight rows times T quantized input rows (x's rows m0..m0+T-1): out[m][r].
+template <int64_t type, int T>
+void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*out)[GROUP]) {
+  constexpr int64_t gb = legacy_group_bytes<type>();
+  constexpr int32_t offset = offset_of<type>();
+  const int64_t B = x.K / 32, width = x.chunks * 64;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[T];
+  for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* p = group + b * gb;
+    prefetch_ahead(p, gb);
+    const __m512 d = _mm512_cvtph_ps(load32(p));
+    const __m512 mn = has_min<type>() ? _mm512_cvtph_ps(load32(p + 32)) : _mm512_setzero_ps();
+    const uint8_t* q = p + (has_min<type>() ? 64 : 32);
+    __m512i u[8];
+    if constexpr (type == Q8_0) {
+      for (int v = 0; v < 8; ++v) u[v] = _mm512_loadu_si512(q + 64 * v);
+    } else {
+      const uint8_t* qs = q + (five_bit<type>() ? 64 : 0);
+      for (int g = 0; g < 4; ++g) {
+        const __m512i packed = _mm512_loadu_si512(qs + 64 * g);
+        u[g] = _mm512_and_si512(packed, low);
+        u[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+      if constexpr (five_bit<type>()) {
+        for (int v = 0; v < 8; ++v) {
+          uint64_t high;
+          std::memcpy(&high, q + 8 * v, 8);
+          u[v] = _mm512_mask_add_epi8(u[v], high, u[v], _mm512_set1_epi8(16));
+        }
+      }
+    }
+    for (int m = 0; m < T; ++m) {
+      const int64_t blk = (m0 + m) * B + b;
+      const __m512i init =
+          offset ? _mm512_set1_epi32(x.offset_sum[offset_index(offset)][blk]) : _mm512_setzero_si512();
+      const __m512i i = block_dot<8, chains_for<T>()>(u, x.q.data() + (m0 + m) * width + 32 * b, init);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(x.block_scale[blk])), acc[m]);
+      if constexpr (has_min<type>()) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.block_scaled_sum[blk]), acc[m]);
+    }
+  }
+  for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+// ---- Q4_K ---------------------------------------------------------------------------------------
+//
+// A group's bytes per super-block: d[16] fp16 | dmin[16] fp16 | scales[8][16] (sub-block j, row) |
+// minimums[4][16][2] (pair i, row, sub-block 2i + h: bytes that widen to 16-bit pairs per row) |
+// nibbles[4][8][64] (chunk i, vector g, lane r: row r's qs[32i + 4g..+3], whose low nibbles are
+// sub-block 2i's weights 4g.. and high nibbles sub-block 2i + 1's).
+constexpr int64_t Q4_K_GROUP_BYTES = 64 + 128 + 128 + 2048;
+
+torch::Tensor repack_q4k(const torch::Tensor& rows, int64_t K) {
+  const int64_t groups = rows.size(0) / GROUP, S = K / 256, gb = Q4_K_GROUP_BYTES;
+  auto out = torch::empty({groups, S * gb}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi)
+      for (int64_t sb = 0; sb < S; ++sb) {
+        uint8_t* o = dst + (gi * S + sb) * gb;
+        for (int r = 0; r < GROUP; ++r) {
+          const uint8_t* p = src + (gi * GROUP + r) * rows.size(1) + sb * 144;
+          std::memcpy(o + 2 * r, p, 2);
+          std::memcpy(o + 32 + 2 * r, p + 2, 2);
+          for (int j = 0; j < 8; ++j) {
+            int a, e;
+            scale_min_k4(p + 4, j, a, e);
+            o[64 + 16 * j + r] = static_cast<uint8_t>(a);
+            o[192 + 32 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(e);
+          }
+          for (int i = 0; i < 4; ++i)
+            for (int g = 0; g < 8; ++g) std::memcpy(o + 320 + 512 * i + 64 * g + 4 * r, p + 16 + 32 * i + 4 * g, 4);
+        }
+      }
+  });
+  return out;
+}
+
+template <int T>
+void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
+  const int64_t S = x.supers;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[T], macc[T];
+  for (int m = 0; m < T; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < S; ++sb) {
+    const uint8_t* p = group + sb * Q4_K_GROUP_BYTES;
+    prefetch_ahead(p, Q4_K_GROUP_BYTES);
+    __m512i total[T];
+    for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // sub-block j: chunk j / 2, low nibbles for even j (unrolled: the shifts are fixed)
+      const uint8_t* q = p + 320 + 512 * (j / 2);
+      __m512i u[8];
+      for (int g = 0; g < 8; ++g) {
+        const __m512i packed = _mm512_loadu_si512(q + 64 * g);
+        u[g] = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low);
+      }
+      const __m512i scale = _mm512_cvtepu8_epi32(load16(p + 64 + 16 * j));
+      for (int m = 0; m < T; ++m) {
+        const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 32 * j;
+        total[m] = _mm512_add_epi32(total[m], _mm512_mullo_epi32(block_dot<8, chains_for<T>()>(u, xq, _mm512_setzero_si512()), scale));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(load32(p)), dmin = _mm512_cvtph_ps(load32(p + 32));
+    __m512i mins[4];
+    for (int i = 0; i < 4; ++i) mins[i] = _mm512_cvtepu8_epi16(load32(p + 192 + 32 * i));
+    for (int m = 0; m < T; ++m) {
+      const int64_t r = (m0 + m) * S + sb;
+      __m512i mn = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) mn = _mm512_dpwssd_epi32(mn, mins[i], _mm512_set1_epi32(x.pair32[4 * r + i]));
+      const float dx = x.scale[r];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m]);
+      macc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(dmin, _mm512_set1_ps(-dx)), macc[m]);
+    }
+  }
+  for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], macc[m]));
+}
+
+// ---- Q6_K ---------------------------------------------------------------------------------------
+//
+// A group's bytes per super-block: d[16] fp16 | scales[8][16][2] int8 (pair h, row, sub-block 2h + e:
+// bytes that widen to 16-bit pairs per row) | then per pair h of 16-weight sub-blocks (weights
+// 32h..32h+31, vectors 8h + e of four weights each), in the order the kernel reads them: low
+// nibbles[4][64] (vector e, lane r: row r's vector 8h + e in the low nibbles, 8h + e + 4 in the high
+// ones) | high bits[2][64] (vector f, lane r, byte i: bits 2k..2k+1 the top two bits of weight i of
+// vector 8h + 4f + k). Each byte is read once, front to back.
+constexpr int64_t Q6_K_GROUP_BYTES = 32 + 256 + 8 * 384;
+
+// The 6-bit value (0..63) of weight w of a Q6_K super-block p, as ggml's dequantize_row_q6_K reads it.
+inline int q6_value(const uint8_t* p, int w) {
+  const int half = w / 128, quarter = w % 128 / 32, l = w % 32;
+  const uint8_t ql = p[64 * half + l + 32 * (quarter % 2)], qh = p[128 + 32 * half + l];
+  return ((quarter < 2 ? ql & 15 : ql >> 4) | (((qh >> (2 * quarter)) & 3) << 4));
+}
+
+torch::Tensor repack_q6k(const torch::Tensor& rows, int64_t K) {
+  const int64_t groups = rows.size(0) / GROUP, S = K / 256, gb = Q6_K_GROUP_BYTES;
+  auto out = torch::zeros({groups, S * gb}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi)
+      for (int64_t sb = 0; sb < S; ++sb) {
+        uint8_t* o = dst + (gi * S + sb) * gb;
+        for (int r = 0; r < GROUP; ++r) {
+          const uint8_t* p = src + (gi * GROUP + r) * rows.size(1) + sb * 210;
+          std::memcpy(o + 2 * r, p + 208, 2);
+          for (int g = 0; g < 16; ++g) o[32 + 32 * (g / 2) + 2 * r + g % 2] = p[192 + g];
+          for (int w = 0; w < 256; ++w) {
+            const int q = q6_value(p, w), h = w / 32, e = w % 32 / 4, i = w % 4;
+            uint8_t* pair = o + 288 + 384 * h;
+            pair[64 * (e % 4) + 4 * r + i] |= static_cast<uint8_t>((q & 15) << (4 * (e / 4)));
+            pair[256 + 64 * (e / 4) + 4 * r + i] |= static_cast<uint8_t>((q >> 4) << (2 * (e % 4)));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+template <int T>
+void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
+  const int64_t S = x.supers;
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  __m512 acc[T];
+  for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < S; ++sb) {
+    const uint8_t* p = group + sb * Q6_K_GROUP_BYTES;
+    prefetch_ahead(p, Q6_K_GROUP_BYTES);
+    __m512i total[T];
+    for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
+    for (int h = 0; h < 8; ++h) {  // sub-blocks 2h and 2h + 1: vectors 8h..8h+7
+      const uint8_t* q = p + 288 + 384 * h;
+      const __m512i bits[2] = {_mm512_loadu_si512(q + 256), _mm512_loadu_si512(q + 320)};
+      __m512i u[8];
+#pragma GCC unroll 4
+      for (int e = 0; e < 4; ++e) {  // the top bits of vector 4f + e: bits 2e..2e+1 of bits[f], moved to bits 4-5
+        const __m512i packed = _mm512_loadu_si512(q + 64 * e);
+        for (int f = 0; f < 2; ++f) {
+          const __m512i b = e == 0 ? _mm512_slli_epi16(bits[f], 4) : e == 1 ? _mm512_slli_epi16(bits[f], 2)
+                            : e == 2 ? bits[f] : _mm512_srli_epi16(bits[f], 2);
+          const __m512i nib = _mm512_and_si512(f ? _mm512_srli_epi16(packed, 4) : packed, low);
+          u[4 * f + e] = _mm512_or_si512(nib, _mm512_and_si512(b, top));
+        }
+      }
+      const __m512i pair = _mm512_cvtepi8_epi16(load32(p + 32 + 32 * h));  // (scale 2h, scale 2h + 1) per row
+      const __m512i even = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), odd = _mm512_srai_epi32(pair, 16);
+      const __m512i offset = _mm512_mullo_epi16(pair, _mm512_set1_epi16(-32));
+      for (int m = 0; m < T; ++m) {
+        const int64_t r = (m0 + m) * S + sb;
+        const int8_t* xq = x.q.data() + r * 256 + 32 * h;
+        __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(block_dot<4, chains_for<T>()>(u, xq, _mm512_setzero_si512()), even),
+                                     _mm512_mullo_epi32(block_dot<4, chains_for<T>()>(u + 4, xq + 16, _mm512_setzero_si512()), odd));
+        t = _mm512_dpwssd_epi32(t, offset, _mm512_set1_epi32(x.pair16[8 * r + h]));
+        total[m] = _mm512_add_epi32(total[m], t);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(load32(p));
+    for (int m = 0; m < T; ++m) {
+      const float dx = x.scale[(m0 + m) * S + sb];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m]);
+    }
+  }
+  for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+// ---- a part's outputs ---------------------------------------------------------------------------
+
+// y[:, j] for the groups of sixteen rows covering [lo, hi) (multiples of 16) of one regrouped part:
+// tiles[t] computes a group's sixteen outputs for t input rows. A thread goes over a block of groups
+// (about WEIGHT_BLOCK bytes) for each tile of input rows, so many input rows stream the weights
+// from L2; the order changes no output's operations.
+template <typename Rows>
+void grouped_outputs(void (*const* tiles)(const uint8_t*, const Rows&, int64_t, float (*)[GROUP]),
+                     const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y,
+                     int64_t N) {
+  float out[X16_TILE][GROUP];
+  const int64_t block = std::max<int64_t>(GROUP, WEIGHT_BLOCK / group_bytes * GROUP);
+  for (int64_t j0 = lo; j0 < hi; j0 += block)
+    for (int64_t m0 = 0; m0 < x.M; m0 += X16_TILE) {
+      const int t = static_cast<int>(std::min<int64_t>(X16_TILE, x.M - m0));
+      for (int64_t j = j0; j < std::min(hi, j0 + block); j += GROUP) {
+        tiles[t](groups + (j - lo) / GROUP * group_bytes, x, m0, out);
+        for (int m = 0; m < t; ++m) std::memcpy(y + (m0 + m) * N + j, out[m], sizeof out[m]);
+      }
+    }
+}
+
+template <typename Rows, template <int> class Tile>
+void tiled_outputs(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y,
+                   int64_t N) {
+  using Fn = void (*)(const uint8_t*, const Rows&, int64_t, float (*)[GROUP]);
+  static constexpr Fn tiles[X16_TILE + 1] = {nullptr,       Tile<1>::run, Tile<2>::run, Tile<3>::run, Tile<4>::run,
+                                             Tile<5>::run,  Tile<6>::run, Tile<7>::run, Tile<8>::run};
+  grouped_outputs<Rows>(tiles, groups, group_bytes, lo, hi, x, y, N);
+}
+
+template <int64_t type>
+struct LegacyTile {
+  template <int T>
+  struct At {
+    static void run(const uint8_t* g, const QRows& x, int64_t m0, float (*out)[GROUP]) {
+      legacy_x16_tile<type, T>(g, x, m0, out);
+    }
+  };
+};
+template <int T>
+struct Q4KTile {
+  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q4k_x16_tile<T>(g, x, m0, out); }
+};
+template <int T>
+struct Q6KTile {
+  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q6k_x16_tile<T>(g, x, m0, out); }
+};
+
+// The GGML type a regrouped type id stands for, or -1.
+inline int64_t regrouped_base(int64_t type) {
+  const int64_t base = type - X16;
+  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
+                 base == Q6_K
+             ? base
+             : -1;
+}
+
+// Bytes per group of sixteen rows of a regrouped type with K columns; 0 for the other types.
+int64_t regrouped_bytes(int64_t type, int64_t K) {
+  switch (regrouped_base(type)) {
+    case Q4_0: return K / 32 * legacy_group_bytes<Q4_0>();
+    case Q4_1: return K / 32 * legacy_group_bytes<Q4_1>();
+    case Q5_0: return K / 32 * legacy_group_bytes<Q5_0>();
+    case Q5_1: return K / 32 * legacy_group_bytes<Q5_1>();
+    case Q8_0: return K / 32 * legacy_group_bytes<Q8_0>();
+    case Q4_K: return K / 256 * Q4_K_GROUP_BYTES;
+    case Q6_K: return K / 256 * Q6_K_GROUP_BYTES;
+  }
+  return 0;
+}
+
+// A matrix's rows regrouped sixteen at a time for the int8 kernels: (the regrouped tensor, its type id)
+// for the quantized types, rows (N, row bytes) with N a multiple of 16; None for F32.
+c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
+  if (type == F32) return c10::nullopt;
+  const Layout lay = layout(type);
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % lay.block == 0 &&
+                  rows.size(1) == K / lay.block * lay.bytes && rows.size(0) % GROUP == 0,
+              "quant.repack: rows must be contiguous uint8 (N, ", K / lay.block * lay.bytes,
+              "), N a multiple of sixteen");
+  torch::Tensor out;
+  switch (type) {
+    case Q4_0: out = repack_legacy<Q4_0>(rows, K); break;
+    case Q4_1: out = repack_legacy<Q4_1>(rows, K); break;
+    case Q5_0: out = repack_legacy<Q5_0>(rows, K); break;
+    case Q5_1: out = repack_legacy<Q5_1>(rows, K); break;
+    case Q8_0: out = repack_legacy<Q8_0>(rows, K); break;
+    case Q4_K: out = repack_q4k(rows, K); break;
+    case Q6_K: out = repack_q6k(rows, K); break;
+  }
+  return std::make_tuple(out, X16 + type);
+}
+
+// y[:, lo..hi) of one regrouped part (groups: its (N / 16, group bytes) rows from group lo / 16).
+void regrouped_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi,
+                       const QRows& qx, const KRows& kx, float* y, int64_t N) {
+  switch (regrouped_base(type)) {
+    case Q4_0: return tiled_outputs<QRows, LegacyTile<Q4_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
+    case Q4_1: return tiled_outputs<QRows, LegacyTile<Q4_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
+    case Q5_0: return tiled_outputs<QRows, LegacyTile<Q5_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
+    case Q5_1: return tiled_outputs<QRows, LegacyTile<Q5_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
+    case Q8_0: return tiled_outputs<QRows, LegacyTile<Q8_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
+    case Q4_K: return tiled_outputs<KRows, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
+    case Q6_K: return tiled_outputs<KRows, Q6KTile>(groups, group_bytes, lo, hi, kx, y, N);
+  }
+  TORCH_CHECK(false, "quant: not a regrouped type: ", type);
+}
+
+}  // namespace
+#endif
