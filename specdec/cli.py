@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.bench.kernels import DEFAULT_TYPES
 from specdec.bench.run import Pair
 from specdec.bench.workloads import MT_BENCH, PACKAGED, default_workload, load_workload, workload_path
 from specdec.drafters.factory import DRAFTERS, check_options, drafter_from_options, options_for
@@ -454,6 +455,15 @@ def _parser() -> argparse.ArgumentParser:
     pt.add_argument("results", type=Path)
     pt.add_argument("--out", type=Path, help="folder for the PNGs (default: next to results.json)")
     pt.set_defaults(run=_plot)
+
+    kn = sub.add_parser(
+        "kernels", help="time the quantized products per GGML type: an added row's cost against the CPU's peak"
+    )
+    kn.add_argument("--types", default=",".join(DEFAULT_TYPES), help="comma-separated GGML types")
+    kn.add_argument("--columns", type=int, default=1536, help="K, the matrix's columns (a multiple of 256)")
+    kn.add_argument("--mb", type=int, help="the matrix's size in MB (default: 4x the last-level cache)")
+    kn.add_argument("--activations", choices=("auto", "int8", "fp32"), default="auto")
+    kn.set_defaults(run=_kernels)
 
     rp = sub.add_parser("report", help="print the markdown report of a results.json (runs no model)")
     rp.add_argument("results", type=Path)
@@ -955,6 +965,19 @@ def _plot(args) -> int:
 
     for png in plot_results(results.load(args.results), args.out or args.results.parent):
         print(png)
+    return 0
+
+
+def _kernels(args) -> int:
+    from specdec.bench.kernels import run, table
+
+    if args.columns <= 0 or args.columns % 256:
+        raise SystemExit(f"specdec kernels: --columns must be a positive multiple of 256, not {args.columns}")
+    int8 = None if args.activations == "auto" else args.activations == "int8"
+    try:
+        print(table(run([t.strip() for t in args.types.split(",") if t.strip()], args.columns, args.mb, int8)))
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"specdec kernels: {e}") from None
     return 0
 
 

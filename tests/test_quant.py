@@ -185,11 +185,14 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
     assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]], int8=True), x, max_n=x.shape[0])
 
 
+REGROUPED = [t for t in QTYPES if t != "Q6_K"]  # Q6_K goes a row at a time (quant/int8_x16.h says why)
+
+
 @needs_int8
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", REGROUPED)
 @pytest.mark.parametrize("shape", ["short", "blocked"])
 def test_parts_regrouped_sixteen_rows_at_a_time_are_the_same_product_and_batch_invariant(qtype, shape):
-    """repack regroups every quantized type's rows sixteen at a time for the int8 kernels: the product
+    """repack regroups the quantized types' rows sixteen at a time for the int8 kernels: the product
     is the quantized activations times gguf's dequantization, within fp32 rounding; each row invariant
     to the batch (1..19 rows: tiles of 8 and a remainder) and threads; stacked after a part that goes
     a row at a time and with a bias, each part's outputs unchanged. "blocked": enough weight rows that
@@ -225,6 +228,7 @@ def test_parts_regrouped_sixteen_rows_at_a_time_are_the_same_product_and_batch_i
     with pytest.raises(RuntimeError, match="sixteens"):  # a row-at-a-time part of 8 rows before a regrouped one
         matmul(x, [other[:8], packed], [TYPES[kind], xtype], int8=True)
     assert kernels().repack(fp32_part(torch.randn(16, 64)), TYPES["F32"], 64) is None
+    assert kernels().repack(torch.from_numpy(random_blocks("Q6_K", 16, 256, seed=1)), TYPES["Q6_K"], 256) is None
 
 
 @needs_int8
@@ -235,11 +239,11 @@ def test_quant_linear_repacks_parts_in_sixteens_and_keeps_the_raw_rows():
         QTensor("w", t, (32 if t == "Q4_K" else 16, K), torch.from_numpy(r)) for t, r in zip(("Q4_K", "Q6_K"), raws)
     ]
     linear = QuantLinear(parts, int8=True)
-    regrouped = [kernels().repack(p.data, TYPES[p.qtype], K) for p in parts]
-    assert linear.types == [xtype for _, xtype in regrouped] and linear.raw[0] is parts[0].data
+    packed, xtype = kernels().repack(parts[0].data, TYPES["Q4_K"], K)
+    assert linear.types == [xtype, TYPES["Q6_K"]] and linear.raw[0] is parts[0].data  # Q6_K: a row at a time
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(13))
-    assert torch.equal(linear(x)[:, :32], matmul(x, [regrouped[0][0]], [regrouped[0][1]], int8=True))
-    assert torch.equal(linear(x)[:, 32:], matmul(x, [regrouped[1][0]], [regrouped[1][1]], int8=True))
+    assert torch.equal(linear(x)[:, :32], matmul(x, [packed], [xtype], int8=True))
+    assert torch.equal(linear(x)[:, 32:], matmul(x, [parts[1].data], [TYPES["Q6_K"]], int8=True))
     assert QuantLinear(parts, int8=False).types == [TYPES["Q4_K"], TYPES["Q6_K"]]  # fp32 activations: as in the file
     legacy = [QTensor("w", t, (16, K), torch.from_numpy(random_blocks(t, 16, K, seed=20))) for t in QTYPES[:5]]
     types = [kernels().repack(p.data, TYPES[p.qtype], K)[1] for p in legacy]

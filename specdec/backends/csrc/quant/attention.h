@@ -1,4 +1,4 @@
-// Attention over a KV cache, one task per (position, head), keys visited in cache order.
+// Attention over a KV cache, one task per (request, head), keys visited in cache order.
 #pragma once
 
 #include "common.h"
@@ -80,16 +80,12 @@ struct Attention {
   float* out;
 };
 
-// Position i, head h of attention a; score, seen: room for start + n + 16 values, acc for D. Every
-// visible key is scored (causally: keys 0..start+i), then the mask's are kept in cache order.
-void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, int64_t KVH, float sc, float* score,
-                int64_t* seen, float* acc) {
-  const int64_t g = h / (H / KVH), keys = a.start + a.n;
-  const float* qv = a.q + i * a.q_stride + h * D;
-  const float* kg = a.kp + g * a.cap * D;
-  const float* vg = a.vp + g * a.cap * D;
+// Position i of attention a, its scores of keys 0..limit-1 (limit = start + n with a mask, start + i + 1
+// causally) in score: keeps the visible ones in cache order (score[c] for key seen[c]) and turns them into
+// e^(score - max), in place. Returns (their count, their sum). seen may be null causally (key c is seen[c] = c).
+std::pair<int64_t, float> softmax_visible(const Attention& a, int64_t i, float* score, int64_t* seen) {
+  const int64_t keys = a.start + a.n;
   int64_t count = a.mask ? keys : a.start + i + 1;
-  scores(qv, kg, count, D, sc, score);
   if (a.mask) {
     count = 0;
     for (int64_t j = 0; j < keys; ++j)
@@ -97,11 +93,15 @@ void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, 
         seen[count] = j;
         score[count++] = score[j];  // count <= j: in place
       }
-  } else {
+  } else if (seen) {
     for (int64_t j = 0; j < count; ++j) seen[j] = j;
   }
-  float top = score[0];
-  for (int64_t c = 1; c < count; ++c) top = std::max(top, score[c]);
+  vec most = splat(score[0]);  // the maximum, 16 lanes at a time (exact in any order)
+  int64_t m = 0;
+  for (; m + L <= count; m += L) most = load(score + m) > most ? load(score + m) : most;
+  float top = most[0];
+  for (int l = 1; l < L; ++l) top = std::max(top, most[l]);
+  for (; m < count; ++m) top = std::max(top, score[m]);
   vec total = {};
   int64_t c = 0;
   for (; c + L <= count; c += L) {
@@ -114,13 +114,23 @@ void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, 
     score[c] = sexp(score[c] - top);
     sum += score[c];
   }
+  return {count, sum};
+}
+
+// Position i, head h of attention a, alone; score, seen: room for start + n + 16 values, acc for D.
+void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, int64_t KVH, float sc, float* score,
+                int64_t* seen, float* acc) {
+  const int64_t g = h / (H / KVH);
+  const float* vg = a.vp + g * a.cap * D;
+  scores(a.q + i * a.q_stride + h * D, a.kp + g * a.cap * D, a.mask ? a.start + a.n : a.start + i + 1, D, sc, score);
+  const auto [count, sum] = softmax_visible(a, i, score, seen);
   if (D == 64) {
     weighted_values<4>(score, seen, count, vg, acc);
   } else if (D == 128) {
     weighted_values<8>(score, seen, count, vg, acc);
   } else {
     std::fill(acc, acc + D, 0.0f);
-    for (c = 0; c < count; ++c) {
+    for (int64_t c = 0; c < count; ++c) {
       const float* vr = vg + seen[c] * D;
       const vec p = splat(score[c]);
       int64_t e = 0;
@@ -132,24 +142,125 @@ void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, 
   for (int64_t e = 0; e < D; ++e) o[e] = acc[e] / sum;
 }
 
+// A thread's room for one head's rows: scores, visible keys, value sums.
+struct Scratch {
+  std::vector<float> score, acc;
+  std::vector<int64_t> seen, count;
+  std::vector<float> sum;
+};
+
+#if defined(__AVX512F__)
+// Rows t < TN of one head: acc[t] = sum over row t's visible keys c, in cache order, of p[t][c] * the value
+// row seen[t][c] (rows of 16 V floats; seen[t] null: key c is c, causally): each row's multiply-adds one chain in key order, weighted_values'
+// operations, while each value row is read once for the TN rows.
+template <int V, int TN>
+void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, const float* values, float* const* acc) {
+  __m512 a[TN][V];
+  int64_t cur[TN], end = 0;
+  for (int t = 0; t < TN; ++t) {
+    for (int e = 0; e < V; ++e) a[t][e] = _mm512_setzero_ps();
+    cur[t] = 0;
+    if (count[t]) end = std::max(end, seen[t] ? seen[t][count[t] - 1] + 1 : count[t]);
+  }
+  for (int64_t j = 0; j < end; ++j) {
+    __m512 v[V];
+    for (int e = 0; e < V; ++e) v[e] = _mm512_loadu_ps(values + j * 16 * V + 16 * e);
+    for (int t = 0; t < TN; ++t)
+      if (cur[t] < count[t] && (!seen[t] || seen[t][cur[t]] == j)) {
+        const __m512 w = _mm512_set1_ps(p[t][cur[t]++]);
+        for (int e = 0; e < V; ++e) a[t][e] = _mm512_fmadd_ps(w, v[e], a[t][e]);
+      }
+  }
+  for (int t = 0; t < TN; ++t)
+    for (int e = 0; e < V; ++e) _mm512_storeu_ps(acc[t] + 16 * e, a[t][e]);
+}
+
+// Every row of attention a for head h (D = 16 V): the rows' scores key block by key block, so each block
+// of keys serves all rows from L1, then the values in tiles of rows. Every row's operations are
+// attend_one's: the same bits as the row alone.
+template <int V>
+void attend_head(const Attention& a, int64_t h, int64_t H, int64_t KVH, float sc, Scratch& s) {
+  constexpr int64_t D = 16 * V;
+  constexpr int TILE_ROWS = 24 / V;  // accumulators: TILE_ROWS * V registers
+  const int64_t g = h / (H / KVH), n = a.n, keys = a.start + a.n, stride = keys + 16;
+  const float* kg = a.kp + g * a.cap * D;
+  const float* vg = a.vp + g * a.cap * D;
+  s.score.resize(n * stride);
+  s.seen.resize(n * keys);
+  s.acc.resize(n * D);
+  s.count.resize(n);
+  s.sum.resize(n);
+  for (int64_t j0 = 0; j0 < keys; j0 += 16)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t limit = a.mask ? keys : a.start + i + 1;
+      if (j0 < limit)
+        block_scores<V>(a.q + i * a.q_stride + h * D, kg + j0 * D, static_cast<int>(std::min<int64_t>(16, limit - j0)),
+                        sc, s.score.data() + i * stride + j0);
+    }
+  for (int64_t i = 0; i < n; ++i)
+    std::tie(s.count[i], s.sum[i]) =
+        softmax_visible(a, i, s.score.data() + i * stride, a.mask ? s.seen.data() + i * keys : nullptr);
+  using Fn = void (*)(float* const*, int64_t* const*, const int64_t*, const float*, float* const*);
+  static constexpr Fn tiles[7] = {nullptr,
+                                  tile_values<V, 1>,
+                                  tile_values<V, 2>,
+                                  tile_values<V, std::min(3, TILE_ROWS)>,
+                                  tile_values<V, std::min(4, TILE_ROWS)>,
+                                  tile_values<V, std::min(5, TILE_ROWS)>,
+                                  tile_values<V, std::min(6, TILE_ROWS)>};
+  for (int64_t i0 = 0; i0 < n; i0 += TILE_ROWS) {
+    const int tn = static_cast<int>(std::min<int64_t>(TILE_ROWS, n - i0));
+    float* p[6];
+    int64_t* seen[6];
+    float* acc[6];
+    for (int t = 0; t < tn; ++t) {
+      p[t] = s.score.data() + (i0 + t) * stride;
+      seen[t] = a.mask ? s.seen.data() + (i0 + t) * keys : nullptr;
+      acc[t] = s.acc.data() + (i0 + t) * D;
+    }
+    tiles[tn](p, seen, s.count.data() + i0, vg, acc);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = a.out + i * H * D + h * D;
+    for (int64_t e = 0; e < D; ++e) o[e] = s.acc[i * D + e] / s.sum[i];
+  }
+}
+#endif
+
 // Several attentions (one per request of a batched forward, Vaswani et al. 2017) in one parallel
-// region, one task per (attention, position, head). Grouped-query heads share a key head. The
-// visible keys are visited in cache order, so a token sees the same keys in the same order however
-// many positions, or other requests, the call has.
+// region, one task per (attention, head) covering its positions (D = 64 or 128 with AVX-512), else
+// per (attention, position, head). Grouped-query heads share a key head. The visible keys are
+// visited in cache order, so a token sees the same keys in the same order however many positions,
+// or other requests, the call has.
 void attend_all(const std::vector<Attention>& parts, int64_t H, int64_t D, int64_t KVH, float sc) {
+#if defined(__AVX512F__)
+  const bool by_head = D == 64 || D == 128;
+#else
+  const bool by_head = false;
+#endif
   std::vector<int64_t> first{0};  // the first task of each part
   int64_t keys = 0;
   for (const Attention& a : parts) {
-    first.push_back(first.back() + a.n * H);
+    first.push_back(first.back() + (by_head ? 1 : a.n) * H);
     keys = std::max(keys, a.start + a.n);
   }
   at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
     std::vector<float> score(keys + 16), acc(D);
     std::vector<int64_t> seen(keys);
     size_t r = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= first[r + 1]) ++r;
       const int64_t local = task - first[r];
+#if defined(__AVX512F__)
+      if (by_head) {
+        if (D == 64)
+          attend_head<4>(parts[r], local, H, KVH, sc, s);
+        else
+          attend_head<8>(parts[r], local, H, KVH, sc, s);
+        continue;
+      }
+#endif
       attend_one(parts[r], local / H, local % H, H, D, KVH, sc, score.data(), seen.data(), acc.data());
     }
   });

@@ -22,11 +22,8 @@ namespace {
 //     acc), and for the types with a minimum acc = fma(m, dx * sum(xq), acc);
 //   Q4_K: per super-block T = sum over sub-blocks j of scale_j * sum_j(u * xq) and
 //     Mn = sum_j min_j * sum_j(xq) (int32, exact), acc = fma(float(T), d * dx, acc),
-//     macc = fma(float(Mn), dmin * -dx, macc); the output is acc + macc;
-//   Q6_K: T = sum over 16-column sub-blocks g of scale_g * (sum_g(u * xq) - 32 sum_g(xq)), acc =
-//     fma(float(T), d * dx, acc).
-// So the bits depend on neither the number of input rows nor the thread count. For Q4_1, Q8_0 and
-// Q4_K these are the operations, and the bits, of the eight-row layout this one replaced.
+//     then acc = fma(float(Mn), dmin * -dx, acc).
+// So the bits depend on neither the number of input rows nor the thread count.
 
 constexpr int64_t GROUP = 16;  // weight rows per group
 constexpr int X16_TILE = 8;    // input rows per tile: each tile streams the group's weights once
@@ -154,6 +151,7 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
         }
       }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < T; ++m) {
       const int64_t blk = (m0 + m) * B + b;
       const __m512i init =
@@ -201,132 +199,55 @@ torch::Tensor repack_q4k(const torch::Tensor& rows, int64_t K) {
   return out;
 }
 
+// acc: out, kept in memory (touched once per super-block), so that the registers hold the weights and sums.
 template <int T>
 void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
   const int64_t S = x.supers;
   const __m512i low = _mm512_set1_epi8(15);
-  __m512 acc[T], macc[T];
-  for (int m = 0; m < T; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], _mm512_setzero_ps());
   for (int64_t sb = 0; sb < S; ++sb) {
     const uint8_t* p = group + sb * Q4_K_GROUP_BYTES;
     prefetch_ahead(p, Q4_K_GROUP_BYTES);
     __m512i total[T];
-    for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {  // sub-block j: chunk j / 2, low nibbles for even j (unrolled: the shifts are fixed)
-      const uint8_t* q = p + 320 + 512 * (j / 2);
+    for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
+    // sub-block j = 2i + h: chunk i's low nibbles (h = 0) or high nibbles (h = 1)
+    const auto sub_block = [&]<int h>(int i) {
+      const uint8_t* q = p + 320 + 512 * i;
       __m512i u[8];
+#pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const __m512i packed = _mm512_loadu_si512(q + 64 * g);
-        u[g] = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low);
+        u[g] = _mm512_and_si512(h ? _mm512_srli_epi16(packed, 4) : packed, low);
       }
-      const __m512i scale = _mm512_cvtepu8_epi32(load16(p + 64 + 16 * j));
+      const __m512i scale = _mm512_cvtepu8_epi32(load16(p + 64 + 16 * (2 * i + h)));
+#pragma GCC unroll 8
       for (int m = 0; m < T; ++m) {
-        const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 32 * j;
-        total[m] = _mm512_add_epi32(total[m], _mm512_mullo_epi32(block_dot<8, chains_for<T>()>(u, xq, _mm512_setzero_si512()), scale));
+        const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 32 * (2 * i + h);
+        const __m512i sum = block_dot<8, chains_for<T>()>(u, xq, _mm512_setzero_si512());
+        total[m] = _mm512_add_epi32(total[m], _mm512_mullo_epi32(sum, scale));
       }
+    };
+    for (int i = 0; i < 4; ++i) {
+      sub_block.template operator()<0>(i);
+      sub_block.template operator()<1>(i);
     }
     const __m512 d = _mm512_cvtph_ps(load32(p)), dmin = _mm512_cvtph_ps(load32(p + 32));
     __m512i mins[4];
     for (int i = 0; i < 4; ++i) mins[i] = _mm512_cvtepu8_epi16(load32(p + 192 + 32 * i));
+#pragma GCC unroll 8
     for (int m = 0; m < T; ++m) {
       const int64_t r = (m0 + m) * S + sb;
       __m512i mn = _mm512_setzero_si512();
       for (int i = 0; i < 4; ++i) mn = _mm512_dpwssd_epi32(mn, mins[i], _mm512_set1_epi32(x.pair32[4 * r + i]));
       const float dx = x.scale[r];
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m]);
-      macc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(dmin, _mm512_set1_ps(-dx)), macc[m]);
+      __m512 acc = _mm512_loadu_ps(out[m]);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(dmin, _mm512_set1_ps(-dx)), acc);
+      _mm512_storeu_ps(out[m], acc);
     }
   }
-  for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], macc[m]));
-}
-
-// ---- Q6_K ---------------------------------------------------------------------------------------
-//
-// A group's bytes per super-block: d[16] fp16 | scales[8][16][2] int8 (pair h, row, sub-block 2h + e:
-// bytes that widen to 16-bit pairs per row) | then per pair h of 16-weight sub-blocks (weights
-// 32h..32h+31, vectors 8h + e of four weights each), in the order the kernel reads them: low
-// nibbles[4][64] (vector e, lane r: row r's vector 8h + e in the low nibbles, 8h + e + 4 in the high
-// ones) | high bits[2][64] (vector f, lane r, byte i: bits 2k..2k+1 the top two bits of weight i of
-// vector 8h + 4f + k). Each byte is read once, front to back.
-constexpr int64_t Q6_K_GROUP_BYTES = 32 + 256 + 8 * 384;
-
-// The 6-bit value (0..63) of weight w of a Q6_K super-block p, as ggml's dequantize_row_q6_K reads it.
-inline int q6_value(const uint8_t* p, int w) {
-  const int half = w / 128, quarter = w % 128 / 32, l = w % 32;
-  const uint8_t ql = p[64 * half + l + 32 * (quarter % 2)], qh = p[128 + 32 * half + l];
-  return ((quarter < 2 ? ql & 15 : ql >> 4) | (((qh >> (2 * quarter)) & 3) << 4));
-}
-
-torch::Tensor repack_q6k(const torch::Tensor& rows, int64_t K) {
-  const int64_t groups = rows.size(0) / GROUP, S = K / 256, gb = Q6_K_GROUP_BYTES;
-  auto out = torch::zeros({groups, S * gb}, rows.options());
-  const uint8_t* src = rows.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t gi = begin; gi < end; ++gi)
-      for (int64_t sb = 0; sb < S; ++sb) {
-        uint8_t* o = dst + (gi * S + sb) * gb;
-        for (int r = 0; r < GROUP; ++r) {
-          const uint8_t* p = src + (gi * GROUP + r) * rows.size(1) + sb * 210;
-          std::memcpy(o + 2 * r, p + 208, 2);
-          for (int g = 0; g < 16; ++g) o[32 + 32 * (g / 2) + 2 * r + g % 2] = p[192 + g];
-          for (int w = 0; w < 256; ++w) {
-            const int q = q6_value(p, w), h = w / 32, e = w % 32 / 4, i = w % 4;
-            uint8_t* pair = o + 288 + 384 * h;
-            pair[64 * (e % 4) + 4 * r + i] |= static_cast<uint8_t>((q & 15) << (4 * (e / 4)));
-            pair[256 + 64 * (e / 4) + 4 * r + i] |= static_cast<uint8_t>((q >> 4) << (2 * (e % 4)));
-          }
-        }
-      }
-  });
-  return out;
-}
-
-template <int T>
-void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
-  const int64_t S = x.supers;
-  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
-  __m512 acc[T];
-  for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t sb = 0; sb < S; ++sb) {
-    const uint8_t* p = group + sb * Q6_K_GROUP_BYTES;
-    prefetch_ahead(p, Q6_K_GROUP_BYTES);
-    __m512i total[T];
-    for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
-    for (int h = 0; h < 8; ++h) {  // sub-blocks 2h and 2h + 1: vectors 8h..8h+7
-      const uint8_t* q = p + 288 + 384 * h;
-      const __m512i bits[2] = {_mm512_loadu_si512(q + 256), _mm512_loadu_si512(q + 320)};
-      __m512i u[8];
-#pragma GCC unroll 4
-      for (int e = 0; e < 4; ++e) {  // the top bits of vector 4f + e: bits 2e..2e+1 of bits[f], moved to bits 4-5
-        const __m512i packed = _mm512_loadu_si512(q + 64 * e);
-        for (int f = 0; f < 2; ++f) {
-          const __m512i b = e == 0 ? _mm512_slli_epi16(bits[f], 4) : e == 1 ? _mm512_slli_epi16(bits[f], 2)
-                            : e == 2 ? bits[f] : _mm512_srli_epi16(bits[f], 2);
-          const __m512i nib = _mm512_and_si512(f ? _mm512_srli_epi16(packed, 4) : packed, low);
-          u[4 * f + e] = _mm512_or_si512(nib, _mm512_and_si512(b, top));
-        }
-      }
-      const __m512i pair = _mm512_cvtepi8_epi16(load32(p + 32 + 32 * h));  // (scale 2h, scale 2h + 1) per row
-      const __m512i even = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), odd = _mm512_srai_epi32(pair, 16);
-      const __m512i offset = _mm512_mullo_epi16(pair, _mm512_set1_epi16(-32));
-      for (int m = 0; m < T; ++m) {
-        const int64_t r = (m0 + m) * S + sb;
-        const int8_t* xq = x.q.data() + r * 256 + 32 * h;
-        __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(block_dot<4, chains_for<T>()>(u, xq, _mm512_setzero_si512()), even),
-                                     _mm512_mullo_epi32(block_dot<4, chains_for<T>()>(u + 4, xq + 16, _mm512_setzero_si512()), odd));
-        t = _mm512_dpwssd_epi32(t, offset, _mm512_set1_epi32(x.pair16[8 * r + h]));
-        total[m] = _mm512_add_epi32(total[m], t);
-      }
-    }
-    const __m512 d = _mm512_cvtph_ps(load32(p));
-    for (int m = 0; m < T; ++m) {
-      const float dx = x.scale[(m0 + m) * S + sb];
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[m]);
-    }
-  }
-  for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
 }
 
 // ---- a part's outputs ---------------------------------------------------------------------------
@@ -373,18 +294,11 @@ template <int T>
 struct Q4KTile {
   static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q4k_x16_tile<T>(g, x, m0, out); }
 };
-template <int T>
-struct Q6KTile {
-  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q6k_x16_tile<T>(g, x, m0, out); }
-};
 
 // The GGML type a regrouped type id stands for, or -1.
 inline int64_t regrouped_base(int64_t type) {
   const int64_t base = type - X16;
-  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
-                 base == Q6_K
-             ? base
-             : -1;
+  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ? base : -1;
 }
 
 // Bytes per group of sixteen rows of a regrouped type with K columns; 0 for the other types.
@@ -396,15 +310,16 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
     case Q5_1: return K / 32 * legacy_group_bytes<Q5_1>();
     case Q8_0: return K / 32 * legacy_group_bytes<Q8_0>();
     case Q4_K: return K / 256 * Q4_K_GROUP_BYTES;
-    case Q6_K: return K / 256 * Q6_K_GROUP_BYTES;
   }
   return 0;
 }
 
 // A matrix's rows regrouped sixteen at a time for the int8 kernels: (the regrouped tensor, its type id)
-// for the quantized types, rows (N, row bytes) with N a multiple of 16; None for F32.
+// for the 32-weight types and Q4_K, rows (N, row bytes) with N a multiple of 16; None for F32 and Q6_K,
+// which go a row at a time (regrouped, Q6_K's one-row products streamed its weights slower and its added
+// rows cost no less, on a 2-core AMD EPYC: docs/quantized.md).
 c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
-  if (type == F32) return c10::nullopt;
+  if (type == F32 || type == Q6_K) return c10::nullopt;
   const Layout lay = layout(type);
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % lay.block == 0 &&
                   rows.size(1) == K / lay.block * lay.bytes && rows.size(0) % GROUP == 0,
@@ -418,7 +333,6 @@ c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int
     case Q5_1: out = repack_legacy<Q5_1>(rows, K); break;
     case Q8_0: out = repack_legacy<Q8_0>(rows, K); break;
     case Q4_K: out = repack_q4k(rows, K); break;
-    case Q6_K: out = repack_q6k(rows, K); break;
   }
   return std::make_tuple(out, X16 + type);
 }
@@ -433,7 +347,6 @@ void regrouped_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes,
     case Q5_1: return tiled_outputs<QRows, LegacyTile<Q5_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
     case Q8_0: return tiled_outputs<QRows, LegacyTile<Q8_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
     case Q4_K: return tiled_outputs<KRows, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
-    case Q6_K: return tiled_outputs<KRows, Q6KTile>(groups, group_bytes, lo, hi, kx, y, N);
   }
   TORCH_CHECK(false, "quant: not a regrouped type: ", type);
 }
