@@ -23,6 +23,14 @@ typedef int32_t ivec __attribute__((vector_size(64)));
 
 constexpr int L = 16;  // lanes
 
+// Rows a thread takes at least in a row-wise op over rows of `width` elements: torch's grain size
+// (at::internal::GRAIN_SIZE elements), so a verify block's few short rows run on the calling thread
+// instead of paying a parallel region (one per op) for microseconds of work. Who computes a row
+// never changes how.
+inline int64_t row_grain(int64_t width) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, width));
+}
+
 inline vec load(const float* p) {
   vec v;
   std::memcpy(&v, p, sizeof v);

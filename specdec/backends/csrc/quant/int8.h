@@ -56,7 +56,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
   r.block_sum.resize(M * (K / 32));
   r.block_scaled_sum.resize(M * (K / 32));
   for (auto& o : r.offset_sum) o.resize(M * (K / 32));
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       int8_t* q = r.q.data() + m * width;
       float* s = r.scale.data() + m * lanes;
@@ -244,7 +244,7 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
   r.sum16.resize(M * r.supers * 16);
   r.pair16.resize(M * r.supers * 8);
   r.pair32.resize(M * r.supers * 4);
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t sb = 0; sb < r.supers; ++sb) {
         const float* xb = x + m * K + 256 * sb;

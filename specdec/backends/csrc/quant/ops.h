@@ -14,7 +14,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto y = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, row_grain(d), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* r = xp + i * d;
       const float inv = 1.0f / std::sqrt(dot(r, r, d) / static_cast<float>(d) + static_cast<float>(eps));
@@ -31,7 +31,7 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
   auto y = torch::empty({n, F}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, row_grain(2 * F), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float *g = gp + i * 2 * F, *u = g + F;
       float* o = yp + i * F;

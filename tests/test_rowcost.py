@@ -1,0 +1,62 @@
+"""An added row's cost against the CPU's peak (specdec.bench.rowcost) and `specdec kernels`
+(specdec.bench.kernels): the slope, the peak probe, the per-type table and its refusals. No timing
+is asserted, only what the numbers mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.backends.qkernel import kernels
+from specdec.bench.kernels import measure, random_matrix, table
+from specdec.bench.rowcost import fit_slope, row_cost
+from specdec.cli import main
+from specdec.models.load import load_model
+
+
+def test_fit_slope_is_the_least_squares_slope():
+    assert fit_slope({1: 5.0, 2: 6.0, 4: 8.0, 8: 12.0}) == pytest.approx(1.0)
+    assert fit_slope({1: 1.0, 3: 3.0, 2: 1.0}) == pytest.approx(1.0)  # (1,1), (2,1), (3,3): slope 1
+    with pytest.raises(ValueError, match="two"):
+        fit_slope({1: 5.0})
+
+
+def test_peak_counts_multiply_adds_per_second():
+    fp32 = kernels().peak("fp32", 200000)
+    assert 1e8 < fp32 < 1e14  # 16-lane multiply-adds: some G/s on any CPU that runs this
+    if kernels().int8_available():
+        assert kernels().peak("int8", 200000) > fp32  # 64 int8 multiply-adds an instruction against 16
+    else:
+        with pytest.raises(RuntimeError, match="VNNI"):
+            kernels().peak("int8", 1000)
+    with pytest.raises(RuntimeError, match="int8' or 'fp32"):
+        kernels().peak("bf16", 1000)
+
+
+def test_row_cost_is_none_off_the_quantized_backend(model_dir):
+    model = load_model(str(model_dir))  # a tiny Hugging Face model: the lean fp32 forward
+    assert row_cost(model, {"1": 1.0, "2": 1.5}) is None
+
+
+def test_random_matrix_has_the_types_layout_and_finite_scales():
+    w = random_matrix("Q4_K", 32, 512)
+    assert w.shape == (32, 2 * 144) and w.dtype == torch.uint8
+    ids = torch.arange(32)
+    assert torch.isfinite(kernels().dequantize_rows(w, 12, 512, ids)).all()
+
+
+def test_kernels_table_for_one_type(capsys):
+    row = measure("Q4_1", K=256, megabytes=1, rounds=2, int8=kernels().int8_available())
+    assert row["rows"] % 16 == 0 and row["ratio"][1] == 1.0 and set(row["ratio"]) == {1, 2, 4, 8, 9}
+    result = {"kernel": "fp32", "threads": 1, "peak_gmacs": 10.0, "types": [{**row, "fraction": 0.5}]}
+    text = table(result)
+    assert "| Q4_1 |" in text and "50%" in text and "10 G multiply-adds/s" in text
+    assert main(["kernels", "--types", "Q8_0", "--columns", "256", "--mb", "1"]) == 0
+    assert "| Q8_0 |" in capsys.readouterr().out
+
+
+def test_kernels_refuses_what_it_cannot_time():
+    with pytest.raises(SystemExit, match="no kernel for Q2_K"):
+        main(["kernels", "--types", "Q2_K", "--mb", "1"])
+    with pytest.raises(SystemExit, match="multiple of 256"):
+        main(["kernels", "--columns", "100"])
