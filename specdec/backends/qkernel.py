@@ -1,5 +1,5 @@
-"""specdec's batch-invariant CPU kernels for GGUF weights (specdec/backends/csrc/quant.cpp), compiled
-at first use.
+"""specdec's batch-invariant CPU kernels for GGUF weights (specdec/backends/csrc/quant.cpp and the
+headers of csrc/quant/ it includes, one concern each), compiled at first use.
 
 The module's functions: `matmul(x, parts, types, bias=None, int8=False)` (x (M, K) fp32 times the
 stacked quantized parts, each (N_p, row_bytes) uint8 of a GGML type id; returns (M, sum N_p); int8:
@@ -7,8 +7,9 @@ round the activations to int8 per block and multiply with integer dot products, 
 where `int8_available()`, i.e. the CPU has AVX512-VNNI), `dequantize_rows(w, type, K, ids)`,
 `rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`,
 `rope(x, positions, inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)`,
-`repack(rows, type, K)` (Q4_K, Q4_1, Q8_0 rows regrouped eight at a time for the int8 path, with
-their type id; None for other types), `release(t)` (a memory-mapped tensor's pages), and
+`repack(rows, type, K)` (rows regrouped sixteen at a time for the int8 path, with their type id;
+None for F32 and Q6_K), `peak(kind)` (multiply-adds per second of the int8 or fp32 product
+instruction), `release(t)` (a memory-mapped tensor's pages), and
 `Layer(...)` with `layers(...)` (the Llama/Qwen2 decoder stack over one or more requests' new
 tokens). Each output is reduced in one fixed order by one thread, so row i of an n-row call has the
 bits of a one-row call (quant.cpp says how).
