@@ -24,6 +24,7 @@ from specdec import generate, make_drafter
 from specdec.backends.lean import tree_layout
 from specdec.backends.qkernel import TYPES, kernels
 from specdec.backends.quant import QuantLinear, QuantModel
+from specdec.bench.kernels import FP16_FIELDS as KERNEL_FP16_FIELDS
 from specdec.cache import LeanKVCache
 from specdec.errors import GGUFError
 from specdec.models.gguf import QTensor
@@ -37,8 +38,7 @@ from .conftest import make_model, prompt_ids, remake
 
 QTYPES = [name for name in TYPES if name != "F32"]
 # Where each block type keeps its fp16 fields (ggml-common.h): scale d, and min m / dmin where it has one.
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
-FP16_FIELDS["Q5_K"] = (0, 2)  # not a kernel type: the fallback test's
+FP16_FIELDS = {**KERNEL_FP16_FIELDS, "Q5_K": (0, 2)}  # Q5_K: not a kernel type, the fallback test's
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ from specdec.bench.kernels import measure, random_matrix, table
 from specdec.bench.rowcost import fit_slope, row_cost
 from specdec.cli import main
 from specdec.models.load import load_model
+from specdec.models.weights import cache_dir, is_pulled
 
 
 def test_fit_slope_is_the_least_squares_slope():
@@ -38,6 +39,21 @@ def test_row_cost_is_none_off_the_quantized_backend(model_dir):
     assert row_cost(model, {"1": 1.0, "2": 1.5}) is None
 
 
+def test_row_cost_of_the_packaged_smollm2_counts_its_matrices():
+    if not is_pulled("smollm2-135m", cache_dir()):
+        pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
+    model = load_model("smollm2-135m")
+    cost = row_cost(model, {"1": 5.0, "2": 6.0, "4": 8.0})
+    # 30 layers of q, k, v (576 + 2 x 192 rows), o (576), gate and up (2 x 1536), down (576 x 1536), and the
+    # tied output layer (49152 x 576): multiply-adds of one row
+    layer = (576 + 2 * 192) * 576 + 576 * 576 + 2 * 1536 * 576 + 576 * 1536
+    assert cost["macs_per_row"] == 30 * layer + 49152 * 576
+    assert cost["kernel"] == ("vnni" if model.lean().int8 else "fp32")
+    assert cost["marginal_ms"] == pytest.approx(1.0)
+    assert cost["peak_ms"] == pytest.approx(cost["macs_per_row"] / (cost["peak_gmacs"] * 1e9) * 1e3)
+    assert cost["fraction"] == pytest.approx(cost["peak_ms"] / 1.0)
+
+
 def test_random_matrix_has_the_types_layout_and_finite_scales():
     w = random_matrix("Q4_K", 32, 512)
     assert w.shape == (32, 2 * 144) and w.dtype == torch.uint8
@@ -47,7 +63,10 @@ def test_random_matrix_has_the_types_layout_and_finite_scales():
 
 def test_kernels_table_for_one_type(capsys):
     row = measure("Q4_1", K=256, megabytes=1, rounds=2, int8=kernels().int8_available())
-    assert row["rows"] % 16 == 0 and row["ratio"][1] == 1.0 and set(row["ratio"]) == {1, 2, 4, 8, 9}
+    assert row["rows"] % 16 == 0 and set(row["ratio"]) == {1, 2, 4, 8, 9}
+    assert row["mb"] == pytest.approx(row["rows"] * 256 // 32 * 20 / 1e6)  # regrouped: the file's bytes
+    assert row["gbs"] == pytest.approx(row["mb"] / row["v1_ms"])  # MB per ms is GB per s
+    assert row["gmacs"] == pytest.approx(row["rows"] * 256 / row["marginal_ms"] / 1e6)
     result = {"kernel": "fp32", "threads": 1, "peak_gmacs": 10.0, "types": [{**row, "fraction": 0.5}]}
     text = table(result)
     assert "| Q4_1 |" in text and "50%" in text and "10 G multiply-adds/s" in text

@@ -15,29 +15,29 @@ import time
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from specdec.bench.rowcost import fit_slope, peak_macs_per_s
 
-# (elements, bytes) per block, and where its fp16 fields lie (ggml-common.h)
-BLOCKS = {
-    "Q4_0": (32, 18, (0,)),
-    "Q4_1": (32, 20, (0, 2)),
-    "Q5_0": (32, 22, (0,)),
-    "Q5_1": (32, 24, (0, 2)),
-    "Q8_0": (32, 34, (0,)),
-    "Q4_K": (256, 144, (0, 2)),
-    "Q6_K": (256, 210, (208,)),
-}
+# where each type the kernels multiply keeps its fp16 fields in a block (ggml-common.h); sizes from gguf
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def block_size(qtype: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of `qtype` (gguf's GGML_QUANT_SIZES)."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+
+
 DEFAULT_TYPES = ("Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0")  # what the registry's files hold
 ROWS = (1, 2, 4, 8, 9)
 
 
 def random_matrix(qtype: str, rows: int, K: int, seed: int = 0) -> torch.Tensor:
     """(rows, K / block * bytes) uint8 blocks of `qtype`: random bytes, fp16 fields finite (|x| < 0.02)."""
-    block, nbytes, fields = BLOCKS[qtype]
+    block, nbytes = block_size(qtype)
     g = np.random.default_rng(seed)
     raw = g.integers(0, 256, (rows, K // block, nbytes), dtype=np.uint8)
-    for at in fields:
+    for at in FP16_FIELDS[qtype]:
         raw[..., at : at + 2] = g.uniform(-0.02, 0.02, (rows, K // block, 1)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(rows, -1))
 
@@ -50,7 +50,7 @@ def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int
     from specdec.bench.roofline import last_level_cache_bytes
 
     k = kernels()
-    block, nbytes, _ = BLOCKS[qtype]
+    block, nbytes = block_size(qtype)
     size = megabytes or max(64, 4 * last_level_cache_bytes() // 2**20)
     rows = max(16, int(size * 2**20 / (K // block * nbytes)) // 16 * 16)
     raw = random_matrix(qtype, rows, K)
@@ -85,9 +85,9 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
     int8: None for the int8 path where the CPU has VNNI. Raises ValueError for a type the kernels lack."""
     from specdec.backends.qkernel import kernels
 
-    unknown = [t for t in types if t not in BLOCKS]
+    unknown = [t for t in types if t not in FP16_FIELDS]
     if unknown:
-        raise ValueError(f"no kernel for {', '.join(unknown)}: choose from {', '.join(BLOCKS)}")
+        raise ValueError(f"no kernel for {', '.join(unknown)}: choose from {', '.join(FP16_FIELDS)}")
     if int8 is None:
         int8 = kernels().int8_available()
     peak = peak_macs_per_s("int8" if int8 else "fp32") / 1e9

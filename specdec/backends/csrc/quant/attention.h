@@ -245,9 +245,12 @@ void attend_all(const std::vector<Attention>& parts, int64_t H, int64_t D, int64
     keys = std::max(keys, a.start + a.n);
   }
   at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
-    Scratch s;
-    std::vector<float> score(keys + 16), acc(D);
-    std::vector<int64_t> seen(keys);
+    Scratch s;  // by head: sized by attend_head; else one position's room
+    if (!by_head) {
+      s.score.resize(keys + 16);
+      s.acc.resize(D);
+      s.seen.resize(keys);
+    }
     size_t r = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= first[r + 1]) ++r;
@@ -261,7 +264,7 @@ void attend_all(const std::vector<Attention>& parts, int64_t H, int64_t D, int64
         continue;
       }
 #endif
-      attend_one(parts[r], local / H, local % H, H, D, KVH, sc, score.data(), seen.data(), acc.data());
+      attend_one(parts[r], local / H, local % H, H, D, KVH, sc, s.score.data(), s.seen.data(), s.acc.data());
     }
   });
 }

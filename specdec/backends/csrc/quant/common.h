@@ -22,6 +22,7 @@ typedef float vec __attribute__((vector_size(64)));  // 16 fp32 lanes
 typedef int32_t ivec __attribute__((vector_size(64)));
 
 constexpr int L = 16;  // lanes
+constexpr int64_t GROUP = 16;  // weight rows a regrouped matrix interleaves (quant/int8_x16.h)
 
 // Rows a thread takes at least in a row-wise op over rows of `width` elements: torch's grain size
 // (at::internal::GRAIN_SIZE elements), so a verify block's few short rows run on the calling thread

@@ -30,7 +30,8 @@ constexpr int64_t PREFETCH = 1024;
 // row. The order of the tiles changes no output's operations.
 constexpr int64_t WEIGHT_BLOCK = 128 * 1024;
 
-// Input rows quantized to int8, padded to whole chunks of 64 columns.
+// Input rows quantized to int8, padded to whole chunks of 64 columns. The per-lane fields serve the
+// row-at-a-time kernels only, and are filled only when a product has such a part (quantize_rows' lanes).
 struct QRows {
   int64_t M = 0, K = 0, chunks = 0;
   std::vector<int8_t> q;      // (M, chunks * 64)
@@ -43,15 +44,17 @@ struct QRows {
   std::vector<int32_t> offset_sum[3];   // (M, K / 32) each: -offset * block_sum for the offsets 8, 16, 128
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
+void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane) {
   r.M = M;
   r.K = K;
   r.chunks = (K + 63) / 64;
   const int64_t width = r.chunks * 64, lanes = r.chunks * 16;
   r.q.assign(M * width, 0);
-  r.scale.assign(M * lanes, 0.0f);
-  r.sum4.resize(M * lanes);
-  r.sum4f.resize(M * lanes);
+  if (per_lane) {
+    r.scale.assign(M * lanes, 0.0f);
+    r.sum4.resize(M * lanes);
+    r.sum4f.resize(M * lanes);
+  }
   r.block_scale.resize(M * (K / 32));
   r.block_sum.resize(M * (K / 32));
   r.block_scaled_sum.resize(M * (K / 32));
@@ -59,7 +62,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       int8_t* q = r.q.data() + m * width;
-      float* s = r.scale.data() + m * lanes;
       for (int64_t b = 0; b < K / 32; ++b) {
         const float* xb = x + m * K + 32 * b;
         const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
@@ -69,10 +71,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
         const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtsepi32_epi8(v0));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtsepi32_epi8(v1));
-        for (int l = 0; l < 8; ++l) s[8 * b + l] = d;  // block b's 32 values are lanes 8b..8b+7
-        r.block_scale[m * (K / 32) + b] = d;
+        if (per_lane)  // block b's 32 values are lanes 8b..8b+7
+          for (int l = 0; l < 8; ++l) r.scale[m * lanes + 8 * b + l] = d;
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));  // |v| <= 127: the bytes
         const int64_t at = m * (K / 32) + b;
+        r.block_scale[at] = d;
         r.block_sum[at] = sum;
         r.block_scaled_sum[at] = d * static_cast<float>(sum);
         r.offset_sum[0][at] = -8 * sum;
@@ -80,10 +83,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r) {
         r.offset_sum[2][at] = -128 * sum;
       }
       const __m512i ones = _mm512_set1_epi8(1);
-      for (int64_t c = 0; c < r.chunks; ++c) {
+      for (int64_t c = 0; per_lane && c < r.chunks; ++c) {
+        const int64_t at = m * lanes + 16 * c;
         const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q + 64 * c));
-        _mm512_storeu_si512(r.sum4.data() + m * lanes + 16 * c, sum);
-        _mm512_storeu_ps(r.sum4f.data() + m * lanes + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), _mm512_cvtepi32_ps(sum)));
+        _mm512_storeu_si512(r.sum4.data() + at, sum);
+        _mm512_storeu_ps(r.sum4f.data() + at, _mm512_mul_ps(_mm512_loadu_ps(r.scale.data() + at), _mm512_cvtepi32_ps(sum)));
       }
     }
   });
@@ -185,8 +189,6 @@ void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias
   for (int m = 0; m < T; ++m) out[m] = lane_sum((vec)(has_min<type>() ? _mm512_add_ps(acc[m], macc[m]) : acc[m]));
 }
 
-// y[:, j] for j in [lo, hi) of one part, as part_outputs, from quantized input rows (bias: for the
-// types with an offset, -offset * sum4 of each row).
 // y[:, j] for j in [lo, hi) of one part, a weight row at a time: tile(row, m0, t, out) computes one
 // row's outputs for input rows m0..m0+t-1. A thread goes over a block of weight rows (about
 // WEIGHT_BLOCK bytes) for each tile of input rows, so many input rows are not streamed again per
@@ -231,7 +233,6 @@ struct KRows {  // input rows quantized per 256 columns
   std::vector<int8_t> q;       // (M, K)
   std::vector<float> scale;    // (M, supers)
   std::vector<int32_t> sum16;  // (M, supers * 16): sums of the int8 values of each 16 columns
-  std::vector<int32_t> pair16;  // (M, supers * 8): the sums of columns 32h..+15 and 32h+16..+31 as 16-bit halves
   std::vector<int32_t> pair32;  // (M, supers * 4): the sums of columns 64i..+31 and 64i+32..+63 as 16-bit halves
 };
 
@@ -242,7 +243,6 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
   r.q.resize(M * K);
   r.scale.resize(M * r.supers);
   r.sum16.resize(M * r.supers * 16);
-  r.pair16.resize(M * r.supers * 8);
   r.pair32.resize(M * r.supers * 4);
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
@@ -262,7 +262,6 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
         const auto halves = [](int32_t a, int32_t b) {  // |a|, |b| <= 32 * 127: each fits 16 bits
           return static_cast<int32_t>((static_cast<uint32_t>(a) & 0xFFFF) | (static_cast<uint32_t>(b) << 16));
         };
-        for (int h = 0; h < 8; ++h) r.pair16[(m * r.supers + sb) * 8 + h] = halves(s[2 * h], s[2 * h + 1]);
         for (int i = 0; i < 4; ++i)
           r.pair32[(m * r.supers + sb) * 4 + i] = halves(s[4 * i] + s[4 * i + 1], s[4 * i + 2] + s[4 * i + 3]);
       }

@@ -25,7 +25,6 @@ namespace {
 //     then acc = fma(float(Mn), dmin * -dx, acc).
 // So the bits depend on neither the number of input rows nor the thread count.
 
-constexpr int64_t GROUP = 16;  // weight rows per group
 constexpr int X16_TILE = 8;    // input rows per tile: each tile streams the group's weights once
 constexpr int64_t X16 = 200;   // a regrouped layout's type id is X16 + its GGML type (not a GGML type)
 
@@ -44,45 +43,49 @@ constexpr int64_t legacy_group_bytes() {
   return 32 + (has_min<type>() ? 32 : 0) + (five_bit<type>() ? 64 : 0) + (type == Q8_0 ? 512 : 256);
 }
 
-// rows (N, K / 32 * block bytes) of a 32-weight type, N a multiple of 16 -> (N / 16, K / 32 * group bytes).
-template <int64_t type>
-torch::Tensor repack_legacy(const torch::Tensor& rows, int64_t K) {
-  const Layout lay = layout(type);
-  constexpr int64_t gb = legacy_group_bytes<type>();
-  constexpr int head = has_min<type>() ? 4 : 2;  // bytes of d (and m) at a block's start
-  const int64_t groups = rows.size(0) / GROUP, B = K / 32;
-  auto out = torch::zeros({groups, B * gb}, rows.options());
+// The loop every layout shares: rows (N, row bytes) of blocks of in_bytes, N a multiple of 16 ->
+// (N / 16, blocks * group_bytes), zeroed, then fill(o, p, r) writes row r's block p into its group's
+// block o, for every group, block and row.
+template <typename Fill>
+torch::Tensor regroup(const torch::Tensor& rows, int64_t in_bytes, int64_t group_bytes, Fill&& fill) {
+  const int64_t groups = rows.size(0) / GROUP, blocks = rows.size(1) / in_bytes;
+  auto out = torch::zeros({groups, blocks * group_bytes}, rows.options());
   const uint8_t* src = rows.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t gi = begin; gi < end; ++gi)
-      for (int64_t b = 0; b < B; ++b) {
-        uint8_t* o = dst + (gi * B + b) * gb;
-        for (int r = 0; r < GROUP; ++r) {
-          const uint8_t* p = src + (gi * GROUP + r) * rows.size(1) + b * lay.bytes;
-          std::memcpy(o + 2 * r, p, 2);
-          int64_t at = 32;
-          if constexpr (has_min<type>()) {
-            std::memcpy(o + at + 2 * r, p + 2, 2);
-            at += 32;
-          }
-          const uint8_t* qs = p + head;
-          if constexpr (five_bit<type>()) {
-            const uint32_t qh = load_u32(p + head);
-            for (int w = 0; w < 32; ++w)  // weight w = 4v + i: mask v, bit 4r + i
-              o[at + 8 * (w / 4) + r / 2] |= static_cast<uint8_t>(((qh >> w) & 1) << (4 * (r % 2) + w % 4));
-            at += 64;
-            qs += 4;
-          }
-          if constexpr (type == Q8_0) {
-            for (int w = 0; w < 32; ++w) o[at + 64 * (w / 4) + 4 * r + w % 4] = qs[w] ^ 0x80;
-          } else {
-            for (int g = 0; g < 4; ++g) std::memcpy(o + at + 64 * g + 4 * r, qs + 4 * g, 4);
-          }
-        }
-      }
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int r = 0; r < GROUP; ++r)
+          fill(dst + (gi * blocks + b) * group_bytes, src + (gi * GROUP + r) * rows.size(1) + b * in_bytes, r);
   });
   return out;
+}
+
+// rows (N, K / 32 * block bytes) of a 32-weight type, N a multiple of 16 -> (N / 16, K / 32 * group bytes).
+template <int64_t type>
+torch::Tensor repack_legacy(const torch::Tensor& rows) {
+  constexpr int head = has_min<type>() ? 4 : 2;  // bytes of d (and m) at a block's start
+  return regroup(rows, layout(type).bytes, legacy_group_bytes<type>(), [](uint8_t* o, const uint8_t* p, int r) {
+    std::memcpy(o + 2 * r, p, 2);
+    int64_t at = 32;
+    if constexpr (has_min<type>()) {
+      std::memcpy(o + at + 2 * r, p + 2, 2);
+      at += 32;
+    }
+    const uint8_t* qs = p + head;
+    if constexpr (five_bit<type>()) {
+      const uint32_t qh = load_u32(p + head);
+      for (int w = 0; w < 32; ++w)  // weight w = 4v + i: mask v, bit 4r + i
+        o[at + 8 * (w / 4) + r / 2] |= static_cast<uint8_t>(((qh >> w) & 1) << (4 * (r % 2) + w % 4));
+      at += 64;
+      qs += 4;
+    }
+    if constexpr (type == Q8_0) {
+      for (int w = 0; w < 32; ++w) o[at + 64 * (w / 4) + 4 * r + w % 4] = qs[w] ^ 0x80;
+    } else {
+      for (int g = 0; g < 4; ++g) std::memcpy(o + at + 64 * g + 4 * r, qs + 4 * g, 4);
+    }
+  });
 }
 
 inline int32_t load_i32(const int8_t* p) {
@@ -90,10 +93,9 @@ inline int32_t load_i32(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
-// Software prefetch of the weights ahead, for tiles of several input rows only: there the arithmetic
-// per byte hides the loads and an added row's cost halved with it; a one-row product streams the
-// weights faster on the hardware prefetcher alone (both on a 2-core AMD EPYC: docs/quantized.md).
-// Prefetching changes no output's bits.
+// Software prefetch of the weights ahead, for tiles of several input rows only: there it lowers an
+// added row's cost, while a one-row product streams the weights faster on the hardware prefetcher
+// alone (measured in docs/quantized.md). Prefetching changes no output's bits.
 template <int T>
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   if constexpr (T > 1)
@@ -178,31 +180,19 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
 // sub-block 2i's weights 4g.. and high nibbles sub-block 2i + 1's).
 constexpr int64_t Q4_K_GROUP_BYTES = 64 + 128 + 128 + 2048;
 
-torch::Tensor repack_q4k(const torch::Tensor& rows, int64_t K) {
-  const int64_t groups = rows.size(0) / GROUP, S = K / 256, gb = Q4_K_GROUP_BYTES;
-  auto out = torch::empty({groups, S * gb}, rows.options());
-  const uint8_t* src = rows.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t gi = begin; gi < end; ++gi)
-      for (int64_t sb = 0; sb < S; ++sb) {
-        uint8_t* o = dst + (gi * S + sb) * gb;
-        for (int r = 0; r < GROUP; ++r) {
-          const uint8_t* p = src + (gi * GROUP + r) * rows.size(1) + sb * 144;
-          std::memcpy(o + 2 * r, p, 2);
-          std::memcpy(o + 32 + 2 * r, p + 2, 2);
-          for (int j = 0; j < 8; ++j) {
-            int a, e;
-            scale_min_k4(p + 4, j, a, e);
-            o[64 + 16 * j + r] = static_cast<uint8_t>(a);
-            o[192 + 32 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(e);
-          }
-          for (int i = 0; i < 4; ++i)
-            for (int g = 0; g < 8; ++g) std::memcpy(o + 320 + 512 * i + 64 * g + 4 * r, p + 16 + 32 * i + 4 * g, 4);
-        }
-      }
+torch::Tensor repack_q4k(const torch::Tensor& rows) {
+  return regroup(rows, 144, Q4_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
+    std::memcpy(o + 2 * r, p, 2);
+    std::memcpy(o + 32 + 2 * r, p + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      int a, e;
+      scale_min_k4(p + 4, j, a, e);
+      o[64 + 16 * j + r] = static_cast<uint8_t>(a);
+      o[192 + 32 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(e);
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int g = 0; g < 8; ++g) std::memcpy(o + 320 + 512 * i + 64 * g + 4 * r, p + 16 + 32 * i + 4 * g, 4);
   });
-  return out;
 }
 
 // acc: out, kept in memory (touched once per super-block), so that the registers hold the weights and sums.
@@ -322,8 +312,7 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
 
 // A matrix's rows regrouped sixteen at a time for the int8 kernels: (the regrouped tensor, its type id)
 // for the 32-weight types and Q4_K, rows (N, row bytes) with N a multiple of 16; None for F32 and Q6_K,
-// which go a row at a time (regrouped, Q6_K's one-row products streamed its weights slower and its added
-// rows cost no less, on a 2-core AMD EPYC: docs/quantized.md).
+// which go a row at a time (why: docs/quantized.md).
 c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
   if (type == F32 || type == Q6_K) return c10::nullopt;
   const Layout lay = layout(type);
@@ -333,12 +322,12 @@ c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int
               "), N a multiple of sixteen");
   torch::Tensor out;
   switch (type) {
-    case Q4_0: out = repack_legacy<Q4_0>(rows, K); break;
-    case Q4_1: out = repack_legacy<Q4_1>(rows, K); break;
-    case Q5_0: out = repack_legacy<Q5_0>(rows, K); break;
-    case Q5_1: out = repack_legacy<Q5_1>(rows, K); break;
-    case Q8_0: out = repack_legacy<Q8_0>(rows, K); break;
-    case Q4_K: out = repack_q4k(rows, K); break;
+    case Q4_0: out = repack_legacy<Q4_0>(rows); break;
+    case Q4_1: out = repack_legacy<Q4_1>(rows); break;
+    case Q5_0: out = repack_legacy<Q5_0>(rows); break;
+    case Q5_1: out = repack_legacy<Q5_1>(rows); break;
+    case Q8_0: out = repack_legacy<Q8_0>(rows); break;
+    case Q4_K: out = repack_q4k(rows); break;
   }
   return std::make_tuple(out, X16 + type);
 }

@@ -62,14 +62,17 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   QRows qx;
   std::vector<std::vector<int32_t>> biases(129);  // by offset: -offset * sum4, row after row
   KRows kx;
-  bool legacy = false, super = false;
+  bool legacy = false, super = false, row_at_a_time = false;  // which input roundings the parts need
   for (int64_t t : types) {
-    const int64_t base = regrouped_bytes(t, K) ? regrouped_base(t) : t;
-    (base == Q4_K || base == Q6_K ? super : legacy) |= base != F32;
+    const bool regrouped = regrouped_bytes(t, K) != 0;
+    const int64_t base = regrouped ? regrouped_base(t) : t;
+    if (base == F32) continue;
+    (base == Q4_K || base == Q6_K ? super : legacy) = true;
+    row_at_a_time |= !regrouped && base != Q4_K && base != Q6_K;
   }
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
-    quantize_rows(xp, M, K, qx);
+    quantize_rows(xp, M, K, qx, row_at_a_time);
     for (int64_t t : types) if (!regrouped_bytes(t, K)) dispatch(t, [&]<int64_t type>() {
         constexpr int32_t o = offset_of<type>();
         if (type == F32 || o == 0 || !biases[o].empty()) return;

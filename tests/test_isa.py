@@ -1,0 +1,81 @@
+"""The kernels built for an older instruction set (AVX2 + FMA + F16C, no AVX-512, no VNNI: x86-64-v3)
+on a CPU that has more: the paths such a CPU takes (fp32 activations, the 8-lane halves of every
+16-lane step, attention's per-key dot products) compile, stay batch-invariant bit for bit, and give
+the bits of this machine's own fp32 path. Skipped, with the reason, where the CPU lacks AVX2 or
+there is no compiler."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.backends import qkernel
+from specdec.backends.qkernel import TYPES, kernels
+
+from .test_quant import _attention_case, assert_rows_invariant, random_blocks
+
+FLAGS = ("avx2", "fma", "f16c")
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module")
+def avx2():
+    missing = [f for f in FLAGS if f not in _cpu_flags()]
+    if missing:
+        pytest.skip(f"the CPU lacks {', '.join(missing)}: x86-64-v3 kernels cannot run here")
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in qkernel.HEADERS)).hexdigest()[:16]
+    try:
+        return load(
+            "specdec_quant_x86_64_v3",
+            [str(qkernel.SOURCE)],
+            extra_cflags=["-O3", "-march=x86-64-v3", "-ffp-contract=off", "-fopenmp", f"-DSPECDEC_HEADERS={digest}"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler: the native build's tests skip the same way
+        pytest.skip(f"the x86-64-v3 kernels could not be built: {str(e).splitlines()[0][:200]}")
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_an_avx2_build_has_no_int8_path(avx2):
+    assert not avx2.int8_available()
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="VNNI"):
+        avx2.matmul(x, [torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))], [TYPES["Q4_1"]], None, True)
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t != "F32"])
+def test_avx2_products_are_batch_invariant_and_the_native_fp32_paths_bits(avx2, qtype):
+    K = 512
+    part = torch.from_numpy(random_blocks(qtype, 40, K, seed=5))
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(6))
+    assert_rows_invariant(lambda rows: avx2.matmul(rows, [part], [TYPES[qtype]], None, False), x, max_n=11)
+    assert torch.equal(avx2.matmul(x, [part], [TYPES[qtype]], None, False), kernels().matmul(x, [part], [TYPES[qtype]]))
+
+
+def test_avx2_attention_rows_equal_one_row_calls(avx2):
+    start, n = 9, 12
+    q, kc, vc, scale = _attention_case(start, n)
+    y = avx2.attention(q, kc, vc, start, None, scale)
+    assert torch.allclose(y, kernels().attention(q, kc, vc, start, None, scale), atol=1e-5)  # other score order
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for i in range(n):
+            assert torch.equal(y[i : i + 1], avx2.attention(q[i : i + 1], kc, vc, start + i, None, scale)), i
