@@ -18,7 +18,6 @@ started as a subprocess); `--vllm-python` names it.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -41,13 +40,9 @@ def run_vllm(python: str | Path, spec: dict, folder: Path, name: str, timeout: f
         )
     spec_file, out_file, log = folder / f"{name}.spec.json", folder / f"{name}.out.json", folder / f"{name}.log"
     spec_file.write_text(json.dumps(spec))
-    # A copy of the worker in `folder`, run from there: Python puts a script's folder first on
-    # sys.path, and specdec/bench's modules (kernels.py) would shadow packages vLLM imports.
-    worker = folder / WORKER.name
-    shutil.copyfile(WORKER, worker)
     with open(log, "w") as f:
-        rc = subprocess.run(
-            [str(python), str(worker), str(spec_file), str(out_file)],
+        rc = subprocess.run(  # -I: the worker's folder off sys.path (bench/kernels.py would shadow a package)
+            [str(python), "-I", str(WORKER), str(spec_file), str(out_file)],
             stdout=f,
             stderr=subprocess.STDOUT,
             timeout=timeout,
