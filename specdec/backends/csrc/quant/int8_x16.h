@@ -196,43 +196,54 @@ torch::Tensor repack_q4k(const torch::Tensor& rows) {
 }
 
 // acc: out, kept in memory (touched once per super-block), so that the registers hold the weights and sums.
+// A chunk's two sub-blocks (low and high nibbles of the same bytes) go side by side, each weight vector
+// decoded once and multiplied into every input row (the input row's bytes broadcast): T input rows run
+// 2T (4 for one row) independent integer chains. More than four rows spill those chains to memory,
+// so tiles of more rows run in tiles of four (Q4KTile).
 template <int T>
 void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
+  static_assert(T <= 4, "q4k_x16_tile: at most four input rows");
   const int64_t S = x.supers;
   const __m512i low = _mm512_set1_epi8(15);
-#pragma GCC unroll 8
+  constexpr int C = T == 1 ? 2 : 1;  // chains per sum: one input row needs two to hide vpdpbusd's latency
   for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], _mm512_setzero_ps());
   for (int64_t sb = 0; sb < S; ++sb) {
     const uint8_t* p = group + sb * Q4_K_GROUP_BYTES;
     prefetch_ahead<T>(p, Q4_K_GROUP_BYTES);
     __m512i total[T];
-#pragma GCC unroll 8
     for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
-    // sub-block j = 2i + h: chunk i's low nibbles (h = 0) or high nibbles (h = 1)
-    const auto sub_block = [&]<int h>(int i) {
+    for (int i = 0; i < 4; ++i) {  // chunk i: sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
       const uint8_t* q = p + 320 + 512 * i;
-      __m512i u[8];
+      __m512i lo[C][T], hi[C][T];
+      for (int c = 0; c < C; ++c)
+        for (int m = 0; m < T; ++m) lo[c][m] = hi[c][m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
         const __m512i packed = _mm512_loadu_si512(q + 64 * g);
-        u[g] = _mm512_and_si512(h ? _mm512_srli_epi16(packed, 4) : packed, low);
+        const __m512i u = _mm512_and_si512(packed, low), w = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        const int c = g % C;
+#pragma GCC unroll 4
+        for (int m = 0; m < T; ++m) {
+          const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 64 * i + 4 * g;
+          lo[c][m] = _mm512_dpbusd_epi32(lo[c][m], u, _mm512_set1_epi32(load_i32(xq)));
+          hi[c][m] = _mm512_dpbusd_epi32(hi[c][m], w, _mm512_set1_epi32(load_i32(xq + 32)));
+        }
       }
-      const __m512i scale = _mm512_cvtepu8_epi32(load16(p + 64 + 16 * (2 * i + h)));
-#pragma GCC unroll 8
+      const __m512i sl = _mm512_cvtepu8_epi32(load16(p + 64 + 32 * i));
+      const __m512i sh = _mm512_cvtepu8_epi32(load16(p + 80 + 32 * i));
       for (int m = 0; m < T; ++m) {
-        const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 32 * (2 * i + h);
-        const __m512i sum = block_dot<8, chains_for<T>()>(u, xq, _mm512_setzero_si512());
-        total[m] = _mm512_add_epi32(total[m], _mm512_mullo_epi32(sum, scale));
+        if constexpr (C == 2) {
+          lo[0][m] = _mm512_add_epi32(lo[0][m], lo[1][m]);
+          hi[0][m] = _mm512_add_epi32(hi[0][m], hi[1][m]);
+        }
+        total[m] = _mm512_add_epi32(total[m],
+                                    _mm512_add_epi32(_mm512_mullo_epi32(lo[0][m], sl), _mm512_mullo_epi32(hi[0][m], sh)));
       }
-    };
-    for (int i = 0; i < 4; ++i) {
-      sub_block.template operator()<0>(i);
-      sub_block.template operator()<1>(i);
     }
     const __m512 d = _mm512_cvtph_ps(load32(p)), dmin = _mm512_cvtph_ps(load32(p + 32));
     __m512i mins[4];
     for (int i = 0; i < 4; ++i) mins[i] = _mm512_cvtepu8_epi16(load32(p + 192 + 32 * i));
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int m = 0; m < T; ++m) {
       const int64_t r = (m0 + m) * S + sb;
       __m512i mn = _mm512_setzero_si512();
@@ -288,7 +299,14 @@ struct LegacyTile {
 };
 template <int T>
 struct Q4KTile {
-  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q4k_x16_tile<T>(g, x, m0, out); }
+  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) {
+    if constexpr (T > 4) {
+      q4k_x16_tile<4>(g, x, m0, out);
+      q4k_x16_tile<T - 4>(g, x, m0 + 4, out + 4);
+    } else {
+      q4k_x16_tile<T>(g, x, m0, out);
+    }
+  }
 };
 
 // The GGML type a regrouped type id stands for, or -1.
