@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from pathlib import Path
@@ -557,13 +558,12 @@ def _generate(args) -> int:
     streamer.finish(spec.text)
     print("\n--- speculative" if args.k else "\n--- plain")
     print(spec.stats.summary())
-    if args.compare:
-        plain = generate(target, ids, None, **run)
-        ratio = spec.stats.tokens_per_s / plain.stats.tokens_per_s
+    if args.compare:  # like with like: the plain run streams its text too (to nowhere)
+        quiet = TextStreamer(target.tokenizer, args.stop, out=io.StringIO())
+        plain = generate(target, ids, None, stream=quiet, **run)
+        quiet.finish(plain.text)
         print("--- compare")
-        print(f"plain decoding:  {plain.stats.tokens_per_s:.1f} tokens/s ({plain.stats.new_tokens} tokens)")
-        print(f"speculative:     {spec.stats.tokens_per_s:.1f} tokens/s ({spec.stats.new_tokens} tokens)")
-        print(f"speed-up:        {ratio:.2f}x")
+        print("\n".join(compare_lines(plain.stats, spec.stats)))
         if args.temperature > 0:
             print("identical to plain: not expected when sampling (the distribution is the same, not the draws)")
         else:
@@ -578,6 +578,24 @@ def _generate(args) -> int:
                     f"({'a floating-point near-tie' if d.near_tie else 'NOT a near-tie: a bug, please report it'})"
                 )
     return 0
+
+
+def compare_lines(plain, spec) -> list[str]:
+    """--compare's speed lines for two runs' RunStats: tokens per second while decoding (after
+    prefill: what speculation changes) and end to end (prefill included), and both ratios."""
+
+    def speed(s) -> str:
+        return (
+            f"{s.decode_tokens_per_s:.1f} tokens/s decoding, {s.tokens_per_s:.1f} end to end "
+            f"({s.new_tokens} tokens, prefill {s.prefill_s * 1e3:.0f} ms)"
+        )
+
+    return [
+        f"plain decoding:  {speed(plain)}",
+        f"speculative:     {speed(spec)}",
+        f"speed-up:        {spec.decode_tokens_per_s / plain.decode_tokens_per_s:.2f}x decoding, "
+        f"{spec.tokens_per_s / plain.tokens_per_s:.2f}x end to end (prefill included)",
+    ]
 
 
 class TextStreamer:

@@ -8,8 +8,9 @@ import json
 import pytest
 
 import specdec.cli
-from specdec.cli import TextStreamer, main, workload_prompt
+from specdec.cli import TextStreamer, compare_lines, main, workload_prompt
 from specdec.drafters import EagleDrafter, LayerSkipDrafter, ModelDrafter, PromptLookup, RandomDrafter, SuffixDrafter
+from specdec.stats import RunStats
 
 from .conftest import make_tokenizer
 
@@ -20,6 +21,16 @@ def test_generate_compare_reports_identical(model_dir, capsys):
     out = capsys.readouterr().out
     assert "identical to plain greedy: yes" in out
     assert "acceptance rate alpha" in out and "speed-up:" in out and "tokens/s" in out
+
+
+def test_compare_separates_decoding_from_prefill():
+    # 100 tokens each, the same 1 s prefill: decoding 2 s (plain) vs 1 s (speculative)
+    plain = RunStats(k=0, new_tokens=100, prefill_s=1.0, total_s=3.0)
+    spec = RunStats(k=4, new_tokens=100, prefill_s=1.0, total_s=2.0)
+    lines = compare_lines(plain, spec)
+    assert lines[0].startswith("plain decoding:  50.0 tokens/s decoding, 33.3 end to end")
+    assert "prefill 1000 ms" in lines[1]
+    assert lines[2] == "speed-up:        2.00x decoding, 1.50x end to end (prefill included)"
 
 
 def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):
