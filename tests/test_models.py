@@ -99,9 +99,44 @@ def test_local_folder_round_trip(tmp_path):
     model.hf.save_pretrained(tmp_path / "m")
     model.tokenizer.save_pretrained(tmp_path / "m")
     loaded = load_model(str(tmp_path / "m"))
-    assert loaded.n_ctx == model.n_ctx and loaded.eos_token_ids == {2}
+    # </s>, and the <|endoftext|> (id 64) that saving adds to a Qwen2 tokenizer: an end token by END_TEXTS
+    assert loaded.n_ctx == model.n_ctx and loaded.eos_token_ids == {2, 64}
     prompt = prompt_ids()
     a = generate(model, prompt, max_new_tokens=10).tokens
     b = generate(remake(loaded, eos_token_ids=frozenset()), prompt, max_new_tokens=10).tokens
     assert a == b
     assert loaded.hf.dtype == torch.float32
+
+
+def test_end_tokens_rule_on_a_tokenizer():
+    from types import SimpleNamespace
+
+    from tokenizers import AddedToken
+
+    from specdec.models.load import default_eos_ids
+
+    tok = SimpleNamespace(
+        eos_token_id=2,
+        added_tokens_decoder={
+            0: AddedToken("<|endoftext|>", special=True),
+            3: AddedToken("<|im_start|>", special=True),
+            7: AddedToken("<|file_sep|>", special=False),  # not special: ordinary text
+        },
+    )
+    assert default_eos_ids(SimpleNamespace(eos_token_id=[2, 9]), tok, (11,)) == {0, 2, 9, 11}
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("smollm2-135m", {0, 2, 4, 5}),  # <|endoftext|>, <|im_end|>, <reponame>, <file_sep>
+        ("qwen2.5-coder-1.5b", {151643, 151645, 151662, 151663, 151664}),  # + <|fim_pad|>, <|repo_name|>, ...
+    ],
+)
+def test_end_tokens_of_the_registry_models(name, expected):
+    if not weights.is_pulled(name, weights.cache_dir()):
+        pytest.skip(f"{name} is not pulled (specdec models pull {name})")
+    model = load_model(name)
+    assert model.eos_token_ids == expected
+    texts = {model.tokenizer.convert_ids_to_tokens(i) for i in expected}
+    assert "<|endoftext|>" in texts and "<|im_end|>" in texts

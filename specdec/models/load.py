@@ -255,7 +255,12 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str) -> Mod
         return _load_transformers(spec, gguf_file, root, torch.float32, backend, torch.device("cpu"))
     config = hf_config(gguf)
     tokenizer = hf_tokenizer(gguf, root / "gguf-meta")
-    eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer)
+    marked = tuple(
+        gguf.fields[f"tokenizer.ggml.{n}_token_id"]
+        for n in ("eot", "eom")
+        if f"tokenizer.ggml.{n}_token_id" in gguf.fields
+    )
+    eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer, marked)
     loader = lambda: _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
     return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader)
 
@@ -296,15 +301,33 @@ def _load_transformers(
     return Model(hf, tokenizer, spec, default_eos_ids(hf.generation_config, tokenizer), backend)
 
 
-def default_eos_ids(generation_config, tokenizer) -> frozenset[int]:
-    """The generation config's eos ids plus the tokenizer's eos id."""
-    ids: set[int] = set()
+# The control tokens that end a generation wherever a vocabulary has them as special tokens: the
+# ends of a text, turn or message, and the fill-in-the-middle separators a code model writes after
+# its infill (the tokens llama.cpp also treats as end of generation).
+END_TEXTS = frozenset(
+    {
+        "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+        "<end_of_turn>", "<end_of_utterance>", "<EOT>", "_<EOT>",
+        "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+        "<|file_sep|>", "<file_sep>",
+    }
+)  # fmt: skip
+
+
+def default_eos_ids(generation_config, tokenizer, extra: tuple[int, ...] = ()) -> frozenset[int]:
+    """The ids that end a generation: the generation config's eos ids, the tokenizer's eos id, `extra`
+    (a GGUF file's end-of-turn and end-of-message ids), and the tokenizer's special tokens whose text
+    is in END_TEXTS. Plain and speculative decoding stop on the same set, so it changes no exactness."""
+    ids: set[int] = set(extra)
     gen = generation_config
     for source in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:
             ids.update(source)
+    for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if token.special and token.content in END_TEXTS:
+            ids.add(i)
     return frozenset(ids)
 
 
