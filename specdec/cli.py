@@ -120,8 +120,9 @@ def _training_data_options(p: argparse.ArgumentParser) -> None:
 
 
 def _drafter_options(args) -> dict:
-    """The options of `generate`'s drafter from its flags, those it takes (options_for): the
-    flags of other drafters are not read. The draft is still a spec here: load it to build."""
+    """The options of `generate`'s drafter from its flags (options_for). Raises ValueError for a
+    flag given that the drafter does not take (--max-ngram with --drafter suffix), naming it. The
+    draft is still a spec here: load it to build."""
     flags = dict(
         draft=args.draft,
         layers=args.layers,
@@ -132,6 +133,8 @@ def _drafter_options(args) -> dict:
         min_ngram=args.min_ngram,
         min_match=args.min_match,
     )
+    given = {o: v for o, v in flags.items() if v is not None and o != "cache"}  # --cache-dir serves all
+    check_options(args.drafter, **given)
     return options_for(args.drafter, flags)
 
 
@@ -167,6 +170,7 @@ def _default_peers() -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding for causal LMs.")
+    p.add_argument("--version", action="version", version=f"specdec {_version()}")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text, speculatively, and print the stats")
@@ -185,11 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--k-max", type=int, default=AUTO_K_MAX, help=f"with -k auto: the longest draft (default {AUTO_K_MAX})"
     )
-    g.add_argument("--max-ngram", type=int, default=3, help="prompt-lookup: longest n-gram to match (default 3)")
-    g.add_argument("--min-ngram", type=int, default=1, help="prompt-lookup: shortest n-gram to match (default 1)")
-    g.add_argument(
-        "--min-match", type=int, default=1, help="suffix: propose nothing below this match length (default 1)"
-    )
+    g.add_argument("--max-ngram", type=int, help="prompt-lookup: longest n-gram to match (default 3)")
+    g.add_argument("--min-ngram", type=int, help="prompt-lookup: shortest n-gram to match (default 1)")
+    g.add_argument("--min-match", type=int, help="suffix: propose nothing below this match length (default 1)")
     g.add_argument(
         "--corpus",
         help="suffix: earlier outputs to match too, a JSON list of token-id lists or a "
@@ -479,6 +481,16 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--cache-dir")
     ls.set_defaults(run=_list)
     return p
+
+
+def _version() -> str:
+    """The installed package's version (importlib.metadata), or "unknown" when run from a bare tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdec")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def k_arg(text: str) -> int | str:

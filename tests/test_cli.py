@@ -72,6 +72,17 @@ def test_bad_input_is_one_clear_line(model_dir, capsys):
     assert main(["serve", "--target", "no/such-model-offline", "--drafter", "model"]) == 2
     assert "the model drafter needs a draft model: pass --draft MODEL" in capsys.readouterr().err
     assert main(["generate", "hi", "--target", "no/such-model-offline", "--cache-dir", "/nonexistent"]) == 2
+    # a flag of another drafter is refused, not dropped
+    assert main(["generate", "w1", "--target", str(model_dir), "--drafter", "suffix", "--max-ngram", "2"]) == 2
+    assert "the suffix drafter takes no max_ngram option (--max-ngram)" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"specdec {version('specdec')}"
 
 
 def test_models_list_shows_the_registry(tmp_path, capsys):
