@@ -129,11 +129,11 @@ class _Built(Exception):
     "flags, kind, expect",
     [
         ([], PromptLookup, dict(max_ngram=3, min_ngram=1)),
-        (["--max-ngram", "4", "--min-ngram", "2", "--min-match", "3"], PromptLookup, dict(max_ngram=4, min_ngram=2)),
+        (["--max-ngram", "4", "--min-ngram", "2"], PromptLookup, dict(max_ngram=4, min_ngram=2)),
         (["--drafter", "model", "--draft", "MODEL_DIR"], ModelDrafter, {}),
         (["--drafter", "random"], RandomDrafter, {}),
         (
-            ["--drafter", "suffix", "--min-match", "2", "--corpus", "CORPUS", "--max-ngram", "5"],
+            ["--drafter", "suffix", "--min-match", "2", "--corpus", "CORPUS"],
             SuffixDrafter,
             dict(min_match=2, tree=False, corpus_read=True),
         ),
@@ -153,8 +153,9 @@ class _Built(Exception):
     ],
 )
 def test_generate_builds_the_drafter_its_flags_name(model_dir, tmp_path, monkeypatch, flags, kind, expect):
-    """`specdec generate` builds each drafter from its own flags (drafter_from_options); the flags
-    of other drafters are not read (--min-match with prompt lookup, --max-ngram with suffix)."""
+    """`specdec generate` builds each drafter from its own flags (drafter_from_options); the drafters'
+    own defaults apply to the flags not given (a flag of another drafter is refused:
+    test_bad_input_is_one_clear_line)."""
     corpus = tmp_path / "corpus.json"
     corpus.write_text(json.dumps([[5, 6], [7, 8]]))
     subst = {"MODEL_DIR": str(model_dir), "CORPUS": str(corpus), "CACHE": str(tmp_path)}
