@@ -379,6 +379,10 @@ def test_client_disconnect_cancels_its_generation(stream):
     [
         ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
         ({"max_tokens": "lots"}, "max_tokens", "integer"),
+        ({"max_tokens": "12"}, "max_tokens", "integer"),  # a number as a string: refused, as OpenAI does
+        ({"temperature": "0.5"}, "temperature", "number"),
+        ({"stream": "true"}, "stream", "boolean"),
+        ({"stop": ["s"] * 17}, "stop", "at most 16 stop strings, got 17"),
         ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
         ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
         ({"top_p": 0}, "top_p", "greater than 0"),
@@ -513,6 +517,26 @@ def test_an_api_key_is_required_when_set_and_limits_are_kept(tiny):
         assert e.value.body["param"] == "max_tokens"
     with pytest.raises(ValueError, match="api_key"):
         create_app(tiny, api_key=" ")
+
+
+@pytest.mark.parametrize(
+    "message, needle",
+    [
+        ({"role": "wizard", "content": "w1"}, "messages.0.role: Input should be 'system', 'user', 'assistant'"),
+        ({"role": "user", "content": None}, "a user message needs content"),
+    ],
+)
+def test_bad_chat_messages_get_400_naming_the_field(served, message, needle):
+    body = {"model": "tiny", "messages": [message], "max_tokens": 2}
+    status, err = raw_post(served, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and needle in err["error"]["message"], err
+    assert err["error"]["param"] == "messages"
+
+
+def test_an_assistant_message_may_have_null_content(served):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": None}]}
+    status, out = raw_post(served, "/v1/chat/completions", json.dumps({**body, "max_tokens": 2}).encode())
+    assert status == 200, out
 
 
 def test_malformed_requests_never_crash_the_server(served, tiny):

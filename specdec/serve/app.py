@@ -29,11 +29,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adaptive import VerifyCosts
@@ -54,6 +64,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send "temperature": 0 for greedy decoding
 MAX_N = 16  # choices per request
 MAX_BATCH = 64  # sequences decoded at once
+MAX_STOP = 16  # stop strings per request
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -61,32 +72,40 @@ MAX_BATCH = 64  # sequences decoded at once
 
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Params(BaseModel):
     """The fields both endpoints share. A field the server does not know is refused (400), never
-    silently dropped; logit_bias is accepted empty only."""
+    silently dropped; logit_bias is accepted empty only. Numbers and booleans must come as JSON
+    numbers and booleans (as OpenAI's API requires), not strings."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # extension (vLLM has it too); 0 = off
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
+    max_tokens: StrictInt | None = Field(None, ge=0)
+    temperature: StrictFloat | None = Field(None, ge=0)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=0)  # extension (vLLM has it too); 0 = off
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: _StreamOptions | None = None
-    n: int | None = None
-    logprobs: bool | int | None = None  # chat: true/false; completions: 0..20 alternatives
-    top_logprobs: int | None = None  # chat: 0..20 alternatives
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's); 1 = off
+    n: StrictInt | None = None
+    logprobs: StrictBool | StrictInt | None = None  # chat: true/false; completions: 0..20 alternatives
+    top_logprobs: StrictInt | None = None  # chat: 0..20 alternatives
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
+    presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0)  # extension (vLLM's); 1 = off
     logit_bias: dict | None = None  # only empty
     drafter: str | None = None  # extension: a drafter this server has, or "none"
     k: StrictInt | str | None = None  # extension: draft length (a string goes to the engine as it is)
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stop_strings(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(v)}")
+        return v
 
     @field_validator("k")
     @classmethod
@@ -98,9 +117,9 @@ class _Params(BaseModel):
 
 class CompletionRequest(_Params):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
 
 class _ContentPart(BaseModel):
@@ -111,13 +130,19 @@ class _ContentPart(BaseModel):
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[_ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        if self.content is None and self.role != "assistant":  # an assistant's may be null (tool calls)
+            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
+        return self
 
 
 class ChatRequest(_Params):
     messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(None, ge=0)
     tools: Any = None
 
 
