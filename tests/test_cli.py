@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -20,7 +21,20 @@ def test_generate_compare_reports_identical(model_dir, capsys):
     assert main(["generate", prompt, "--target", str(model_dir), "-k", "3", "--max-new-tokens", "24", "--compare"]) == 0
     out = capsys.readouterr().out
     assert "identical to plain greedy: yes" in out
-    assert "acceptance rate alpha" in out and "speed-up:" in out and "tokens/s" in out
+    assert "acceptance rate alpha" in out
+    # the printed speed-ups are the ratios of the printed speeds (to their rounding)
+    speeds = {
+        line.split(":")[0]: [float(w) for w in re.findall(r"([\d.]+) (?:tokens/s decoding|end to end)", line)]
+        for line in out.splitlines()
+        if line.startswith(("plain decoding:", "speculative:"))
+    }
+    (decoding, end_to_end) = (float(x) for x in re.findall(r"([\d.]+)x", out.split("speed-up:")[1].splitlines()[0]))
+    (pd, pe), (sd, se) = speeds["plain decoding"], speeds["speculative"]
+
+    def tol(a, b):  # speeds printed to 0.05, ratios to 0.005
+        return a / b * (0.05 / a + 0.05 / b) + 0.005
+
+    assert abs(decoding - sd / pd) <= tol(sd, pd) and abs(end_to_end - se / pe) <= tol(se, pe)
 
 
 def test_compare_separates_decoding_from_prefill():
