@@ -120,9 +120,9 @@ def _training_data_options(p: argparse.ArgumentParser) -> None:
 
 
 def _drafter_options(args) -> dict:
-    """The options of `generate`'s drafter from its flags (options_for). Raises ValueError for a
-    flag given that the drafter does not take (--max-ngram with --drafter suffix), naming it. The
-    draft is still a spec here: load it to build."""
+    """The options of `generate`'s drafter from its flags (options_for), checked (check_options):
+    raises ValueError for a flag given that the drafter does not take (--max-ngram with --drafter
+    suffix) or one it needs, naming it. The draft is still a spec here: load it to build."""
     flags = dict(
         draft=args.draft,
         layers=args.layers,
@@ -534,7 +534,6 @@ def _generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     SamplingParams(args.temperature, args.top_k, args.top_p)
     options = _drafter_options(args)
-    check_options(args.drafter, **options)
     if args.workload:
         prompt = workload_prompt(args.workload, args.category, args.row)
     elif args.prompt is None:

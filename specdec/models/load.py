@@ -7,7 +7,7 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -255,12 +255,8 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str) -> Mod
         return _load_transformers(spec, gguf_file, root, torch.float32, backend, torch.device("cpu"))
     config = hf_config(gguf)
     tokenizer = hf_tokenizer(gguf, root / "gguf-meta")
-    marked = tuple(
-        gguf.fields[f"tokenizer.ggml.{n}_token_id"]
-        for n in ("eot", "eom")
-        if f"tokenizer.ggml.{n}_token_id" in gguf.fields
-    )
-    eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer, marked)
+    marked = [gguf.fields.get(f"tokenizer.ggml.{n}_token_id") for n in ("eot", "eom")]  # end of turn, of message
+    eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer, [i for i in marked if i is not None])
     loader = lambda: _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
     return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader)
 
@@ -314,7 +310,7 @@ END_TEXTS = frozenset(
 )  # fmt: skip
 
 
-def default_eos_ids(generation_config, tokenizer, extra: tuple[int, ...] = ()) -> frozenset[int]:
+def default_eos_ids(generation_config, tokenizer, extra: Iterable[int] = ()) -> frozenset[int]:
     """The ids that end a generation: the generation config's eos ids, the tokenizer's eos id, `extra`
     (a GGUF file's end-of-turn and end-of-message ids), and the tokenizer's special tokens whose text
     is in END_TEXTS. Plain and speculative decoding stop on the same set, so it changes no exactness."""
