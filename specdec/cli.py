@@ -18,7 +18,7 @@ from specdec.drafters.factory import DRAFTERS, check_options, drafter_from_optio
 from specdec.engine import AUTO_K_MAX, generate
 from specdec.errors import SpecdecError
 from specdec.exactness import first_divergence
-from specdec.models.load import BACKENDS, DEVICES, load_model
+from specdec.models.load import BACKENDS, DEVICES, KV_DTYPES, load_model
 from specdec.models.quantize import QUANTIZE
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
@@ -88,6 +88,12 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: boo
             "the quantized backend (GGUF models already run at their own precision)",
         )
         p.add_argument(
+            "--kv-cache",
+            choices=[str(d).removeprefix("torch.") for d in KV_DTYPES],
+            help="the KV cache's dtype on the quantized backend (default float16: half the bytes attention reads; "
+            "float32 as the dequantized reference keeps it); other backends keep it in the model's dtype",
+        )
+        p.add_argument(
             "--device",
             choices=DEVICES,
             default="auto",
@@ -148,6 +154,7 @@ def _load_kwargs(args, draft: bool = False) -> dict:
         backend=args.backend,
         device=getattr(args, "device", "cpu"),
         quantize=None if draft else getattr(args, "quantize", None),
+        kv_dtype=getattr(torch, args.kv_cache) if getattr(args, "kv_cache", None) else None,
     )
 
 
@@ -155,6 +162,7 @@ def _loading_args(args) -> list[str]:
     """The loading options as command-line flags again (for a server the load generator starts)."""
     out = ["--dtype", args.dtype, "--backend", args.backend, "--device", args.device]
     out += ["--quantize", args.quantize] if args.quantize else []
+    out += ["--kv-cache", args.kv_cache] if args.kv_cache else []
     out += ["--pull"] if args.pull else []
     out += ["--cache-dir", args.cache_dir] if args.cache_dir else []
     return out

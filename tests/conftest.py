@@ -75,7 +75,7 @@ def make_model(
 
 def remake(model: Model, **changes) -> Model:
     """A new Model with `model`'s fields except `changes` (hf, tokenizer, name, eos_token_ids, backend,
-    lean, gguf, config, hf_loader), built (and checked) by Model's constructor; the lean forward is
+    lean, gguf, config, hf_loader, kv_dtype), built (and checked) by Model's constructor; the lean forward is
     shared unless `lean` is given."""
     fields = dict(
         hf=model._hf,
@@ -87,6 +87,7 @@ def remake(model: Model, **changes) -> Model:
         gguf=model.gguf,
         config=model._config,
         hf_loader=model._hf_loader,
+        kv_dtype=model._kv_dtype,
     )
     return Model(**{**fields, **changes})
 

@@ -70,9 +70,15 @@ def test_avx2_products_are_batch_invariant_and_the_native_fp32_paths_bits(avx2, 
     assert torch.equal(avx2.matmul(x, [part], [TYPES[qtype]], None, False), kernels().matmul(x, [part], [TYPES[qtype]]))
 
 
-def test_avx2_attention_rows_equal_one_row_calls(avx2):
+@pytest.mark.parametrize("cache", [torch.float32, torch.float16])
+def test_avx2_attention_rows_equal_one_row_calls(avx2, cache):
     start, n = 9, 12
     q, kc, vc, scale = _attention_case(start, n)
+    kc, vc = kc.to(cache), vc.to(cache)
+    if cache == torch.float16:  # widened by F16C: the bits of the same values in an fp32 cache
+        assert torch.equal(
+            avx2.attention(q, kc, vc, start, None, scale), avx2.attention(q, kc.float(), vc.float(), start, None, scale)
+        )
     y = avx2.attention(q, kc, vc, start, None, scale)
     assert torch.allclose(y, kernels().attention(q, kc, vc, start, None, scale), atol=1e-5)  # other score order
     for threads in (1, 2):

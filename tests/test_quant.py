@@ -371,6 +371,27 @@ def test_attention_rows_equal_one_row_calls_and_a_chain_tree_is_causal():
     assert torch.equal(att(q, kc, vc, start, mask, scale), y)
 
 
+def test_attention_over_an_fp16_cache_is_attention_over_its_values_widened_and_batch_invariant():
+    start, n = 21, 9
+    q, kc, vc, scale = _attention_case(start, n, seed=4)
+    k16, v16 = kc.half(), vc.half()
+    att = kernels().attention
+    parents = [-1, 0, 0, 1, 1, 2, 3, 5, 7]
+    _, mask = tree_layout(parents, start)
+    for m in (None, mask):
+        y = att(q, k16, v16, start, m, scale)
+        assert torch.equal(y, att(q, k16.float(), v16.float(), start, m, scale))  # the same values, the same bits
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for i in range(n):  # one row alone reads the fp16 cache as it is; several widen it first
+                one_mask = None if m is None else m[i : i + 1, : start + i + 1]
+                assert torch.equal(y[i : i + 1], att(q[i : i + 1], k16, v16, start + i, one_mask, scale)), (i, threads)
+    with pytest.raises(RuntimeError, match="bad cache"):
+        att(q, k16, vc, start, None, scale)  # keys and values of two dtypes
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        att(q, kc.bfloat16(), vc.bfloat16(), start, None, scale)
+
+
 def test_attention_over_a_tree_is_each_paths_own_attention():
     parents = [-1, 0, 0, 1, 1, 2, 3, 5, 7, 0]
     start, n = 6, len(parents)
@@ -436,10 +457,13 @@ def _ids(model, text=TEXT):
     return model.encode(text, chat=True)
 
 
-def test_one_forward_over_many_tokens_is_one_token_forwards(smol):
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+def test_one_forward_over_many_tokens_is_one_token_forwards(smol, kv_dtype):
+    smol = remake(smol, lean=QuantModel(smol.gguf, smol.config, kv_dtype=kv_dtype))
     ids = _ids(smol)
     prompt, new = ids[:-12], ids[-12:]
     many, one = LeanKVCache(smol, capacity=64), LeanKVCache(smol, capacity=64)
+    assert many.k[0].dtype == many.v[-1].dtype == kv_dtype and many.features.dtype == torch.float32
     many.extend(prompt)
     one.extend(prompt)
     torch.set_num_threads(2)
@@ -454,6 +478,20 @@ def test_one_forward_over_many_tokens_is_one_token_forwards(smol):
     assert torch.equal(many.features[:end], one.features[:end])
     whole = LeanKVCache(smol, capacity=64)  # and the whole sequence in one forward
     assert torch.equal(whole.extend(ids, all_logits=True)[-12:], logits)
+
+
+def test_the_fp16_cache_holds_the_fp32_caches_keys_and_values_rounded(smol):
+    ids = _ids(smol)
+    caches = {}
+    for kv_dtype in (torch.float16, torch.float32):
+        model = remake(smol, lean=QuantModel(smol.gguf, smol.config, kv_dtype=kv_dtype))
+        caches[kv_dtype] = LeanKVCache(model, capacity=64)
+        caches[kv_dtype].extend(ids)
+    half, full = caches[torch.float16], caches[torch.float32]
+    n = len(ids)  # the first layer's inputs are the same: its keys and values are the fp32 ones, rounded
+    assert torch.equal(half.k[0][:, :n], full.k[0][:, :n].half())
+    assert torch.equal(half.v[0][:, :n], full.v[0][:, :n].half())
+    assert not torch.equal(half.k[-1][:, :n].float(), full.k[-1][:, :n])  # later layers see the rounding
 
 
 def test_a_token_tree_forward_is_each_paths_linear_forward(smol):
@@ -506,18 +544,24 @@ def test_speculative_greedy_is_plain_greedy(smol, text):
 def test_logits_are_the_fp32_dequantized_models_up_to_rounding(smol):
     """With fp32 activations, the quantized forward is the dequantized fp32 model up to the rounding
     of the sums; with int8 activations (the default where the CPU has VNNI), up to that
-    quantization too, as in llama.cpp: close in distribution, the same top token almost always."""
+    quantization too, as in llama.cpp: close in distribution, the same top token almost always. The
+    fp16 KV cache (the default) rounds keys and values as llama.cpp's default cache does: close too."""
     ref = load_model(SMOL.name, dtype=torch.float32)
     assert ref.gguf is None and ref.precision == "float32"
     ids = _ids(smol) + _ids(smol, CODE)[1:]
     with torch.inference_mode():
         want = ref.hf(input_ids=torch.tensor([ids])).logits[0].float()
-    for activations in ("fp32", "int8") if kernels().int8_available() else ("fp32",):
-        model = remake(smol, lean=QuantModel(smol.gguf, smol.config, activations=activations))
+    runs = [("fp32", torch.float32), ("fp32", torch.float16)]
+    runs += [("int8", torch.float32)] if kernels().int8_available() else []
+    for activations, kv_dtype in runs:
+        model = remake(smol, lean=QuantModel(smol.gguf, smol.config, activations=activations, kv_dtype=kv_dtype))
         quant = LeanKVCache(model, capacity=128).extend(ids, all_logits=True)
         assert quant.shape == want.shape
         agree = (quant.argmax(-1) == want.argmax(-1)).float().mean().item()
-        if activations == "fp32":
+        if kv_dtype == torch.float16:
+            assert (quant - want).abs().max() < 2e-2 * want.std()  # measured: 5e-3 of it
+            assert agree >= 0.97, agree  # measured: 1.0 over these 132 positions
+        elif activations == "fp32":
             # the same (dequantized) weights: only the rounding of the sums differs
             assert (quant - want).abs().max() < 1e-3 * want.std()  # measured: 1.3e-5 of it
             assert agree >= 0.97, agree  # measured: 1.0 over these 132 positions
@@ -584,7 +628,8 @@ def test_a_quantized_hf_model_is_the_dequantized_model_and_batch_invariant(arch)
     fp32 = make_model(arch, seed=3)
     gguf = quantize_model(fp32.hf, "q8_0", "tiny")
     assert gguf.precision == "gguf Q8_0" and "output.weight" in gguf.tensors  # the tiny models are untied
-    quant = remake(fp32, hf=None, lean=None, gguf=gguf, config=fp32.hf.config, backend="auto")
+    # an fp32 KV cache, so that Q8_0's rounding is the only difference from the fp32 model
+    quant = remake(fp32, hf=None, lean=None, gguf=gguf, config=fp32.hf.config, backend="auto", kv_dtype=torch.float32)
     assert quant.backend == "lean" and isinstance(quant.lean(), QuantModel)
     ids = prompt_ids(16)
     many = LeanKVCache(quant, capacity=32).extend(ids, all_logits=True)

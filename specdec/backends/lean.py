@@ -199,6 +199,7 @@ class LeanModel:
         self.eps = c.rms_norm_eps
         self.hidden_size = c.hidden_size
         self.dtype, self.device = hf.dtype, hf.device
+        self.kv_dtype = self.dtype  # the KV cache's
         self.inv_freq = rope_inv_freq(theta, self.head_dim, self.device)
         with torch.no_grad():
             self.embed = hf.get_input_embeddings().weight.detach()

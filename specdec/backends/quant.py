@@ -124,15 +124,16 @@ class QuantModel:
     activations: "int8" rounds each input row of a product to int8 per block and multiplies with
     integer dot products (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the
     dequantized weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the
-    CPU has VNNI. Raises ValueError for another architecture than llama or qwen2, a tensor missing
-    from the file, or int8 asked of a CPU without VNNI."""
+    CPU has VNNI. kv_dtype: the KV cache's, float16 or float32 (attention widens each element to fp32
+    exactly, so either is batch-invariant). Raises ValueError for another architecture than llama or
+    qwen2, a tensor missing from the file, int8 asked of a CPU without VNNI, or another kv_dtype."""
 
     dtype = torch.float32
     device = torch.device("cpu")
     batch_invariant = True  # a row's bits never depend on the other rows of its forward
     screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
 
-    def __init__(self, gguf, config, activations: str = "auto"):
+    def __init__(self, gguf, config, activations: str = "auto", kv_dtype: torch.dtype = torch.float16):
         from specdec.backends.qkernel import kernels
 
         if gguf.arch not in SUPPORTED:
@@ -146,6 +147,9 @@ class QuantModel:
         if activations == "int8" and not self.kernels.int8_available():
             raise ValueError("int8 activations need a CPU with AVX512-VNNI; use activations='fp32'")
         self.int8 = activations == "int8" or (activations == "auto" and self.kernels.int8_available())
+        if kv_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"the KV cache is float16 or float32, not {kv_dtype}")
+        self.kv_dtype = kv_dtype  # keys and values are rounded to it as they are written
         self.rows: dict[int, int] = {}  # never padded: a forward's cost is its own (specdec.backends.rows)
         c = config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
@@ -183,7 +187,8 @@ class QuantModel:
     def kernel(self) -> str:
         """What multiplies the matrices, for the bench's results."""
         activations = "int8 activations (AVX512-VNNI)" if self.int8 else "fp32 activations"
-        return f"specdec quant, {activations}, batch-invariant"
+        kv = "fp16" if self.kv_dtype == torch.float16 else "fp32"
+        return f"specdec quant, {activations}, {kv} KV cache, batch-invariant"
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file."""

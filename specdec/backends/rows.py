@@ -33,7 +33,7 @@ def tune_rows(lean, n_max: int = 9, context: int = 32, gain: float = 0.15, repea
     {n: m} for each n that runs faster as m > n rows: m minimises V(m) over n..n_max and
     V(m) <= (1 - gain) V(n). Costs about 3 x n_max one-token forwards; the scratch cache is freed."""
     capacity = context + n_max
-    empty = lambda: torch.empty(lean.n_kv, capacity, lean.head_dim, dtype=lean.dtype, device=lean.device)  # noqa: E731
+    empty = lambda: torch.empty(lean.n_kv, capacity, lean.head_dim, dtype=lean.kv_dtype, device=lean.device)  # noqa: E731
     keys, values = [empty() for _ in lean.layers], [empty() for _ in lean.layers]
     features = torch.empty(capacity, lean.hidden_size, dtype=lean.dtype, device=lean.device)
     ids = torch.arange(context + n_max, device=lean.device) % lean.embed.shape[0]

@@ -22,6 +22,9 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../
 
 BACKENDS = ("auto", "lean", "hf")
 DEVICES = ("auto", "cpu", "cuda")
+# The quantized backend's KV cache dtypes, its default first: fp16 halves the bytes attention reads
+# (measured in docs/quantized.md); every element widens to fp32 exactly, so the forward stays batch-invariant.
+KV_DTYPES = (torch.float16, torch.float32)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -63,7 +66,8 @@ class Model:
     the transformers model itself; "auto" (default) picks lean where it can run the model.
 
     A quantized model has no transformers model until something asks for `hf` (a transformers
-    peer, training): `hf_loader` then loads the fp32 dequantization, once. Raises ValueError for
+    peer, training): `hf_loader` then loads the fp32 dequantization, once; its KV cache is kept in
+    `kv_dtype` (KV_DTYPES[0] when None). Raises ValueError for
     backend="lean" on a model it cannot run, or an unknown backend.
     """
 
@@ -79,12 +83,14 @@ class Model:
         gguf=None,
         config=None,
         hf_loader: Callable[[], torch.nn.Module] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         from specdec.backends.lean import unsupported_reason
 
         self._hf, self.tokenizer, self.name = hf, tokenizer, name
         self.eos_token_ids = frozenset(eos_token_ids)  # ids that end generation; empty: never stop on EOS
         self.gguf, self._config, self._hf_loader, self._lean = gguf, config, hf_loader, lean
+        self._kv_dtype = kv_dtype  # the quantized backend's KV cache (None: its default)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if gguf is not None:
@@ -131,7 +137,7 @@ class Model:
             if self.gguf is not None:
                 from specdec.backends.quant import QuantModel
 
-                self._lean = QuantModel(self.gguf, self.config)
+                self._lean = QuantModel(self.gguf, self.config, kv_dtype=self._kv_dtype or KV_DTYPES[0])
             else:
                 from specdec.backends.lean import LeanModel
 
@@ -178,6 +184,7 @@ def load_model(
     backend: str = "auto",
     device: str | torch.device = "cpu",
     quantize: str | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> Model:
     """Load a model and its tokenizer, in eval mode.
 
@@ -191,13 +198,18 @@ def load_model(
     of raising. device: "cpu" (default), "cuda", "cuda:N" or "auto" (a CUDA GPU when torch sees one),
     see resolve_device; the CLI's --device defaults to auto. quantize: for a Hugging Face Llama/Qwen2
     model, quantize its matrices at load to this GGUF type (specdec.models.quantize.QUANTIZE, e.g.
-    "q8_0") and run them on the quantized backend.
+    "q8_0") and run them on the quantized backend. kv_dtype: the KV cache's dtype on the quantized
+    backend, torch.float16 (default: half the bytes attention reads) or torch.float32; the other
+    backends keep their cache in the model's dtype.
 
-    Raises ValueError for a device torch cannot use; ModelNotFoundError with the command that fixes
-    it: a registry model not pulled, a path that does not exist, a hub id that cannot be reached
-    (fails within seconds when offline); GGUFError (a ValueError) for a damaged GGUF file.
+    Raises ValueError for a device torch cannot use or a kv_dtype the backend cannot keep;
+    ModelNotFoundError with the command that fixes it: a registry model not pulled, a path that
+    does not exist, a hub id that cannot be reached (fails within seconds when offline); GGUFError
+    (a ValueError) for a damaged GGUF file.
     """
     dev = resolve_device(device)
+    if kv_dtype not in (None, *KV_DTYPES):
+        raise ValueError(f"kv_dtype must be torch.float16 or torch.float32, not {kv_dtype}")
     root = cache_dir(cache)
     path = Path(spec).expanduser()
     gguf_file = None
@@ -224,7 +236,7 @@ def load_model(
                 "--quantize runs on the CPU's quantized backend: use it with --device cpu, without --backend hf "
                 "or another --dtype"
             )
-        return _quantize_at_load(spec, root, quantize, backend)
+        return _quantize_at_load(spec, root, quantize, backend, kv_dtype)
     if gguf_file is not None and dtype is None and dev.type == "cpu" and backend != "hf":
         from specdec.backends.qkernel import kernels
         from specdec.errors import KernelBuildError
@@ -234,11 +246,17 @@ def load_model(
         except KernelBuildError as e:
             print(f"{e}\nRunning {spec} dequantized to float32 instead.", file=sys.stderr)
         else:
-            return _load_quantized(spec, gguf_file, root, backend)
-    return _load_transformers(spec, gguf_file, root, dtype or torch.float32, backend, dev)
+            return _load_quantized(spec, gguf_file, root, backend, kv_dtype)
+    dtype = dtype or torch.float32
+    if kv_dtype not in (None, dtype):
+        raise ValueError(
+            f"a KV cache in {kv_dtype} needs the quantized backend (a GGUF model at its own precision, or --quantize); "
+            f"{spec} runs in {dtype} here and keeps its cache in it"
+        )
+    return _load_transformers(spec, gguf_file, root, dtype, backend, dev)
 
 
-def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str) -> Model:
+def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str, kv_dtype: torch.dtype | None) -> Model:
     """A GGUF model run at its own precision; its fp32 transformers model is loaded only if asked for."""
     from transformers import GenerationConfig
 
@@ -258,10 +276,10 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str) -> Mod
     marked = [gguf.fields.get(f"tokenizer.ggml.{n}_token_id") for n in ("eot", "eom")]  # end of turn, of message
     eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer, [i for i in marked if i is not None])
     loader = lambda: _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
-    return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader)
+    return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader, kv_dtype=kv_dtype)
 
 
-def _quantize_at_load(spec: str, root: Path, qtype: str, backend: str) -> Model:
+def _quantize_at_load(spec: str, root: Path, qtype: str, backend: str, kv_dtype: torch.dtype | None) -> Model:
     """A Hugging Face model with its matrices quantized to `qtype` (specdec.models.quantize); the fp32
     model is dropped after quantizing and reloaded only if asked for."""
     from specdec.models.quantize import quantize_model
@@ -270,7 +288,15 @@ def _quantize_at_load(spec: str, root: Path, qtype: str, backend: str) -> Model:
     gguf = quantize_model(fp32.hf, qtype, spec)
     loader = lambda: _load_transformers(spec, None, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
     return Model(
-        None, fp32.tokenizer, spec, fp32.eos_token_ids, backend, gguf=gguf, config=fp32.hf.config, hf_loader=loader
+        None,
+        fp32.tokenizer,
+        spec,
+        fp32.eos_token_ids,
+        backend,
+        gguf=gguf,
+        config=fp32.hf.config,
+        hf_loader=loader,
+        kv_dtype=kv_dtype,
     )
 
 

@@ -25,23 +25,24 @@ inline __m512 reduce16(const __m512* acc) {
                                _mm512_add_ps(lo, hi));
 }
 
-// score[t] = sc * (q . k_t) for the jn <= 16 keys at k (rows of 16 V floats); each dot product over its
-// 16-lane chunks in order, then reduce16: the same operations for a key whatever block or query it is in.
-template <int V>
-inline void block_scores(const float* q, const float* k, int jn, float sc, float* score) {
+// score[t] = sc * (q . k_t) for the jn <= 16 keys at k (rows of 16 V values, fp32 or fp16); each dot product
+// over its 16-lane chunks in order, then reduce16: the same operations for a key whatever block or query it is in.
+template <int V, typename T>
+inline void block_scores(const float* q, const T* k, int jn, float sc, float* score) {
   __m512 qv[V], acc[16];
   for (int e = 0; e < V; ++e) qv[e] = _mm512_loadu_ps(q + 16 * e);
   for (int t = 0; t < 16; ++t) {
     acc[t] = _mm512_setzero_ps();
     if (t < jn)
-      for (int e = 0; e < V; ++e) acc[t] = _mm512_fmadd_ps(qv[e], _mm512_loadu_ps(k + t * 16 * V + 16 * e), acc[t]);
+      for (int e = 0; e < V; ++e) acc[t] = _mm512_fmadd_ps(qv[e], (__m512)load(k + t * 16 * V + 16 * e), acc[t]);
   }
   _mm512_storeu_ps(score, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(sc)));
 }
 #endif
 
-// score[j] = sc * (q . k_j) for keys j < keys (rows of D floats at k); score has room for keys + 16.
-inline void scores(const float* q, const float* k, int64_t keys, int64_t D, float sc, float* score) {
+// score[j] = sc * (q . k_j) for keys j < keys (rows of D values at k); score has room for keys + 16.
+template <typename T>
+inline void scores(const float* q, const T* k, int64_t keys, int64_t D, float sc, float* score) {
 #if defined(__AVX512F__)
   if (D == 64 || D == 128) {
     for (int64_t j0 = 0; j0 < keys; j0 += 16) {
@@ -57,11 +58,11 @@ inline void scores(const float* q, const float* k, int64_t keys, int64_t D, floa
   for (int64_t j = 0; j < keys; ++j) score[j] = dot(q, k + j * D, D) * sc;
 }
 
-template <int V>
-inline void weighted_values(const float* p, const int64_t* seen, int64_t count, const float* values, float* acc) {
+template <int V, typename T>
+inline void weighted_values(const float* p, const int64_t* seen, int64_t count, const T* values, float* acc) {
   vec a[V] = {};
   for (int64_t c = 0; c < count; ++c) {
-    const float* row = values + seen[c] * (16 * V);
+    const T* row = values + seen[c] * (16 * V);
     const vec w = splat(p[c]);
     for (int e = 0; e < V; ++e) a[e] = fma(w, load(row + 16 * e), a[e]);
   }
@@ -69,12 +70,13 @@ inline void weighted_values(const float* p, const int64_t* seen, int64_t count, 
 }
 
 // One attention over a cache: n new positions of q (row i at q + i * q_stride, H heads of D floats)
-// over keys and values (KVH, cap, D) that hold them already at start..start+n-1, with mask (n,
-// start+n) or null (causal); writes out (n, H * D).
+// over keys and values (KVH, cap, D) of T (fp32 or fp16) that hold them already at start..start+n-1,
+// with mask (n, start+n) or null (causal); writes out (n, H * D).
+template <typename T>
 struct Attention {
   const float* q;
   int64_t q_stride, n;
-  const float *kp, *vp;
+  const T *kp, *vp;
   int64_t cap, start;
   const bool* mask;
   float* out;
@@ -83,7 +85,8 @@ struct Attention {
 // Position i of attention a, its scores of keys 0..limit-1 (limit = start + n with a mask, start + i + 1
 // causally) in score: keeps the visible ones in cache order (score[c] for key seen[c]) and turns them into
 // e^(score - max), in place. Returns (their count, their sum). seen may be null causally (key c is seen[c] = c).
-std::pair<int64_t, float> softmax_visible(const Attention& a, int64_t i, float* score, int64_t* seen) {
+template <typename T>
+std::pair<int64_t, float> softmax_visible(const Attention<T>& a, int64_t i, float* score, int64_t* seen) {
   const int64_t keys = a.start + a.n;
   int64_t count = a.mask ? keys : a.start + i + 1;
   if (a.mask) {
@@ -118,10 +121,11 @@ std::pair<int64_t, float> softmax_visible(const Attention& a, int64_t i, float* 
 }
 
 // Position i, head h of attention a, alone; score, seen: room for start + n + 16 values, acc for D.
-void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, int64_t KVH, float sc, float* score,
+template <typename T>
+void attend_one(const Attention<T>& a, int64_t i, int64_t h, int64_t H, int64_t D, int64_t KVH, float sc, float* score,
                 int64_t* seen, float* acc) {
   const int64_t g = h / (H / KVH);
-  const float* vg = a.vp + g * a.cap * D;
+  const T* vg = a.vp + g * a.cap * D;
   scores(a.q + i * a.q_stride + h * D, a.kp + g * a.cap * D, a.mask ? a.start + a.n : a.start + i + 1, D, sc, score);
   const auto [count, sum] = softmax_visible(a, i, score, seen);
   if (D == 64) {
@@ -131,11 +135,11 @@ void attend_one(const Attention& a, int64_t i, int64_t h, int64_t H, int64_t D, 
   } else {
     std::fill(acc, acc + D, 0.0f);
     for (int64_t c = 0; c < count; ++c) {
-      const float* vr = vg + seen[c] * D;
+      const T* vr = vg + seen[c] * D;
       const vec p = splat(score[c]);
       int64_t e = 0;
       for (; e + L <= D; e += L) store(acc + e, fma(p, load(vr + e), load(acc + e)));
-      for (; e < D; ++e) acc[e] = std::fma(score[c], vr[e], acc[e]);
+      for (; e < D; ++e) acc[e] = std::fma(score[c], static_cast<float>(vr[e]), acc[e]);
     }
   }
   float* o = a.out + i * H * D + h * D;
@@ -151,10 +155,10 @@ struct Scratch {
 
 #if defined(__AVX512F__)
 // Rows t < TN of one head: acc[t] = sum over row t's visible keys c, in cache order, of p[t][c] * the value
-// row seen[t][c] (rows of 16 V floats; seen[t] null: key c is c, causally): each row's multiply-adds one chain in key order, weighted_values'
-// operations, while each value row is read once for the TN rows.
-template <int V, int TN>
-void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, const float* values, float* const* acc) {
+// row seen[t][c] (rows of 16 V values; seen[t] null: key c is c, causally): each row's multiply-adds one chain in key
+// order, weighted_values' operations, while each value row is read once for the TN rows.
+template <int V, int TN, typename T>
+void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, const T* values, float* const* acc) {
   __m512 a[TN][V];
   int64_t cur[TN], end = 0;
   for (int t = 0; t < TN; ++t) {
@@ -164,7 +168,7 @@ void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, co
   }
   for (int64_t j = 0; j < end; ++j) {
     __m512 v[V];
-    for (int e = 0; e < V; ++e) v[e] = _mm512_loadu_ps(values + j * 16 * V + 16 * e);
+    for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
     for (int t = 0; t < TN; ++t)
       if (cur[t] < count[t] && (!seen[t] || seen[t][cur[t]] == j)) {
         const __m512 w = _mm512_set1_ps(p[t][cur[t]++]);
@@ -175,39 +179,52 @@ void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, co
     for (int e = 0; e < V; ++e) _mm512_storeu_ps(acc[t] + 16 * e, a[t][e]);
 }
 
-// Every row of attention a for head h (D = 16 V): the rows' scores key block by key block, so each block
-// of keys serves all rows from L1, then the values in tiles of rows. Every row's operations are
-// attend_one's: the same bits as the row alone.
-template <int V>
-void attend_head(const Attention& a, int64_t h, int64_t H, int64_t KVH, float sc, Scratch& s) {
+// Row i of attention a, head h: its scores (into score[j0..]) of the key block at kb, keys j0.. of the cache, those
+// it may see (all with a mask, up to itself causally).
+template <int V, typename T, typename K>
+inline void row_scores(const Attention<T>& a, int64_t i, int64_t h, const K* kb, int64_t j0, float sc, float* score) {
+  const int64_t limit = a.mask ? a.start + a.n : a.start + i + 1;
+  if (j0 < limit)
+    block_scores<V>(a.q + i * a.q_stride + h * 16 * V, kb, static_cast<int>(std::min<int64_t>(16, limit - j0)), sc,
+                    score + j0);
+}
+
+// Every row of attention a for head h of H (D = 16 V): the rows' scores key block by key block, so each block of
+// keys serves all rows from L1 (an fp16 block widened once for them: the same values, so the same scores), then the
+// values in tiles of rows. Every row's operations are attend_one's: the same bits as the row alone.
+template <int V, typename T>
+void attend_head(const Attention<T>& a, int64_t h, int64_t H, int64_t KVH, float sc, Scratch& s) {
   constexpr int64_t D = 16 * V;
   constexpr int TILE_ROWS = 24 / V;  // accumulators: TILE_ROWS * V registers
   const int64_t g = h / (H / KVH), n = a.n, keys = a.start + a.n, stride = keys + 16;
-  const float* kg = a.kp + g * a.cap * D;
-  const float* vg = a.vp + g * a.cap * D;
+  const T* kg = a.kp + g * a.cap * D;
+  const T* vg = a.vp + g * a.cap * D;
   s.score.resize(n * stride);
   s.seen.resize(n * keys);
   s.acc.resize(n * D);
   s.count.resize(n);
   s.sum.resize(n);
-  for (int64_t j0 = 0; j0 < keys; j0 += 16)
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t limit = a.mask ? keys : a.start + i + 1;
-      if (j0 < limit)
-        block_scores<V>(a.q + i * a.q_stride + h * D, kg + j0 * D, static_cast<int>(std::min<int64_t>(16, limit - j0)),
-                        sc, s.score.data() + i * stride + j0);
+  float widened[16 * D];
+  for (int64_t j0 = 0; j0 < keys; j0 += 16) {
+    if (std::is_same_v<T, float> || n == 1) {
+      for (int64_t i = 0; i < n; ++i) row_scores<V>(a, i, h, kg + j0 * D, j0, sc, s.score.data() + i * stride);
+    } else {
+      for (int64_t e = 0; e < std::min<int64_t>(16, keys - j0) * D; e += 16) store(widened + e, load(kg + j0 * D + e));
+      for (int64_t i = 0; i < n; ++i)
+        row_scores<V>(a, i, h, static_cast<const float*>(widened), j0, sc, s.score.data() + i * stride);
     }
+  }
   for (int64_t i = 0; i < n; ++i)
     std::tie(s.count[i], s.sum[i]) =
         softmax_visible(a, i, s.score.data() + i * stride, a.mask ? s.seen.data() + i * keys : nullptr);
-  using Fn = void (*)(float* const*, int64_t* const*, const int64_t*, const float*, float* const*);
+  using Fn = void (*)(float* const*, int64_t* const*, const int64_t*, const T*, float* const*);
   static constexpr Fn tiles[7] = {nullptr,
-                                  tile_values<V, 1>,
-                                  tile_values<V, 2>,
-                                  tile_values<V, std::min(3, TILE_ROWS)>,
-                                  tile_values<V, std::min(4, TILE_ROWS)>,
-                                  tile_values<V, std::min(5, TILE_ROWS)>,
-                                  tile_values<V, std::min(6, TILE_ROWS)>};
+                                  tile_values<V, 1, T>,
+                                  tile_values<V, 2, T>,
+                                  tile_values<V, std::min(3, TILE_ROWS), T>,
+                                  tile_values<V, std::min(4, TILE_ROWS), T>,
+                                  tile_values<V, std::min(5, TILE_ROWS), T>,
+                                  tile_values<V, std::min(6, TILE_ROWS), T>};
   for (int64_t i0 = 0; i0 < n; i0 += TILE_ROWS) {
     const int tn = static_cast<int>(std::min<int64_t>(TILE_ROWS, n - i0));
     float* p[6];
@@ -232,7 +249,8 @@ void attend_head(const Attention& a, int64_t h, int64_t H, int64_t KVH, float sc
 // per (attention, position, head). Grouped-query heads share a key head. The visible keys are
 // visited in cache order, so a token sees the same keys in the same order however many positions,
 // or other requests, the call has.
-void attend_all(const std::vector<Attention>& parts, int64_t H, int64_t D, int64_t KVH, float sc) {
+template <typename T>
+void attend_all(const std::vector<Attention<T>>& parts, int64_t H, int64_t D, int64_t KVH, float sc) {
 #if defined(__AVX512F__)
   const bool by_head = D == 64 || D == 128;
 #else
@@ -240,7 +258,7 @@ void attend_all(const std::vector<Attention>& parts, int64_t H, int64_t D, int64
 #endif
   std::vector<int64_t> first{0};  // the first task of each part
   int64_t keys = 0;
-  for (const Attention& a : parts) {
+  for (const Attention<T>& a : parts) {
     first.push_back(first.back() + (by_head ? 1 : a.n) * H);
     keys = std::max(keys, a.start + a.n);
   }
@@ -269,11 +287,6 @@ void attend_all(const std::vector<Attention>& parts, int64_t H, int64_t D, int64
   });
 }
 
-// One attention (an Attention's fields, scale sc), as attend_all.
-void attend(const float* q, int64_t q_stride, int64_t n, int64_t H, int64_t D, const float* kp, const float* vp,
-            int64_t KVH, int64_t cap, int64_t start, const bool* mp, float sc, float* op) {
-  attend_all({Attention{q, q_stride, n, kp, vp, cap, start, mp, op}}, H, D, KVH, sc);
-}
 
 const bool* mask_data(const c10::optional<torch::Tensor>& mask, torch::Tensor& holder, int64_t n, int64_t keys) {
   if (!mask.has_value()) return nullptr;
@@ -282,19 +295,33 @@ const bool* mask_data(const c10::optional<torch::Tensor>& mask, torch::Tensor& h
   return holder.data_ptr<bool>();
 }
 
-// q (n, H, D); k_cache, v_cache (KVH, capacity, D) fp32 contiguous, the new keys and values already at
-// start..start+n-1; mask (n, start+n) bool or None (causal). Returns (n, H * D).
+// f(T{}) with T the element type of a KV cache: float (fp32) or half (fp16); any other dtype is refused.
+template <typename F>
+void with_cache_type(const torch::Tensor& cache, F&& f) {
+  if (cache.scalar_type() == torch::kHalf) return f(half{});
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat, "quant: a KV cache must be float32 or float16, not ",
+              cache.scalar_type());
+  f(float{});
+}
+
+// q (n, H, D); k_cache, v_cache (KVH, capacity, D) fp32 or fp16 (one dtype), contiguous, the new keys and values
+// already at start..start+n-1; mask (n, start+n) bool or None (causal). Returns (n, H * D).
 torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
                         c10::optional<torch::Tensor> mask, double scale) {
   q = q.contiguous();
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(0), cap = k_cache.size(1);
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && H % KVH == 0 && start + n <= cap,
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && H % KVH == 0 && start + n <= cap &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
               "quant.attention: bad cache");
   torch::Tensor holder;
   const bool* mp = mask_data(mask, holder, n, start + n);
   auto out = torch::empty({n, H * D}, q.options());
-  attend(q.data_ptr<float>(), H * D, n, H, D, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), KVH, cap, start, mp,
-         static_cast<float>(scale), out.data_ptr<float>());
+  with_cache_type(k_cache, [&](auto t) {
+    using T = decltype(t);
+    attend_all<T>({Attention<T>{q.data_ptr<float>(), H * D, n, static_cast<const T*>(k_cache.data_ptr()),
+                                static_cast<const T*>(v_cache.data_ptr()), cap, start, mp, out.data_ptr<float>()}},
+                  H, D, KVH, static_cast<float>(scale));
+  });
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <type_traits>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <vector>
@@ -40,6 +41,37 @@ inline vec load(const float* p) {
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 inline vec splat(float s) { return vec{} + s; }
 
+// A KV cache holds fp32 or fp16 (c10::Half: IEEE binary16). An fp16 element widens to fp32 exactly, so
+// what attention computes from it depends on the stored bits alone, whichever path widens it.
+using half = c10::Half;
+inline vec load(const half* p) {  // 16 fp16 values, widened
+#if defined(__AVX512F__)
+  return (vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  typedef float eight __attribute__((vector_size(32)));
+  const eight lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const eight hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  vec v;
+  for (int i = 0; i < L; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// n values of src written to dst as the cache's type: copied (fp32), or rounded to the nearest fp16, ties to
+// even (the same rounding with or without F16C).
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(half* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + L <= n; i += L)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = half(src[i]);
+}
+
 inline vec fma(vec a, vec b, vec c) {  // a * b + c, rounded once
 #if defined(__AVX512F__)
   return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -67,13 +99,14 @@ inline float lane_sum(vec a) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// x . y over n floats: 16-lane fused multiply-adds in order, then the tail one by one.
-inline float dot(const float* x, const float* y, int64_t n) {
+// x . y over n values (y fp32 or fp16): 16-lane fused multiply-adds in order, then the tail one by one.
+template <typename T>
+inline float dot(const float* x, const T* y, int64_t n) {
   vec acc = {};
   int64_t i = 0;
   for (; i + L <= n; i += L) acc = fma(load(x + i), load(y + i), acc);
   float s = lane_sum(acc);
-  for (; i < n; ++i) s = std::fma(x[i], y[i], s);
+  for (; i < n; ++i) s = std::fma(x[i], static_cast<float>(y[i]), s);
   return s;
 }
 

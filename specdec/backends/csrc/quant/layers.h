@@ -26,7 +26,8 @@ struct Segment {
 
 // One decoder layer over the rows of every segment (pre-norm attention and SwiGLU MLP, residuals),
 // its ops the batch-invariant ones above: the products and norms run over all rows at once, the
-// attention of each segment over its own cache (keys[r], values[r]: (KVH, capacity, D)). h (rows, d)
+// attention of each segment over its own cache (keys[r], values[r]: (KVH, capacity, D), every cache fp32 or every
+// one fp16, the new keys and values rounded to it). h (rows, d)
 // fp32 is updated in place. rope: the rope_table (2, rows, D/2) of every row's position.
 void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>& segments,
                    const std::vector<torch::Tensor*>& keys, const std::vector<torch::Tensor*>& values,
@@ -38,25 +39,29 @@ void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>&
   float* tp = t.data_ptr<float>();
   rope_rows(tp, rows, stride, H + KVH, D, rope);
   auto a = torch::empty({rows, H * D}, h.options());
-  std::vector<Attention> attentions;
-  for (size_t r = 0; r < segments.size(); ++r) {
-    const Segment& seg = segments[r];
-    torch::Tensor &k_cache = *keys[r], &v_cache = *values[r];
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == KVH && k_cache.size(2) == D,
-                "quant.layers: caches must be contiguous (", KVH, ", capacity, ", D, ")");
-    const int64_t cap = k_cache.size(1);
-    TORCH_CHECK(seg.start + seg.n <= cap, "quant.layers: the cache is too short");
-    float *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-    const float* rows_r = tp + seg.offset * stride;
-    for (int64_t i = 0; i < seg.n; ++i)
-      for (int64_t g = 0; g < KVH; ++g) {
-        std::memcpy(kp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + g) * D, D * sizeof(float));
-        std::memcpy(vp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + KVH + g) * D, D * sizeof(float));
-      }
-    float* out = a.data_ptr<float>() + seg.offset * H * D;
-    attentions.push_back({rows_r, stride, seg.n, kp, vp, cap, seg.start, seg.mask, out});
-  }
-  attend_all(attentions, H, D, KVH, 1.0f / std::sqrt(static_cast<float>(D)));
+  with_cache_type(*keys[0], [&](auto e) {
+    using T = decltype(e);
+    std::vector<Attention<T>> attentions;
+    for (size_t r = 0; r < segments.size(); ++r) {
+      const Segment& seg = segments[r];
+      torch::Tensor &k_cache = *keys[r], &v_cache = *values[r];
+      TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(0) == KVH && k_cache.size(2) == D &&
+                      k_cache.scalar_type() == keys[0]->scalar_type() && v_cache.scalar_type() == keys[0]->scalar_type(),
+                  "quant.layers: caches must be contiguous (", KVH, ", capacity, ", D, "), all of one dtype");
+      const int64_t cap = k_cache.size(1);
+      TORCH_CHECK(seg.start + seg.n <= cap, "quant.layers: the cache is too short");
+      T *kp = static_cast<T*>(k_cache.data_ptr()), *vp = static_cast<T*>(v_cache.data_ptr());
+      const float* rows_r = tp + seg.offset * stride;
+      for (int64_t i = 0; i < seg.n; ++i)
+        for (int64_t g = 0; g < KVH; ++g) {
+          store_row(kp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + g) * D, D);
+          store_row(vp + (g * cap + seg.start + i) * D, rows_r + i * stride + (H + KVH + g) * D, D);
+        }
+      float* out = a.data_ptr<float>() + seg.offset * H * D;
+      attentions.push_back({rows_r, stride, seg.n, kp, vp, cap, seg.start, seg.mask, out});
+    }
+    attend_all(attentions, H, D, KVH, 1.0f / std::sqrt(static_cast<float>(D)));
+  });
   h.add_(matmul(a, w.o, w.o_types, c10::nullopt, int8));
   h.add_(matmul(swiglu(matmul(rms_norm(h, w.norm_post, eps), w.gate_up, w.gate_up_types, c10::nullopt, int8)), w.down,
                 w.down_types, c10::nullopt, int8));
