@@ -31,10 +31,19 @@ template <int V, typename T>
 inline void block_scores(const float* q, const T* k, int jn, float sc, float* score) {
   __m512 qv[V], acc[16];
   for (int e = 0; e < V; ++e) qv[e] = _mm512_loadu_ps(q + 16 * e);
-  for (int t = 0; t < 16; ++t) {
-    acc[t] = _mm512_setzero_ps();
-    if (t < jn)
+  if (jn == 16) {  // a whole block without a branch per key, so that its sums stay in registers
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      acc[t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
       for (int e = 0; e < V; ++e) acc[t] = _mm512_fmadd_ps(qv[e], (__m512)load(k + t * 16 * V + 16 * e), acc[t]);
+    }
+  } else {
+    for (int t = 0; t < 16; ++t) {
+      acc[t] = _mm512_setzero_ps();
+      if (t < jn)
+        for (int e = 0; e < V; ++e) acc[t] = _mm512_fmadd_ps(qv[e], (__m512)load(k + t * 16 * V + 16 * e), acc[t]);
+    }
   }
   _mm512_storeu_ps(score, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(sc)));
 }
@@ -166,7 +175,22 @@ void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, co
     cur[t] = 0;
     if (count[t]) end = std::max(end, seen[t] ? seen[t][count[t] - 1] + 1 : count[t]);
   }
-  for (int64_t j = 0; j < end; ++j) {
+  int64_t j = 0;
+  bool causal = true;  // then row t's keys are 0..count[t]-1: up to the fewest, every row takes every key
+  for (int t = 0; t < TN; ++t) causal = causal && !seen[t];
+  if (causal) {
+    const int64_t common = *std::min_element(count, count + TN);
+    for (; j < common; ++j) {
+      __m512 v[V];
+      for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
+      for (int t = 0; t < TN; ++t) {
+        const __m512 w = _mm512_set1_ps(p[t][j]);
+        for (int e = 0; e < V; ++e) a[t][e] = _mm512_fmadd_ps(w, v[e], a[t][e]);
+      }
+    }
+    for (int t = 0; t < TN; ++t) cur[t] = common;
+  }
+  for (; j < end; ++j) {
     __m512 v[V];
     for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
     for (int t = 0; t < TN; ++t)
