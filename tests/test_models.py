@@ -106,6 +106,12 @@ def test_local_folder_round_trip(tmp_path):
     b = generate(remake(loaded, eos_token_ids=frozenset()), prompt, max_new_tokens=10).tokens
     assert a == b
     assert loaded.hf.dtype == torch.float32
+    # a 16-bit KV cache is the quantized backend's: refused for an fp32 model, naming what to do
+    with pytest.raises(ValueError, match="a float16 KV cache needs the quantized backend"):
+        load_model(str(tmp_path / "m"), kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kv_dtype must be torch.float16 or torch.float32"):
+        load_model(str(tmp_path / "m"), kv_dtype=torch.bfloat16)
+    assert load_model(str(tmp_path / "m"), kv_dtype=torch.float32).hf.dtype == torch.float32
 
 
 def test_end_tokens_rule_on_a_tokenizer():

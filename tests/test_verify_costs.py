@@ -15,8 +15,9 @@ from specdec.adaptive import costs as costs_module
 from specdec.adaptive.costs import SCHEMA, cache_file, cache_key
 from specdec.cache import new_cache
 from specdec.models.load import Model
+from specdec.models.quantize import quantize_model
 
-from .conftest import make_model, prompt_ids
+from .conftest import make_model, prompt_ids, remake
 
 
 def prefilled(target: Model, prompt: list[int]):
@@ -156,3 +157,14 @@ def test_a_curve_built_in_memory_is_never_written(verify_cost_cache):
     costs = VerifyCosts()
     costs.calibrate(prefilled(target, prompt), prompt, 3, ahead=40)
     assert costs.shapes and costs.path is None and not list(verify_cost_cache.iterdir())
+
+
+def test_a_quantized_models_key_names_its_kv_cache():
+    fp32 = make_model("llama", seed=3)
+    gguf = quantize_model(fp32.hf, "q8_0", "tiny")
+    keys = [
+        cache_key(remake(fp32, hf=None, lean=None, gguf=gguf, config=fp32.hf.config, kv_dtype=kv))
+        for kv in (torch.float16, torch.float32)
+    ]
+    assert [k["dtype"] for k in keys] == ["gguf Q8_0, float16 KV cache", "gguf Q8_0, float32 KV cache"]
+    assert cache_file(keys[0]) != cache_file(keys[1])

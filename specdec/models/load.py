@@ -209,7 +209,7 @@ def load_model(
     """
     dev = resolve_device(device)
     if kv_dtype not in (None, *KV_DTYPES):
-        raise ValueError(f"kv_dtype must be torch.float16 or torch.float32, not {kv_dtype}")
+        raise ValueError(f"kv_dtype must be torch.float16 or torch.float32, not {kv_dtype!r}")
     root = cache_dir(cache)
     path = Path(spec).expanduser()
     gguf_file = None
@@ -249,9 +249,10 @@ def load_model(
             return _load_quantized(spec, gguf_file, root, backend, kv_dtype)
     dtype = dtype or torch.float32
     if kv_dtype not in (None, dtype):
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
         raise ValueError(
-            f"a KV cache in {kv_dtype} needs the quantized backend (a GGUF model at its own precision, or --quantize); "
-            f"{spec} runs in {dtype} here and keeps its cache in it"
+            f"a {name(kv_dtype)} KV cache needs the quantized backend (a GGUF model at its own precision, or "
+            f"--quantize); {spec} runs in {name(dtype)} here and keeps its cache in it"
         )
     return _load_transformers(spec, gguf_file, root, dtype, backend, dev)
 
