@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +15,7 @@ import torch
 from torch.utils import cpp_extension
 
 from specdec.backends import gemv
-from specdec.bench import costmodel, memory, peers, results
+from specdec.bench import costmodel, llama_worker, memory, peers, results
 from specdec.bench.report import markdown_report
 from specdec.bench.run import (
     Pair,
@@ -420,10 +420,104 @@ def test_agreement_is_the_share_of_our_output_a_peer_reproduced():
     assert _agreement([], []) == 1.0
 
 
-def test_llama_cpp_peer_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # an import of it fails
+# A stand-in llama_cpp package for the llama.cpp peer's process: Llama yields (the prompt's sum + i) % 50,
+# its first token 1 when ggml's extra buffer types are on, else 0; a model path with "crash" in it ends the
+# process with a segmentation fault on its first generation, as llama-cpp-python 0.3.36 does on AMX CPUs.
+FAKE_LLAMA = {
+    "__init__.py": """
+import os, signal
+from . import llama_cpp
+class Llama:
+    def __init__(self, model_path, **kwargs):
+        self.path, self.extra = model_path, llama_cpp.llama_model_default_params().use_extra_bufts
+    def reset(self):
+        pass
+    def generate(self, prompt, **kwargs):
+        if "crash" in self.path:
+            print("ggml_amx: about to fault", flush=True)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        yield int(self.extra)
+        i = 1
+        while True:
+            yield (sum(prompt) + i) % 50
+            i += 1
+""",
+    "llama_cpp.py": """
+class _Params:
+    use_extra_bufts = True
+def llama_model_default_params():
+    return _Params()
+""",
+    "llama_speculative.py": """
+class LlamaPromptLookupDecoding:
+    def __init__(self, num_pred_tokens):
+        self.k = num_pred_tokens
+""",
+}
+
+
+@pytest.fixture
+def fake_llama(tmp_path, monkeypatch):
+    """Put a package `llama_cpp` (files: {name: source}) first on the llama.cpp process's path; a fresh
+    process for the test, closed after it."""
+
+    def install(files: dict[str, str]) -> None:
+        package = tmp_path / "fake" / "llama_cpp"
+        package.mkdir(parents=True)
+        for name, source in files.items():
+            (package / name).write_text(source)
+        monkeypatch.setenv("PYTHONPATH", str(package.parent))
+
+    monkeypatch.setattr(peers, "_WORKER", None)
+    yield install
+    if peers._WORKER is not None:
+        peers._WORKER.close()
+
+
+def test_llama_cpp_peer_says_how_to_install_it(fake_llama):
+    fake_llama({"__init__.py": "raise ImportError('no llama_cpp here')"})  # an import of it fails
     with pytest.raises(RuntimeError, match=r"pip install llama-cpp-python==0\.3\.36 diskcache"):
         peers.llama_cpp_generate("any.gguf", [1, 2], 4, frozenset())
+
+
+def test_llama_cpp_runs_in_its_own_process_and_its_crash_is_an_error(fake_llama):
+    fake_llama(FAKE_LLAMA)
+    run = peers.llama_cpp_generate("a.gguf", [3, 4], 6, frozenset({11}), n_ctx=256, extra_bufts=True)
+    assert run.name == "llama-cpp" and run.tokens == [1, 8, 9, 10, 11]  # stopped at the end token 11
+    assert run.tokens_per_s > 0 and run.n_ctx == 256 and run.rss_growth_bytes is not None
+    again = peers.llama_cpp_generate("a.gguf", [3, 4], 3, frozenset(), n_ctx=256, extra_bufts=True)
+    assert again.tokens == [1, 8, 9] and again.rss_growth_bytes is None  # the loaded model, in the same process
+    pid = peers._WORKER.proc.pid
+    off = peers.llama_cpp_generate("a.gguf", [3, 4], 2, frozenset(), n_ctx=256, k=2, extra_bufts=False)
+    assert off.name == "llama-cpp-lookup" and off.tokens == [0, 8]  # extra buffer types off at load
+    auto = peers.llama_cpp_generate("a.gguf", [3, 4], 1, frozenset(), n_ctx=256)  # None: off where the CPU has AMX
+    assert auto.tokens == [0 if llama_worker.cpu_has_amx() else 1]
+    assert peers._WORKER.proc.pid == pid and peers._WORKER.proc.poll() is None
+    with pytest.raises(RuntimeError, match=r"died \(signal SIGSEGV\): ggml_amx: about to fault"):
+        peers.llama_cpp_generate("crash.gguf", [3, 4], 4, frozenset())
+    with pytest.raises(RuntimeError, match="SIGSEGV"):  # not tried again
+        peers.llama_cpp_generate("a.gguf", [3, 4], 4, frozenset())
+    assert os.getpid() != pid  # and this process lives on
+
+
+def test_a_crashing_llama_cpp_peer_is_reported_and_the_bench_goes_on(workload, fake_llama):
+    from specdec.models.weights import cache_dir, is_pulled
+
+    if not is_pulled("smollm2-135m", cache_dir()):
+        pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
+    files = dict(FAKE_LLAMA)
+    files["__init__.py"] = files["__init__.py"].replace('"crash" in self.path', "True")
+    fake_llama(files)
+    prompts = load_workload(workload, ["qa", "summarization"], 1)
+    res = run_bench(
+        [Pair("smollm2-135m")], prompts, workload.name, [2], 6, peers=["llama-cpp", "llama-cpp-lookup"], progress=False
+    )
+    results.validate(res)
+    pair = res["pairs"][0]
+    assert len(pair["prompts"]) == 2 and all(r["runs"]["2"]["identical"] for r in pair["prompts"])
+    rows = pair["peers"]
+    assert [r["name"] for r in rows] == ["llama-cpp", "llama-cpp-lookup"] * 2
+    assert all(math.isnan(r["tokens_per_s"]) and "SIGSEGV" in r["error"] for r in rows)
 
 
 def test_memory_counts_the_pages_of_a_mapped_file_once_read(tmp_path):

@@ -1,10 +1,12 @@
 """Peers, from the same prompt ids: Hugging Face transformers' `generate` on the same model object,
 plain, with prompt lookup (`prompt_lookup_num_tokens=`) and assisted generation (`assistant_model=`);
-and llama.cpp (llama-cpp-python) on the same GGUF file, plain and with its prompt lookup drafter.
+and llama.cpp (llama-cpp-python) on the same GGUF file, plain and with its prompt lookup drafter, in a
+process of its own so that a crash in llama.cpp is that peer's reported failure, not the bench's end.
 
 Each returns the new tokens and end-to-end tokens/s (prefill included, as `generate` reports no
 split), to be set beside specdec's end-to-end tokens/s measured in the same run; llama.cpp also its
-decode-only tokens/s (after the first new token), and the resident memory its model took.
+decode-only tokens/s (after the first new token), and the resident memory its model took (in its own
+process).
 
 Precision: llama.cpp runs the GGUF file's quantized weights, which specdec runs too by default
 (--dtype auto); transformers runs the fp32 dequantization of them (loaded for it, Model.hf). Where two
@@ -15,23 +17,26 @@ peer reproduced, not exactness.
 
 from __future__ import annotations
 
+import atexit
+import json
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
-from specdec.bench.memory import rss_bytes
 from specdec.models.load import Model, synchronize
-
-LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36 diskcache"
 
 
 @dataclass
 class PeerRun:
     """tokens_per_s: end to end, prefill included. decode_tokens_per_s: after the first new token
-    (llama.cpp only; None where the peer gives no split). rss_growth_bytes: the process's resident set
-    growth when the peer's model was loaded and warmed up, on the call that loaded it (llama.cpp
-    only; None otherwise), its KV cache for n_ctx tokens included."""
+    (llama.cpp only; None where the peer gives no split). rss_growth_bytes: the resident set growth
+    of llama.cpp's process when the peer's model was loaded and warmed up, on the call that loaded it
+    (llama.cpp only; None otherwise), its KV cache for n_ctx tokens included."""
 
     name: str
     tokens: list[int]
@@ -83,63 +88,98 @@ def hf_generate(
     return PeerRun(name, new, len(new) / elapsed)
 
 
-_LLAMAS: dict[str, object] = {}
+class LlamaWorker:
+    """The llama.cpp peer's process (specdec.bench.llama_worker), started at its first request and
+    kept for the next ones: llama.cpp runs there, so a crash in it ends that process, not the bench.
+    Its stderr goes to a temporary file, whose last lines explain a crash."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.died: str | None = None  # why the process ended, once it has
+
+    def request(self, **fields) -> dict:
+        """One request's reply (a dict, see llama_worker). Raises RuntimeError when the process dies,
+        and for every later request of this worker (a peer that crashed once is not tried again)."""
+        if self.died:
+            raise RuntimeError(self.died)
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "specdec.bench.llama_worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                text=True,
+            )
+        try:
+            self.proc.stdin.write(json.dumps(fields) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if line:
+            return json.loads(line)
+        code = self.proc.wait()
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        self.log.seek(0)
+        tail = " | ".join(self.log.read().strip().splitlines()[-3:])
+        self.died = f"llama.cpp's process died ({how}){': ' + tail if tail else ''}"
+        raise RuntimeError(self.died)
+
+    def close(self) -> None:
+        """End the process (it exits when its stdin closes)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+
+_WORKER: LlamaWorker | None = None
 
 
 def llama_cpp_generate(
-    gguf: str, prompt: list[int], max_new_tokens: int, eos: frozenset[int], n_ctx: int = 4096, k: int = 0
+    gguf: str,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos: frozenset[int],
+    n_ctx: int = 4096,
+    k: int = 0,
+    extra_bufts: bool | None = None,
 ) -> PeerRun:
     """Greedy decoding of the GGUF file itself with llama.cpp (llama-cpp-python), from the same
     prompt ids, with torch's thread count and a context (KV cache) of n_ctx tokens; with k > 0,
-    llama-cpp-python's prompt lookup drafter (`LlamaPromptLookupDecoding`, k tokens a draft). The model
-    is loaded once per (file, k, n_ctx) and warmed up with a short generation before the first timed
-    one; that call's PeerRun carries the RSS growth of the load. Raises RuntimeError, saying how to
-    install it, when llama-cpp-python is missing."""
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError as e:
-        raise RuntimeError(f"llama-cpp-python is not installed ({e}): {LLAMA_CPP_INSTALL}") from e
-    key = f"{gguf}:{k}:{n_ctx}"
-    growth = None
-    if key not in _LLAMAS:
-        before = rss_bytes()
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=k) if k else None
-        threads = torch.get_num_threads()
-        llm = Llama(
-            model_path=gguf,
-            n_ctx=n_ctx,
-            n_threads=threads,
-            n_threads_batch=threads,
-            draft_model=draft,
-            verbose=False,
-            logits_all=bool(k),  # a draft's tokens are verified from the logits of every position
-        )
-        _llama_run(llm, prompt, min(8, max_new_tokens), eos)  # warm-up: page the weights in, as ours are
-        _LLAMAS[key] = llm
-        after = rss_bytes()
-        growth = after - before if after is not None and before is not None else None
-    new, first, end = _llama_run(_LLAMAS[key], prompt, max_new_tokens, eos)
+    llama-cpp-python's prompt lookup drafter (`LlamaPromptLookupDecoding`, k tokens a draft). It runs
+    in a process of its own (LlamaWorker), where the model is loaded once per (file, k, n_ctx) and
+    warmed up with a short generation before the first timed one; that call's PeerRun carries the
+    resident memory the load added to that process. extra_bufts: ggml's extra CPU buffer types
+    (None: off where the CPU has AMX, see specdec.bench.llama_worker). Raises RuntimeError, saying how
+    to install it, when llama-cpp-python is missing, and when llama.cpp crashed (its process died:
+    the signal and the last lines it wrote)."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = LlamaWorker()
+        atexit.register(_WORKER.close)
+    reply = _WORKER.request(
+        gguf=gguf,
+        n_ctx=n_ctx,
+        k=k,
+        threads=torch.get_num_threads(),
+        prompt=list(prompt),
+        max_new_tokens=max_new_tokens,
+        eos=sorted(eos),
+        extra_bufts=extra_bufts,
+    )
+    if "error" in reply:
+        raise RuntimeError(reply["error"])
+    new, first, end = reply["tokens"], reply["first_s"], reply["end_s"]
     return PeerRun(
         "llama-cpp-lookup" if k else "llama-cpp",
         new,
         len(new) / end,
         (len(new) - 1) / (end - first) if len(new) > 1 and end > first else None,
-        growth,
+        reply["rss_growth_bytes"],
         n_ctx,
     )
-
-
-def _llama_run(llm, prompt: list[int], max_new_tokens: int, eos: frozenset[int]) -> tuple[list[int], float, float]:
-    """(new tokens, seconds to the first one, seconds to the last one) of a greedy generation."""
-    llm.reset()
-    new: list[int] = []
-    first = 0.0
-    start = time.perf_counter()
-    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        new.append(int(token))
-        if len(new) == 1:
-            first = time.perf_counter() - start
-        if token in eos or len(new) >= max_new_tokens:
-            break
-    return new, first, time.perf_counter() - start
