@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.adaptive.costs import forget
 from specdec.bench.kernels import DEFAULT_TYPES
 from specdec.bench.run import Pair
 from specdec.bench.workloads import MT_BENCH, PACKAGED, default_workload, load_workload, workload_path
@@ -158,6 +159,24 @@ def _load_kwargs(args, draft: bool = False) -> dict:
     )
 
 
+def _recalibrate_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="time this machine's verify-cost curve of the target again (for k auto) instead of using the "
+        "cached one, which it replaces",
+    )
+
+
+def _recalibrate(args, targets: list[str]) -> None:
+    """With --recalibrate, drop the targets' cached verify-cost curves (the first k-auto run times them
+    again), saying which."""
+    if getattr(args, "recalibrate", False):
+        for name in dict.fromkeys(targets):
+            gone = forget(name, args.cache_dir)
+            print(f"# {name}: {len(gone)} cached verify-cost curve(s) dropped, to be timed again", file=sys.stderr)
+
+
 def _loading_args(args) -> list[str]:
     """The loading options as command-line flags again (for a server the load generator starts)."""
     out = ["--dtype", args.dtype, "--backend", args.backend, "--device", args.device]
@@ -226,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--category", help="with --workload: only rows of this category")
     g.add_argument("--row", type=int, default=0, help="with --workload: which (filtered) row, from 0")
     _loading_options(g)
+    _recalibrate_option(g)
     g.set_defaults(run=_generate)
 
     b = sub.add_parser(
@@ -284,6 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     _loading_options(b)
+    _recalibrate_option(b)
     b.set_defaults(run=_bench)
 
     sv = sub.add_parser(
@@ -327,6 +348,7 @@ def _parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on /v1/ requests, else 401 (default: $SPECDEC_API_KEY, else none)",
     )
     _loading_options(sv)
+    _recalibrate_option(sv)
     sv.set_defaults(run=_serve)
 
     lt = sub.add_parser(
@@ -551,6 +573,7 @@ def _generate(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # transformers' per-load "Loading weights" bars
+    _recalibrate(args, [args.target])
     target = load_model(args.target, **_load_kwargs(args))
     if "draft" in options:
         options["draft"] = load_model(args.draft, **_load_kwargs(args, draft=True))
@@ -660,6 +683,7 @@ def _bench(args) -> int:
     peers = [] if args.peers in ("", "none") else args.peers.split(",")
     prompts = load_workload(workload, categories, limit)
     pairs = args.pair or [Pair("smollm2-135m")]
+    _recalibrate(args, [p.target for p in pairs])
     print(
         f"# bench: {len(pairs)} pair(s), {len(prompts)} prompts of {workload.name}, k {ks}, "
         f"{max_new} new tokens, temperature {args.temperature}",
@@ -707,6 +731,7 @@ def _serve(args) -> int:
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
+    _recalibrate(args, [args.target])
     target = load_model(args.target, **_load_kwargs(args))
     draft = load_model(args.draft, **_load_kwargs(args, draft=True)) if args.draft else None
     app = create_app(

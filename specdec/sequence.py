@@ -24,6 +24,7 @@ from specdec.models.load import Model, synchronize
 from specdec.round import Proposal, Round, Speculation, conclude, propose
 from specdec.sampling import Penalties, Sampler, SamplingParams, TokenLogprob, logprobs_of, processed_probs
 from specdec.stats import RunStats
+from specdec.textstream import IncrementalText
 from specdec.verify import verify_greedy, verify_sampling, verify_tree_greedy
 
 AUTO_K_MAX = 8  # the longest draft k = "auto" chooses by default
@@ -115,6 +116,7 @@ class Sequence:
         self.stats = RunStats(k=k, prompt_tokens=len(prompt))
         self.tokens = list(prompt)  # committed: prompt + output
         self.out: list[int] = []
+        self.text = IncrementalText(target.tokenizer) if self.stop else None  # the output's, for the stop strings
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.k = k
         if drafter is not None:
@@ -176,17 +178,19 @@ class Sequence:
         seconds; timed as in specdec.round.conclude) and commit its tokens up to an EOS, a stop
         string or the budget. Returns the tokens committed."""
         rnd: Round = conclude(self.spec, proposal, scores, verify_s, self.verifier, self.stats, timed)
-        eos, decode, committed = self.target.eos_token_ids, self.target.tokenizer.decode, []
+        eos, committed = self.target.eos_token_ids, []
         for t in rnd.committed:
             committed.append(t)
             if t in eos:
                 self.stats.stop_reason = "eos"
-            elif self.stop and stop_at(decode(self.out + committed, skip_special_tokens=True), self.stop) >= 0:
+            elif self.text is not None and stop_at(self.text.peek(committed), self.stop) >= 0:
                 self.stats.stop_reason = "stop"
             if self.stats.stop_reason:
                 break
         self.tokens += committed
         self.out += committed
+        if self.text is not None:
+            self.text.add(committed)
         if self.logprobs is not None:
             self.logprobs += self.verifier.last_logprobs[: len(committed)]
         if self.policy:

@@ -1,7 +1,51 @@
-"""Text of a growing token sequence, released piece by piece as it becomes final: used by the CLI's
-streaming output and the server's streamed deltas."""
+"""Text of a growing token sequence, decoded incrementally and released piece by piece as it becomes
+final: used by the CLI's streaming output, the server's streamed deltas and the stop-string check."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+CONTEXT = 8  # tokens before the new ones that are decoded again with them
+
+
+class IncrementalText:
+    """tokenizer.decode(ids, skip_special_tokens=True) of a growing list of token ids, in time per
+    call that does not grow with the list (the incremental detokenization of vLLM and Hugging Face's
+    streamers): the new tokens are decoded together with the CONTEXT tokens before them (more where
+    those decode to nothing, special tokens skipped), and their text is what that adds to the
+    context's own text. The text so far is kept up to the last token
+    that completed a character; while a character is split across tokens (an emoji in byte-level BPE)
+    the window reaches back to there. Where the context's text changes with what follows it, the
+    whole list is decoded instead, so the result is always the full decode's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.stable = 0  # ids[:stable] decode to self.text, which ends with a complete character
+        self.text = ""
+        self.start, self.head = 0, ""  # the context ids[start:stable] and its text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def peek(self, tokens: Sequence[int] = ()) -> str:
+        """The text of the ids with `tokens` appended, without appending them."""
+        tail = self._decode(self.ids[self.start :] + list(tokens))
+        if tail.startswith(self.head):
+            return self.text + tail[len(self.head) :]
+        return self._decode(self.ids + list(tokens))
+
+    def add(self, tokens: Sequence[int]) -> str:
+        """Append `tokens`; returns the text of all the ids."""
+        text = self.peek(tokens)
+        self.ids += tokens
+        if not text.endswith("\ufffd"):  # the last character is complete: later tokens cannot change it
+            self.text, self.stable = text, len(self.ids)
+            self.start, self.head = self.stable, ""
+            while self.start > 0 and (not self.head or self.stable - self.start < CONTEXT):
+                self.start = max(0, self.start - CONTEXT)  # context with some text: a decoder joins to it
+                self.head = self._decode(self.ids[self.start : self.stable])
+        return text
 
 
 class TextDeltas:
@@ -10,13 +54,11 @@ class TextDeltas:
     string (the text from a stop string on is never released). `sent` counts released characters."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
-        self.ids: list[int] = []
+        self.text, self.stop = IncrementalText(tokenizer), [s for s in stop if s]
         self.sent = 0
 
     def __call__(self, tokens: list[int]) -> str:
-        self.ids += tokens
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.text.add(tokens)
         safe = len(text.rstrip("\ufffd"))
         for s in self.stop:
             hit = text.find(s)

@@ -192,3 +192,17 @@ def test_generate_builds_the_drafter_its_flags_name(model_dir, tmp_path, monkeyp
         else:
             want = subst.get(value, value) if isinstance(value, str) else value
             assert getattr(drafter, attr) == want, attr
+
+
+def test_recalibrate_times_the_verify_cost_curve_again(model_dir, verify_cost_cache, capsys):
+    run = ["generate", "w1 w2 w3 w1 w2", "--target", str(model_dir), "--max-new-tokens", "6"]  # k auto
+    assert main(run) == 0
+    first = [p.name for p in verify_cost_cache.iterdir()]
+    assert len(first) == 1 and "dropped" not in capsys.readouterr().err
+    stale = verify_cost_cache / first[0]
+    stale.write_text(stale.read_text().replace('"1": 1.0', '"1": 1.0 ', 1))  # marked: is it rewritten?
+    marked = stale.read_text()
+    assert main(run) == 0 and stale.read_text() == marked  # the cached curve served
+    assert main([*run, "--recalibrate"]) == 0
+    assert f"{model_dir}: 1 cached verify-cost curve(s) dropped" in capsys.readouterr().err
+    assert [p.name for p in verify_cost_cache.iterdir()] == first and stale.read_text() != marked  # timed anew

@@ -168,3 +168,46 @@ def test_a_quantized_models_key_names_its_kv_cache():
     ]
     assert [k["dtype"] for k in keys] == ["gguf Q8_0, float16 KV cache", "gguf Q8_0, float32 KV cache"]
     assert cache_file(keys[0]) != cache_file(keys[1])
+
+
+def _saved_curve(shape: dict[int, float], level: float = 5.0) -> VerifyCosts:
+    """A curve with one shape timed at context 100, saved, in use at that context."""
+    costs = VerifyCosts(path=costs_module.folder() / "m-0123456789abcdef.json", _key={"model": "m"})
+    costs.shapes = {100: dict(shape)}
+    costs.ms = {n: level * r for n, r in shape.items()}
+    costs.save()
+    costs.at(100)
+    return costs
+
+
+def test_rounds_that_drift_off_the_saved_shape_have_it_timed_again(verify_cost_cache):
+    timed_under_load = {1: 1.0, 2: 1.3, 4: 2.0, 8: 3.0}  # V(8) / V(1) as a busy machine timed it
+    costs = _saved_curve(timed_under_load)
+    for _ in range(costs.drift_rounds):  # the machine now: V(1) 5 ms, V(8) 9 ms (a ratio of 1.8)
+        costs.observe(1, 5.0)
+        costs.observe(8, 9.0)
+    assert costs.shapes == {} and costs.needs(100)  # the next calibrate() times it again
+    again = VerifyCosts(path=costs.path, _key={"model": "m"})
+    assert not again.load()  # and the file no longer holds it (a curve needs a shape)
+
+
+def test_a_uniform_slow_down_moves_the_level_not_the_shape(verify_cost_cache):
+    shape = {1: 1.0, 2: 1.3, 4: 2.0, 8: 3.0}
+    costs = _saved_curve(shape)
+    for _ in range(3 * costs.drift_rounds):  # every length twice as slow as saved, with some noise
+        for n, jitter in ((1, 1.1), (2, 0.95), (8, 1.05)):
+            costs.observe(n, 2 * 5.0 * shape[n] * jitter)
+    assert costs.shapes == {100: shape} and not costs.needs(100)
+    assert costs(1) == pytest.approx(10.0, rel=0.15) and costs(8) == pytest.approx(30.0, rel=0.15)
+
+
+def test_forget_deletes_every_curve_of_a_model_and_no_other(verify_cost_cache):
+    lean = make_model("llama", seed=3)
+    mine = [cache_file(cache_key(lean))]
+    for name in ("tiny-llama-3", "tiny-llama-3-b"):
+        (verify_cost_cache / f"{name}-0123456789abcdef.json").write_text("{}")
+    mine.append(verify_cost_cache / "tiny-llama-3-0123456789abcdef.json")
+    mine[0].write_text("{}")
+    assert sorted(costs_module.forget(lean.name)) == sorted(mine)
+    assert [p.name for p in verify_cost_cache.iterdir()] == ["tiny-llama-3-b-0123456789abcdef.json"]
+    assert costs_module.forget(lean.name) == []

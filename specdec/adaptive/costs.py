@@ -16,6 +16,7 @@ timed again and the file replaced).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import math
@@ -101,6 +102,18 @@ def cache_file(key: dict, cache: str | Path | None = None) -> Path:
     return folder(cache) / f"{name}-{digest}.json"
 
 
+def forget(name: str, cache: str | Path | None = None) -> list[Path]:
+    """Delete every cached verify-cost curve of the model `name` (a registry name, path or hub id, as
+    loaded: all its thread counts, dtypes and processors), so that the next run times it again.
+    Returns the files deleted."""
+    stem = cache_file({"model": name}, cache).name.rsplit("-", 1)[0]
+    files = folder(cache).glob(f"{glob.escape(stem)}-*.json")
+    gone = [f for f in files if re.fullmatch(r"[0-9a-f]{16}", f.stem[len(stem) + 1 :])]  # not another model's
+    for f in gone:
+        f.unlink(missing_ok=True)
+    return gone
+
+
 @dataclass
 class VerifyCosts:
     """Estimates of V(n) in ms, n = new tokens in one target forward, at the current context length.
@@ -111,6 +124,12 @@ class VerifyCosts:
     which scales the whole curve, so a length the policy rarely chooses is not left at its
     calibration time while the lengths it uses pick up every slow round. Lengths outside the
     calibrated ones (and everything before calibration) keep running averages of their own.
+
+    A saved shape can be wrong for this machine now (timed while another process ran): when the
+    rounds at a context run, relative to one another, a factor `drift` off it (V(n) measured over
+    V(n) predicted, averaged per n, differing that much between two lengths n, each seen
+    `drift_rounds` times), that shape is dropped from the curve and its file, and the next
+    calibrate() times it again. A uniform slow-down only moves the level.
 
     path: the cache file (for_model); None keeps the curve in memory only.
     """
@@ -123,8 +142,11 @@ class VerifyCosts:
     shape: dict[int, float] = field(default_factory=dict)  # V(n) / V(1) at the current context
     shapes: dict[int, dict[int, float]] = field(default_factory=dict)  # context -> shape there
     step: int = 16  # at() redoes the interpolation after the context moved this many tokens
+    drift: float = 1.5  # rounds this factor off the shape, relative to one another: time it again
+    drift_rounds: int = 8  # observations of each of two lengths before drift is judged
     path: Path | None = field(default=None, repr=False, compare=False)
     _at: tuple[int, int] = (-1 << 30, 0)  # (context, number of shapes) of the last interpolation
+    _off: dict[int, tuple[float, int]] = field(default_factory=dict, repr=False)  # n -> (mean log ratio, rounds)
     _key: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -181,11 +203,29 @@ class VerifyCosts:
         """A timed forward over n new tokens took `ms`: moves the level through the current shape
         when n is in it, else the running average of V(n) itself."""
         if n in self.shape:
+            if ms > 0:
+                mean, rounds = self._off.get(n, (0.0, 0))
+                off = math.log(ms / self.ms[n])
+                self._off[n] = (off if not rounds else (1 - self.ema) * mean + self.ema * off, rounds + 1)
             level = (1 - self.ema) * self.ms[1] + self.ema * ms / self.shape[n]
             self.ms.update({m: level * ratio for m, ratio in self.shape.items()})
+            self._check_drift()
             return
         old = self.ms.get(n)
         self.ms[n] = ms if old is None else (1 - self.ema) * old + self.ema * ms
+
+    def _check_drift(self) -> None:
+        """Drop the shapes the current one comes from when the rounds drift off it (see the class)."""
+        seen = [mean for mean, rounds in self._off.values() if rounds >= self.drift_rounds]
+        if len(seen) < 2 or max(seen) - min(seen) <= math.log(self.drift):
+            return
+        context = self._at[0]
+        below = max((c for c in self.shapes if c <= context), default=None)
+        above = min((c for c in self.shapes if c >= context), default=None)
+        for c in {below, above} - {None}:
+            del self.shapes[c]
+        self._off.clear()
+        self.save()
 
     def known(self) -> bool:
         return bool(self.ms)
@@ -251,6 +291,7 @@ class VerifyCosts:
             shape = {n: (1 - w) * lo[n] + w * hi[n] for n in lo.keys() & hi.keys()}
         if shape != self.shape:
             self.shape = shape
+            self._off.clear()
             self.ms.update({m: self.ms[1] * ratio for m, ratio in shape.items()})
 
     def __call__(self, n: int) -> float:
