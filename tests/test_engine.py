@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+import specdec.sequence as sequence_module
 from specdec import ContextLengthError, TokenizerMismatchError, generate, make_drafter
 from specdec.cache import new_cache
 from specdec.drafters import Draft, ModelDrafter
@@ -201,12 +202,22 @@ def test_mismatched_tokenizers_raise_naming_the_token(target):
         generate(target, prompt_ids(), ModelDrafter(other), k=2)
 
 
-def test_padded_draft_vocabulary_is_accepted(draft_model):
+def test_padded_draft_vocabulary_is_accepted(draft_model, monkeypatch):
     """A target whose logits are wider than the tokenizer (padded embedding, as Qwen's) works with a
     draft of the plain width: greedy stays exact, sampling pads q with zeros."""
     wide = make_model("qwen2", seed=3, vocab_size=VOCAB + 16)
     prompt = prompt_ids()
     base = plain(wide, prompt)
     assert generate(wide, prompt, ModelDrafter(draft_model), k=3, max_new_tokens=N_NEW).tokens == base.tokens
+    seen, real = [], sequence_module.verify_sampling
+    monkeypatch.setattr(
+        sequence_module, "verify_sampling", lambda tokens, q, p, g: seen.append((tokens, q, p)) or real(tokens, q, p, g)
+    )
     sampled = generate(wide, prompt, ModelDrafter(draft_model), k=3, max_new_tokens=20, temperature=1.0, seed=0)
     assert len(sampled.tokens) == 20
+    drafted = [(tokens, q, p) for tokens, q, p in seen if tokens]
+    assert drafted
+    for tokens, q, p in drafted:  # q over the target's width: the draft's distribution, then zeros
+        assert q.shape == (len(tokens), VOCAB + 16) and p.shape == (len(tokens) + 1, VOCAB + 16)
+        assert torch.all(q[:, VOCAB:] == 0) and torch.allclose(q.sum(-1), torch.ones(len(tokens)))
+        assert all(q[i, t] > 0 for i, t in enumerate(tokens))  # each drafted token was drawn from its row

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +88,14 @@ def test_the_cli_exports_the_targets_head(model_dir, tmp_path, capsys):
     argv = ["export-head", "--target", str(model_dir), "--head", str(tmp_path / "h.safetensors")]
     assert main([*argv, "--out", str(tmp_path / "x")]) == 0
     assert json.loads((tmp_path / "x" / "config.json").read_text())["specdec"]["draft_vocab"] == 40
-    assert "method" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {tmp_path / 'x'} (EAGLE-1, for vllm) from {tmp_path / 'h.safetensors'}")
+    config = json.loads(printed.split("speculative_config=", 1)[1])  # what to paste into vLLM: valid JSON
+    assert config == {"method": "eagle", "model": str(tmp_path / "x"), "num_speculative_tokens": 4}
+    assert main([*argv, "--out", str(tmp_path / "s"), "--engine", "sglang"]) == 0
+    flags = capsys.readouterr().out.split("load it with ", 1)[1].split()
+    assert flags[flags.index("--speculative-draft-model-path") + 1] == str(tmp_path / "s")
+    assert Path(flags[flags.index("--speculative-token-map") + 1]).is_file()  # the flags name what was written
     assert main([*argv, "--out", str(tmp_path / "y"), "--head", str(tmp_path / "missing.safetensors")]) != 0
     assert main(["vllm-eagle", "--target", str(model_dir), "-k", "0"]) != 0
     assert "at least 1" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from specdec.drafters.model import ModelDrafter
 from specdec.engine import generate
 from specdec.models.quantize import quantize_model
-from specdec.sampling import Penalties, logprobs_of
+from specdec.sampling import Penalties
 
 from .conftest import make_model, prompt_ids, remake
 
@@ -72,9 +72,12 @@ def test_logprobs_are_the_targets_log_softmax():
     prompt = prompt_ids(12)
     gen = generate(target, prompt, k=0, max_new_tokens=8, logprobs=2, temperature=0.7, seed=1)
     with torch.no_grad():
-        logits = target.hf(torch.tensor([prompt + gen.tokens])).logits[0, len(prompt) - 1 : -1]
-    want = logprobs_of(logits, gen.tokens, 2)
-    assert torch.allclose(
-        torch.tensor([t.logprob for t in gen.logprobs]), torch.tensor([t.logprob for t in want]), atol=1e-4
-    )
-    assert [t.top[0][0] for t in gen.logprobs] == [t.top[0][0] for t in want]
+        logits = target.hf(torch.tensor([prompt + gen.tokens])).logits[0, len(prompt) - 1 : -1].double()
+    # by hand, in float64: log p(t) = logit(t) - log sum exp(logits), and the two largest
+    want = logits - logits.exp().sum(-1, keepdim=True).log()
+    got = torch.tensor([t.logprob for t in gen.logprobs], dtype=torch.float64)
+    assert torch.allclose(got, want[torch.arange(len(gen.tokens)), torch.tensor(gen.tokens)], atol=1e-4)
+    for t, row in zip(gen.logprobs, want):
+        assert [i for i, _ in t.top] == row.topk(2).indices.tolist()  # the two most likely, most likely first
+        assert [v for _, v in t.top] == pytest.approx(row.topk(2).values.tolist(), abs=1e-4)
+    assert [t.token for t in gen.logprobs] == gen.tokens  # the sampled tokens, at temperature 0.7

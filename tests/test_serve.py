@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import http.client
 import json
+import os
+import signal
 import socket
 import sys
 import threading
@@ -236,7 +238,7 @@ def test_a_draft_model_per_request(tiny):
         create_app(tiny, "model", draft=other)
 
 
-def test_sampling_with_a_seed_is_reproducible(served):
+def test_sampling_with_a_seed_is_the_librarys_run_with_that_seed(served, tiny):
     c = client(served)
     runs = [
         c.completions.create(
@@ -246,7 +248,15 @@ def test_sampling_with_a_seed_is_reproducible(served):
         .text
         for s in (1, 1, 2)
     ]
-    assert runs[0] == runs[1]
+    ids = tiny.encode(words(6))
+    library = {  # generate with the server's drafter and k, and each seed
+        s: generate(
+            tiny, ids, PromptLookup(3), k=3, max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=s
+        ).text
+        for s in (1, 2)
+    }
+    assert runs[0] == runs[1] == library[1] and runs[2] == library[2]
+    assert library[1] != library[2]  # another seed, another sample
 
 
 def test_50_concurrent_streams_each_equal_their_solo_greedy_output(served, tiny):
@@ -676,8 +686,44 @@ def test_64_concurrent_streams_of_real_smollm2_each_equal_their_solo_output():
     assert m["specdec_batch_size_sum"] / m["specdec_batch_size_count"] > 8  # they really ran together
 
 
-def test_specdec_serve_steps_the_batch_in_its_main_thread(model_dir, tiny):
-    """`specdec serve` as users run it (run_server: HTTP in a thread, the batch in the main one)."""
+def test_run_server_steps_the_batch_in_the_thread_that_called_it(tiny, monkeypatch):
+    """run_server answers HTTP in a thread and steps the batch in its caller's thread (the main one
+    for `specdec serve`), which it gives back at Ctrl-C."""
+    from specdec.batch import Batch
+    from specdec.serve.app import run_server
+
+    stepped, real = set(), Batch.step
+    monkeypatch.setattr(Batch, "step", lambda self: stepped.add(threading.current_thread().name) or real(self))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompt, texts = words(3), []
+
+    def user():  # waits for the server, asks twice, then presses Ctrl-C
+        try:
+            url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                time.sleep(0.05)
+            for _ in range(2):
+                r = client(url).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+                texts.append(r.choices[0].text)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=user)
+    thread.start()
+    run_server(create_app(tiny, "prompt-lookup", 3, model_name="tiny"), port=port, log_level="warning")
+    thread.join(30)
+    assert stepped == {threading.current_thread().name} and threading.current_thread() is threading.main_thread()
+    assert texts == [greedy(tiny, tiny.encode(prompt), 8).text] * 2
+
+
+def test_specdec_serve_answers_as_the_library_does(model_dir, tiny):
+    """`specdec serve` as users run it, in a process of its own: health, and a completion equal to
+    the library's."""
     from specdec.bench.serving import specdec_server
 
     prompt = "w1 w2 w3 w4 w1 w2 w3"
