@@ -372,8 +372,8 @@ def _peers(pair: dict) -> list[str]:
             "and a near-tie of the top two logits can go either way; llama.cpp rounds the activations to 8 bits in "
             "its own blocks before its quantized products (as our int8 path does, in other blocks), so its logits "
             "differ from ours by more than the rounding of sums. "
-            "RSS MB: resident memory the peer's load added to this process"
-            + (f" (llama.cpp's with its KV cache for {ctx[0]} tokens)" if ctx else "")
+            "RSS MB: resident memory the peer's load added to the process it runs in"
+            + (f" (llama.cpp's own process, its KV cache for {ctx[0]} tokens included)" if ctx else "")
             + ".",
             "",
         ]
