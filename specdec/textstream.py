@@ -13,10 +13,10 @@ class IncrementalText:
     call that does not grow with the list (the incremental detokenization of vLLM and Hugging Face's
     streamers): the new tokens are decoded together with the CONTEXT tokens before them (more where
     those decode to nothing, special tokens skipped), and their text is what that adds to the
-    context's own text. The text so far is kept up to the last token
-    that completed a character; while a character is split across tokens (an emoji in byte-level BPE)
-    the window reaches back to there. Where the context's text changes with what follows it, the
-    whole list is decoded instead, so the result is always the full decode's."""
+    context's own text. The text so far is kept up to the last token that completed a character;
+    while a character is split across tokens (an emoji in byte-level BPE) the window reaches back to
+    there. Where the context's text changes with what follows it, the whole list is decoded
+    instead, so the result is always the full decode's."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

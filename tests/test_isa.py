@@ -2,7 +2,11 @@
 on a CPU that has more: the paths such a CPU takes (fp32 activations, the 8-lane halves of every
 16-lane step, attention's per-key dot products) compile, stay batch-invariant bit for bit, and give
 the bits of this machine's own fp32 path. Skipped, with the reason, where the CPU lacks AVX2 or
-there is no compiler."""
+there is no compiler.
+
+And the AMX tiles (quant/amx.h): on a CPU with AMX the native build's tiles must give the VNNI
+kernels' bits for every row count and thread count; everywhere with VNNI, a build that emulates
+the tile instructions with loops checks the same of the data flow around them."""
 
 from __future__ import annotations
 
@@ -47,6 +51,26 @@ def avx2():
         pytest.skip(f"the x86-64-v3 kernels could not be built: {str(e).splitlines()[0][:200]}")
 
 
+@pytest.fixture(scope="module")
+def amx_emulated():
+    if not kernels().int8_available():
+        pytest.skip("the CPU lacks AVX512-VNNI: the int8 kernels, and the tiles beside them, cannot run here")
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in qkernel.HEADERS)).hexdigest()[:16]
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-DSPECDEC_AMX_EMULATE"]
+    try:
+        return load(
+            "specdec_quant_amx_emulated",
+            [str(qkernel.SOURCE)],
+            extra_cflags=[*flags, f"-DSPECDEC_HEADERS={digest}"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:
+        pytest.skip(f"the emulated AMX kernels could not be built: {str(e).splitlines()[0][:200]}")
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     n = torch.get_num_threads()
@@ -85,3 +109,51 @@ def test_avx2_attention_rows_equal_one_row_calls(avx2, cache):
         torch.set_num_threads(threads)
         for i in range(n):
             assert torch.equal(y[i : i + 1], avx2.attention(q[i : i + 1], kc, vc, start + i, None, scale)), i
+
+
+AMX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the regrouped 32-weight types; Q4_K keeps VNNI
+
+
+def _tiles_give_the_vnni_bits(module, qtype: str) -> None:
+    """module's int8 products of a regrouped qtype part over 1..19 rows: with the tiles on, the bits of
+    the same module's VNNI kernels and of the native build's, every row as alone, on 1 and 2 threads."""
+    K, N = 1184, 48  # 37 blocks of 32
+    raw = torch.from_numpy(random_blocks(qtype, N, K, seed=21))
+    packed, xtype = module.repack(raw, TYPES[qtype], K)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(22))
+    x[:, 7] *= 30
+    product = lambda rows: module.matmul(rows, [packed], [xtype], None, True)  # noqa: E731
+    was = module.use_amx(False)
+    try:
+        vnni = product(x)
+        assert not module.amx_on()
+        assert module.use_amx(True) is False and module.amx_on()
+        assert torch.equal(product(x), vnni)
+        assert_rows_invariant(product, x, max_n=19)  # one row on VNNI, tiles of 2..8 rows on AMX
+    finally:
+        module.use_amx(was)
+    native, native_type = kernels().repack(raw, TYPES[qtype], K)
+    assert torch.equal(kernels().matmul(x, [native], [native_type], None, True), vnni)
+
+
+@pytest.mark.parametrize("qtype", AMX_TYPES)
+def test_emulated_amx_tiles_give_the_vnni_kernels_bits(amx_emulated, qtype):
+    assert amx_emulated.amx_available()
+    _tiles_give_the_vnni_bits(amx_emulated, qtype)
+
+
+@pytest.mark.parametrize("qtype", AMX_TYPES)
+def test_amx_tiles_give_the_vnni_kernels_bits(qtype):
+    if not kernels().amx_available():
+        pytest.skip(
+            "no AMX here (amx_int8 absent from the CPU, or Linux refused the tile state): the tiles cannot run; "
+            "their emulation is tested above"
+        )
+    _tiles_give_the_vnni_bits(kernels(), qtype)
+
+
+def test_the_tiles_are_off_without_amx_and_stay_off():
+    k = kernels()
+    if k.amx_available():
+        pytest.skip("this CPU has AMX: the tiles are on by default here")
+    assert not k.amx_on() and k.use_amx(True) is False and not k.amx_on()

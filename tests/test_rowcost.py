@@ -30,7 +30,12 @@ def test_peak_counts_multiply_adds_per_second():
     else:
         with pytest.raises(RuntimeError, match="VNNI"):
             kernels().peak("int8", 1000)
-    with pytest.raises(RuntimeError, match="int8' or 'fp32"):
+    if kernels().amx_available():
+        assert kernels().peak("amx", 200000) > kernels().peak("int8", 200000)  # 16 x 16 x 64 a tile product
+    else:
+        with pytest.raises(RuntimeError, match="no AMX"):
+            kernels().peak("amx", 1000)
+    with pytest.raises(RuntimeError, match="'int8', 'fp32' or 'amx'"):
         kernels().peak("bf16", 1000)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from specdec.bench.rowcost import fit_slope, peak_macs_per_s
+from specdec.bench.rowcost import fit_slope, peak_macs_per_s, product_kernel
 
 # where each type the kernels multiply keeps its fp16 fields in a block (ggml-common.h); sizes from gguf
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
@@ -81,7 +81,7 @@ def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int
 
 
 def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: bool | None = None) -> dict:
-    """Every type's row and the peak: {"kernel": "vnni" or "fp32", "threads", "peak_gmacs", "types": [...]}.
+    """Every type's row and the peak: {"kernel": "amx", "vnni" or "fp32", "threads", "peak_gmacs", "types": [...]}.
     int8: None for the int8 path where the CPU has VNNI. Raises ValueError for a type the kernels lack."""
     from specdec.backends.qkernel import kernels
 
@@ -90,11 +90,12 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
         raise ValueError(f"no kernel for {', '.join(unknown)}: choose from {', '.join(FP16_FIELDS)}")
     if int8 is None:
         int8 = kernels().int8_available()
-    peak = peak_macs_per_s("int8" if int8 else "fp32") / 1e9
+    kind = product_kernel(int8)
+    peak = peak_macs_per_s({"amx": "amx", "vnni": "int8"}.get(kind, "fp32")) / 1e9
     rows = [measure(t, K, megabytes, int8=int8) for t in types]
     for r in rows:
         r["fraction"] = r["gmacs"] / peak
-    return {"kernel": "vnni" if int8 else "fp32", "threads": torch.get_num_threads(), "peak_gmacs": peak, "types": rows}
+    return {"kernel": kind, "threads": torch.get_num_threads(), "peak_gmacs": peak, "types": rows}
 
 
 def table(result: dict) -> str:

@@ -51,7 +51,8 @@ read only this file and never run a model. Schema `specdec.bench/1`:
                                         # "gguf ..."; absent in older files)
                        "fraction": {"1": float, ...},   # floor_ms / V(n)
                        "screened_output_layer": bool},  # greedy read the output layer in bf16 (specdec.backends.screen)
-          "row_cost": {"kernel": "vnni" | "fp32", "macs_per_row": int, "peak_gmacs": float,  # specdec.bench.rowcost;
+          "row_cost": {"kernel": "amx" | "vnni" | "fp32", "macs_per_row": int,  # specdec.bench.rowcost;
+                       "peak_gmacs": float,
                        "marginal_ms": float, "peak_ms": float, "fraction": float | null} | null  # null off the
                                         # quantized backend (absent in older files)
         },

@@ -28,24 +28,33 @@ def fit_slope(curve: dict[int, float]) -> float:
 
 def peak_macs_per_s(kind: str) -> float:
     """Multiply-adds per second of this CPU's product instruction on torch's threads: kind "int8"
-    (vpdpbusd) or "fp32" (fused multiply-add). Raises RuntimeError for int8 on a CPU without VNNI."""
+    (vpdpbusd), "amx" (tile products) or "fp32" (fused multiply-add). Raises RuntimeError for int8 on
+    a CPU without VNNI, amx on one without AMX."""
     from specdec.backends.qkernel import kernels
 
     return max(kernels().peak(kind) for _ in range(3))  # the best of three: another process only slows it
 
 
+def product_kernel(int8: bool) -> str:
+    """Which instruction multiplies a forward's rows: "amx" (AMX tiles for the 32-weight types of two
+    or more rows, VNNI for the rest), "vnni" (AVX512-VNNI) or "fp32" (fp32 activations)."""
+    from specdec.backends.qkernel import kernels
+
+    return ("amx" if kernels().amx_on() else "vnni") if int8 else "fp32"
+
+
 def row_cost(model: Model, verify_ms: dict[str, float]) -> dict | None:
-    """The added row's cost of `model`'s forward, from its V(n) in ms by str(n): {"kernel": "vnni" or
-    "fp32", "macs_per_row" (the multiply-adds of one row through every matrix, the output layer
-    included), "peak_gmacs" (G multiply-adds per second at the instruction's measured peak),
+    """The added row's cost of `model`'s forward, from its V(n) in ms by str(n): {"kernel": "amx",
+    "vnni" or "fp32" (product_kernel), "macs_per_row" (the multiply-adds of one row through every
+    matrix, the output layer included), "peak_gmacs" (G multiply-adds per second at the instruction's measured peak),
     "marginal_ms" (fitted), "peak_ms" (the row's multiply-adds at that peak), "fraction" (peak_ms /
     marginal_ms)}. None for a model not run on the quantized backend (transformers', oneDNN's
     products are not ours to hold against a peak) or a curve of one point."""
     if model.gguf is None or model.device.type != "cpu" or len(verify_ms) < 2:
         return None
     lean = model.lean()
-    kind = "vnni" if lean.int8 else "fp32"
-    peak = peak_macs_per_s("int8" if lean.int8 else "fp32")
+    kind = product_kernel(lean.int8)
+    peak = peak_macs_per_s({"amx": "amx", "vnni": "int8"}.get(kind, "fp32"))
     marginal = fit_slope({int(n): ms for n, ms in verify_ms.items()})
     macs = lean.macs_per_row()
     peak_ms = macs / peak * 1e3

@@ -47,6 +47,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("peak", &peak, "multiply-adds per second of the CPU's int8 (VNNI) or fp32 product instruction, measured",
         py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("iterations") = 2000000);
   m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX512-VNNI)");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("amx_available", &amx_ready, "whether the int8 products may use AMX tiles here (CPU and Linux both allow it)");
+  m.def("amx_on", &amx_on, "whether the int8 products of two or more rows use AMX tiles now");
+  m.def("use_amx", &use_amx, "switch the AMX tiles on (where available) or off; returns whether they were on",
+        py::arg("on"));
+#else
+  m.def("amx_available", []() { return false; }, "whether the int8 products may use AMX tiles here");
+  m.def("amx_on", []() { return false; }, "whether the int8 products of two or more rows use AMX tiles now");
+  m.def("use_amx", [](bool) { return false; }, "no AMX in this build", py::arg("on"));
+#endif
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm per row");

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "decode.h"
+#include "fp32.h"  // TILE, the input rows of a row-at-a-time tile
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 namespace {

@@ -126,13 +126,36 @@ constexpr int chains_for() {
 
 constexpr int offset_index(int32_t offset) { return offset == 8 ? 0 : offset == 16 ? 1 : 2; }
 
+// A block's weights of sixteen rows (q: the block's bytes after d and m), unpacked: u[v], lane r = row r's
+// weights 4v..4v+3 as unsigned bytes.
+template <int64_t type>
+inline void unpack_legacy(const uint8_t* q, __m512i* u) {
+  if constexpr (type == Q8_0) {
+    for (int v = 0; v < 8; ++v) u[v] = _mm512_loadu_si512(q + 64 * v);
+  } else {
+    const __m512i low = _mm512_set1_epi8(15);
+    const uint8_t* qs = q + (five_bit<type>() ? 64 : 0);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i packed = _mm512_loadu_si512(qs + 64 * g);
+      u[g] = _mm512_and_si512(packed, low);
+      u[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+    if constexpr (five_bit<type>()) {
+      for (int v = 0; v < 8; ++v) {
+        uint64_t high;
+        std::memcpy(&high, q + 8 * v, 8);
+        u[v] = _mm512_mask_add_epi8(u[v], high, u[v], _mm512_set1_epi8(16));
+      }
+    }
+  }
+}
+
 // One group of sixteen weight rows times T quantized input rows (x's rows m0..m0+T-1): out[m][r].
 template <int64_t type, int T>
 void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*out)[GROUP]) {
   constexpr int64_t gb = legacy_group_bytes<type>();
   constexpr int32_t offset = offset_of<type>();
   const int64_t B = x.K / 32, width = x.chunks * 64;
-  const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[T];
   for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
@@ -140,25 +163,8 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
     prefetch_ahead<T>(p, gb);
     const __m512 d = _mm512_cvtph_ps(load32(p));
     const __m512 mn = has_min<type>() ? _mm512_cvtph_ps(load32(p + 32)) : _mm512_setzero_ps();
-    const uint8_t* q = p + (has_min<type>() ? 64 : 32);
     __m512i u[8];
-    if constexpr (type == Q8_0) {
-      for (int v = 0; v < 8; ++v) u[v] = _mm512_loadu_si512(q + 64 * v);
-    } else {
-      const uint8_t* qs = q + (five_bit<type>() ? 64 : 0);
-      for (int g = 0; g < 4; ++g) {
-        const __m512i packed = _mm512_loadu_si512(qs + 64 * g);
-        u[g] = _mm512_and_si512(packed, low);
-        u[g + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-      }
-      if constexpr (five_bit<type>()) {
-        for (int v = 0; v < 8; ++v) {
-          uint64_t high;
-          std::memcpy(&high, q + 8 * v, 8);
-          u[v] = _mm512_mask_add_epi8(u[v], high, u[v], _mm512_set1_epi8(16));
-        }
-      }
-    }
+    unpack_legacy<type>(p + (has_min<type>() ? 64 : 32), u);
 #pragma GCC unroll 8
     for (int m = 0; m < T; ++m) {
       const int64_t blk = (m0 + m) * B + b;

@@ -1,6 +1,7 @@
 // matmul: x W^T over stacked parts of any handled type, each part on its fastest batch-invariant kernel.
 #pragma once
 
+#include "amx.h"
 #include "fp32.h"
 #include "int8_x16.h"
 
@@ -90,10 +91,11 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       const int64_t row_bytes = parts[p].size(1);
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (regrouped_bytes(types[p], K))
-        regrouped_outputs(types[p], parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / GROUP * row_bytes, row_bytes,
-                          lo, hi, qx, kx, yp, N);
-      else
+      if (regrouped_bytes(types[p], K)) {
+        const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / GROUP * row_bytes;
+        if (!(amx_on() && amx_outputs(types[p], groups, row_bytes, lo, hi, qx, yp, N)))
+          regrouped_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N);
+      } else
 #endif
       dispatch(types[p], [&]<int64_t t>() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

@@ -1,6 +1,7 @@
 // The arithmetic peak of this CPU's product instructions, measured: what a row's marginal cost is held against.
 #pragma once
 
+#include "amx.h"
 #include "common.h"
 
 #include <chrono>
@@ -9,12 +10,28 @@ namespace {
 
 // Multiply-adds per second of all of torch's threads running one instruction back to back in registers
 // (twelve independent accumulators, no memory): "int8" vpdpbusd (64 int8 multiply-adds each, AVX512-VNNI),
-// "fp32" 16-lane fused multiply-adds. Each thread runs `iterations` rounds of twelve.
+// "fp32" 16-lane fused multiply-adds. Each thread runs `iterations` rounds of twelve. "amx": four
+// independent AMX tile products (16 x 16 x 64 each), iterations / 64 rounds, where amx_ready().
 double peak(const std::string& kind, int64_t iterations) {
-  TORCH_CHECK(kind == "int8" || kind == "fp32", "quant.peak: kind is 'int8' or 'fp32', not ", kind);
+  TORCH_CHECK(kind == "int8" || kind == "fp32" || kind == "amx", "quant.peak: kind is 'int8', 'fp32' or 'amx', not ",
+              kind);
   const int threads = at::get_num_threads();
-  std::vector<int64_t> sink(threads, 0);
   const auto start = std::chrono::steady_clock::now();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (kind == "amx") {
+    TORCH_CHECK(amx_ready() && !AMX_EMULATED, "quant.peak: no AMX here");
+    std::vector<double> macs(threads, 0.0);
+    const int64_t rounds = std::max<int64_t>(1, iterations / 64);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) macs[t] = amx_peak_macs(rounds);
+    });
+    double total = 0;
+    for (double m : macs) total += m;
+    return total / std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+#endif
+  TORCH_CHECK(kind != "amx", "quant.peak: no AMX in this build");
+  std::vector<int64_t> sink(threads, 0);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
