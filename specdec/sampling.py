@@ -82,9 +82,19 @@ class Sampler:
         """One token from logits of shape (V,): argmax when greedy (probs None), else a sample
         from processed_probs, returned with that distribution (V,)."""
         if self.params.greedy:
-            return int(logits.argmax()), None
+            return argmax_rows(logits)[0], None
         probs = processed_probs(logits[None], self.params)[0]
         return int(torch.multinomial(probs, 1, generator=self.generator)), probs
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax of logits (n, V), or of one row (V,) as a list of one: the first maximal index,
+    as torch.argmax gives it. For fp32 on the CPU it is numpy's, on one thread: torch's parallel
+    reduction wakes the thread pool for a few microseconds of work (docs/engine.md, "Exactness")."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.device.type == "cpu" and rows.dtype == torch.float32:
+        return rows.detach().numpy().argmax(-1).tolist()
+    return rows.argmax(dim=-1).tolist()
 
 
 @dataclass(frozen=True)

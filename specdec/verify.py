@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import argmax_rows
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -36,7 +38,7 @@ def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> Verdi
     """
     if target_logits.shape[0] != len(draft_tokens) + 1:
         raise ValueError(f"need k+1 = {len(draft_tokens) + 1} target rows, got {target_logits.shape[0]}")
-    choice = target_logits.argmax(dim=-1).tolist()  # (k+1,)
+    choice = argmax_rows(target_logits)  # (k+1,)
     n = 0
     while n < len(draft_tokens) and draft_tokens[n] == choice[n]:
         n += 1
@@ -107,7 +109,7 @@ def verify_tree_greedy(
             f"need one parent and one target row per node ({len(tree_tokens)}), "
             f"got {len(parents)} parents and {target_logits.shape[0]} rows"
         )
-    choice = target_logits.argmax(dim=-1).tolist()  # (n,)
+    choice = argmax_rows(target_logits)  # (n,)
     children: dict[int, dict[int, int]] = {}
     for i, p in enumerate(parents):
         if i:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.sampling import Sampler, SamplingParams, processed_probs
+from specdec.sampling import Sampler, SamplingParams, argmax_rows, processed_probs
 from specdec.verify import Verdict, verify_greedy, verify_sampling
 
 SEEDS = range(300)
@@ -74,6 +74,19 @@ def test_greedy_ties_go_to_the_lowest_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
     assert verify_greedy([1], logits) == Verdict(1, 0, True)
     assert verify_greedy([2], logits) == Verdict(0, 1, False)
+
+
+def test_argmax_rows_is_torchs_argmax_first_maximum_included():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 4099, generator=g)
+    logits[2, 100] = logits[2, 3000] = logits[2].max() + 1  # a tie: the lower id, as torch.argmax
+    logits[5] = 0.0  # all equal: id 0
+    logits[6, 17] = float("nan")  # NaN counts as the maximum, as in torch
+    want = logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits) == want and want[2] == 100 and want[5] == 0 and want[6] == 17
+    assert argmax_rows(logits[3]) == [want[3]]  # one row (V,)
+    assert argmax_rows(logits.double()) == want  # other dtypes: torch's own
+    assert all(isinstance(i, int) for i in argmax_rows(logits))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5])
