@@ -108,13 +108,11 @@ class LeanKVCache(KVCache):
         self.model, self.lean = model, model.lean()
         self.tokens = []
         lm, capacity = self.lean, min(capacity, model.n_ctx)
-        empty = lambda *shape, dtype=lm.dtype: torch.empty(shape, dtype=dtype, device=lm.device)  # noqa: E731
-        self.k = [
-            empty(lm.n_kv, capacity, lm.head_dim, dtype=lm.kv_dtype) for _ in lm.layers
-        ]  # per layer (n_kv_heads, capacity, head_dim)
-        self.v = [empty(lm.n_kv, capacity, lm.head_dim, dtype=lm.kv_dtype) for _ in lm.layers]
+        kv = lambda: torch.empty(lm.n_kv, capacity, lm.head_dim, dtype=lm.kv_dtype, device=lm.device)  # noqa: E731
+        self.k = [kv() for _ in lm.layers]  # per layer (n_kv_heads, capacity, head_dim)
+        self.v = [kv() for _ in lm.layers]
         self.taps: tuple[int, ...] = ()
-        self.features = empty(capacity, lm.hidden_size)  # final-normed hidden states
+        self.features = torch.empty(capacity, lm.hidden_size, dtype=lm.dtype, device=lm.device)  # final-normed
         self.tap(taps)
 
     def tap(self, layers) -> None:

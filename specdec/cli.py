@@ -12,6 +12,7 @@ import torch
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.adaptive.costs import forget
+from specdec.backends.quant import KV_DTYPES
 from specdec.bench.kernels import DEFAULT_TYPES
 from specdec.bench.run import Pair
 from specdec.bench.workloads import MT_BENCH, PACKAGED, default_workload, load_workload, workload_path
@@ -19,7 +20,7 @@ from specdec.drafters.factory import DRAFTERS, check_options, drafter_from_optio
 from specdec.engine import AUTO_K_MAX, generate
 from specdec.errors import SpecdecError
 from specdec.exactness import first_divergence
-from specdec.models.load import BACKENDS, DEVICES, KV_DTYPES, load_model
+from specdec.models.load import BACKENDS, DEVICES, load_model
 from specdec.models.quantize import QUANTIZE
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull

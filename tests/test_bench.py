@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import signal
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
@@ -495,9 +495,10 @@ def test_llama_cpp_runs_in_its_own_process_and_its_crash_is_an_error(fake_llama)
     assert peers._WORKER.proc.pid == pid and peers._WORKER.proc.poll() is None
     with pytest.raises(RuntimeError, match=r"died \(signal SIGSEGV\): ggml_amx: about to fault"):
         peers.llama_cpp_generate("crash.gguf", [3, 4], 4, frozenset())
-    with pytest.raises(RuntimeError, match="SIGSEGV"):  # not tried again
+    assert peers._WORKER.proc.pid == pid and peers._WORKER.proc.returncode == -signal.SIGSEGV  # that process died
+    with pytest.raises(RuntimeError, match="SIGSEGV"):  # not tried again: no new process
         peers.llama_cpp_generate("a.gguf", [3, 4], 4, frozenset())
-    assert os.getpid() != pid  # and this process lives on
+    assert peers._WORKER.proc.pid == pid
 
 
 def test_a_crashing_llama_cpp_peer_is_reported_and_the_bench_goes_on(workload, fake_llama):

@@ -200,8 +200,10 @@ def test_recalibrate_times_the_verify_cost_curve_again(model_dir, verify_cost_ca
     first = [p.name for p in verify_cost_cache.iterdir()]
     assert len(first) == 1 and "dropped" not in capsys.readouterr().err
     stale = verify_cost_cache / first[0]
-    stale.write_text(stale.read_text().replace('"1": 1.0', '"1": 1.0 ', 1))  # marked: is it rewritten?
+    timed = stale.read_text()
+    stale.write_text(timed.replace('"1": 1.0', '"1": 1.0 ', 1))  # marked: is it rewritten?
     marked = stale.read_text()
+    assert marked != timed
     assert main(run) == 0 and stale.read_text() == marked  # the cached curve served
     assert main([*run, "--recalibrate"]) == 0
     assert f"{model_dir}: 1 cached verify-cost curve(s) dropped" in capsys.readouterr().err

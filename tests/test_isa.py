@@ -1,8 +1,9 @@
-"""The kernels built for an older instruction set (AVX2 + FMA + F16C, no AVX-512, no VNNI: x86-64-v3)
-on a CPU that has more: the paths such a CPU takes (fp32 activations, the 8-lane halves of every
-16-lane step, attention's per-key dot products) compile, stay batch-invariant bit for bit, and give
-the bits of this machine's own fp32 path. Skipped, with the reason, where the CPU lacks AVX2 or
-there is no compiler.
+"""The kernels built for older instruction sets on a CPU that has more: x86-64-v3 (AVX2 + FMA + F16C,
+no AVX-512, no VNNI: fp32 activations, the 8-lane halves of every 16-lane step, attention's per-key dot
+products, F16C's widening of an fp16 cache) and x86-64-v2 (SSE4.2 only: every vector step, fused
+multiply-add and fp16 conversion in its scalar fallback). Each compiles, stays batch-invariant bit for
+bit, and gives the bits of this machine's own fp32 path. Skipped, with the reason, where the CPU lacks
+the instruction set or there is no compiler.
 
 And the AMX tiles (quant/amx.h): on a CPU with AMX the native build's tiles must give the VNNI
 kernels' bits for every row count and thread count; everywhere with VNNI, a build that emulates
@@ -21,7 +22,7 @@ from specdec.backends.qkernel import TYPES, kernels
 
 from .test_quant import _attention_case, assert_rows_invariant, random_blocks
 
-FLAGS = ("avx2", "fma", "f16c")
+ISAS = {"x86-64-v3": ("avx2", "fma", "f16c"), "x86-64-v2": ("sse4_2", "popcnt")}  # -march: the flags it needs
 
 
 def _cpu_flags() -> set[str]:
@@ -31,24 +32,26 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@pytest.fixture(scope="module")
-def avx2():
-    missing = [f for f in FLAGS if f not in _cpu_flags()]
+@pytest.fixture(scope="module", params=list(ISAS))
+def older(request):
+    """The kernels built for an older instruction set (the parameter, a -march level)."""
+    isa = request.param
+    missing = [f for f in ISAS[isa] if f not in _cpu_flags()]
     if missing:
-        pytest.skip(f"the CPU lacks {', '.join(missing)}: x86-64-v3 kernels cannot run here")
+        pytest.skip(f"the CPU lacks {', '.join(missing)}: {isa} kernels cannot run here")
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha256(b"".join(h.read_bytes() for h in qkernel.HEADERS)).hexdigest()[:16]
     try:
         return load(
-            "specdec_quant_x86_64_v3",
+            f"specdec_quant_{isa.replace('-', '_')}",
             [str(qkernel.SOURCE)],
-            extra_cflags=["-O3", "-march=x86-64-v3", "-ffp-contract=off", "-fopenmp", f"-DSPECDEC_HEADERS={digest}"],
+            extra_cflags=["-O3", f"-march={isa}", "-ffp-contract=off", "-fopenmp", f"-DSPECDEC_HEADERS={digest}"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # no compiler: the native build's tests skip the same way
-        pytest.skip(f"the x86-64-v3 kernels could not be built: {str(e).splitlines()[0][:200]}")
+        pytest.skip(f"the {isa} kernels could not be built: {str(e).splitlines()[0][:200]}")
 
 
 @pytest.fixture(scope="module")
@@ -78,37 +81,36 @@ def _threads():
     torch.set_num_threads(n)
 
 
-def test_an_avx2_build_has_no_int8_path(avx2):
-    assert not avx2.int8_available()
+def test_an_older_build_has_no_int8_path(older):
+    assert not older.int8_available()
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="VNNI"):
-        avx2.matmul(x, [torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))], [TYPES["Q4_1"]], None, True)
+        older.matmul(x, [torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))], [TYPES["Q4_1"]], None, True)
 
 
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t != "F32"])
-def test_avx2_products_are_batch_invariant_and_the_native_fp32_paths_bits(avx2, qtype):
+def test_older_products_are_batch_invariant_and_the_native_fp32_paths_bits(older, qtype):
     K = 512
     part = torch.from_numpy(random_blocks(qtype, 40, K, seed=5))
     x = torch.randn(11, K, generator=torch.Generator().manual_seed(6))
-    assert_rows_invariant(lambda rows: avx2.matmul(rows, [part], [TYPES[qtype]], None, False), x, max_n=11)
-    assert torch.equal(avx2.matmul(x, [part], [TYPES[qtype]], None, False), kernels().matmul(x, [part], [TYPES[qtype]]))
+    assert_rows_invariant(lambda rows: older.matmul(rows, [part], [TYPES[qtype]], None, False), x, max_n=11)
+    native = kernels().matmul(x, [part], [TYPES[qtype]])
+    assert torch.equal(older.matmul(x, [part], [TYPES[qtype]], None, False), native)
 
 
 @pytest.mark.parametrize("cache", [torch.float32, torch.float16])
-def test_avx2_attention_rows_equal_one_row_calls(avx2, cache):
+def test_older_attention_rows_equal_one_row_calls(older, cache):
     start, n = 9, 12
     q, kc, vc, scale = _attention_case(start, n)
     kc, vc = kc.to(cache), vc.to(cache)
-    if cache == torch.float16:  # widened by F16C: the bits of the same values in an fp32 cache
-        assert torch.equal(
-            avx2.attention(q, kc, vc, start, None, scale), avx2.attention(q, kc.float(), vc.float(), start, None, scale)
-        )
-    y = avx2.attention(q, kc, vc, start, None, scale)
+    y = older.attention(q, kc, vc, start, None, scale)
+    if cache == torch.float16:  # widened by F16C or one by one: the bits of the same values in an fp32 cache
+        assert torch.equal(y, older.attention(q, kc.float(), vc.float(), start, None, scale))
     assert torch.allclose(y, kernels().attention(q, kc, vc, start, None, scale), atol=1e-5)  # other score order
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for i in range(n):
-            assert torch.equal(y[i : i + 1], avx2.attention(q[i : i + 1], kc, vc, start + i, None, scale)), i
+            assert torch.equal(y[i : i + 1], older.attention(q[i : i + 1], kc, vc, start + i, None, scale)), i
 
 
 AMX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the regrouped 32-weight types; Q4_K keeps VNNI

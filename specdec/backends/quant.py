@@ -26,6 +26,9 @@ import torch
 from specdec.backends.lean import BatchItem, causal_mask, rope_inv_freq
 
 SUPPORTED = ("llama", "qwen2")
+# The KV cache's dtypes, the default first: fp16 halves the bytes attention reads (measured in
+# docs/quantized.md); every element widens to fp32 exactly, so the forward stays batch-invariant.
+KV_DTYPES = (torch.float16, torch.float32)
 
 
 class QuantLinear:
@@ -124,16 +127,16 @@ class QuantModel:
     activations: "int8" rounds each input row of a product to int8 per block and multiplies with
     integer dot products (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the
     dequantized weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the
-    CPU has VNNI. kv_dtype: the KV cache's, float16 or float32 (attention widens each element to fp32
-    exactly, so either is batch-invariant). Raises ValueError for another architecture than llama or
-    qwen2, a tensor missing from the file, int8 asked of a CPU without VNNI, or another kv_dtype."""
+    CPU has VNNI. kv_dtype: the KV cache's, one of KV_DTYPES (None: the first, fp16). Raises
+    ValueError for another architecture than llama or qwen2, a tensor missing from the file, int8
+    asked of a CPU without VNNI, or another kv_dtype."""
 
     dtype = torch.float32
     device = torch.device("cpu")
     batch_invariant = True  # a row's bits never depend on the other rows of its forward
     screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
 
-    def __init__(self, gguf, config, activations: str = "auto", kv_dtype: torch.dtype = torch.float16):
+    def __init__(self, gguf, config, activations: str = "auto", kv_dtype: torch.dtype | None = None):
         from specdec.backends.qkernel import kernels
 
         if gguf.arch not in SUPPORTED:
@@ -147,9 +150,9 @@ class QuantModel:
         if activations == "int8" and not self.kernels.int8_available():
             raise ValueError("int8 activations need a CPU with AVX512-VNNI; use activations='fp32'")
         self.int8 = activations == "int8" or (activations == "auto" and self.kernels.int8_available())
-        if kv_dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"the KV cache is float16 or float32, not {kv_dtype}")
-        self.kv_dtype = kv_dtype  # keys and values are rounded to it as they are written
+        if kv_dtype not in (None, *KV_DTYPES):
+            raise ValueError(f"kv_dtype must be torch.float16 or torch.float32, not {kv_dtype!r}")
+        self.kv_dtype = kv_dtype or KV_DTYPES[0]  # keys and values are rounded to it as they are written
         self.rows: dict[int, int] = {}  # never padded: a forward's cost is its own (specdec.backends.rows)
         c = config
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads

@@ -91,7 +91,7 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
     if int8 is None:
         int8 = kernels().int8_available()
     kind = product_kernel(int8)
-    peak = peak_macs_per_s({"amx": "amx", "vnni": "int8"}.get(kind, "fp32")) / 1e9
+    peak = peak_macs_per_s(kind) / 1e9
     rows = [measure(t, K, megabytes, int8=int8) for t in types]
     for r in rows:
         r["fraction"] = r["gmacs"] / peak

@@ -26,12 +26,13 @@ def fit_slope(curve: dict[int, float]) -> float:
     return sum((n - mean_n) * (y - mean_y) for n, y in curve.items()) / sum((n - mean_n) ** 2 for n in ns)
 
 
-def peak_macs_per_s(kind: str) -> float:
-    """Multiply-adds per second of this CPU's product instruction on torch's threads: kind "int8"
-    (vpdpbusd), "amx" (tile products) or "fp32" (fused multiply-add). Raises RuntimeError for int8 on
-    a CPU without VNNI, amx on one without AMX."""
+def peak_macs_per_s(kernel: str) -> float:
+    """Multiply-adds per second of a product kernel's instruction (product_kernel's names) on torch's
+    threads: "vnni" vpdpbusd, "amx" tile products, "fp32" fused multiply-adds. Raises RuntimeError for
+    vnni on a CPU without VNNI, amx on one without AMX."""
     from specdec.backends.qkernel import kernels
 
+    kind = {"vnni": "int8"}.get(kernel, kernel)  # the C++ peak's name for it
     return max(kernels().peak(kind) for _ in range(3))  # the best of three: another process only slows it
 
 
@@ -46,7 +47,8 @@ def product_kernel(int8: bool) -> str:
 def row_cost(model: Model, verify_ms: dict[str, float]) -> dict | None:
     """The added row's cost of `model`'s forward, from its V(n) in ms by str(n): {"kernel": "amx",
     "vnni" or "fp32" (product_kernel), "macs_per_row" (the multiply-adds of one row through every
-    matrix, the output layer included), "peak_gmacs" (G multiply-adds per second at the instruction's measured peak),
+    matrix, the output layer included), "peak_gmacs" (G multiply-adds per second at the
+    instruction's measured peak),
     "marginal_ms" (fitted), "peak_ms" (the row's multiply-adds at that peak), "fraction" (peak_ms /
     marginal_ms)}. None for a model not run on the quantized backend (transformers', oneDNN's
     products are not ours to hold against a peak) or a curve of one point."""
@@ -54,7 +56,7 @@ def row_cost(model: Model, verify_ms: dict[str, float]) -> dict | None:
         return None
     lean = model.lean()
     kind = product_kernel(lean.int8)
-    peak = peak_macs_per_s({"amx": "amx", "vnni": "int8"}.get(kind, "fp32"))
+    peak = peak_macs_per_s(kind)
     marginal = fit_slope({int(n): ms for n, ms in verify_ms.items()})
     macs = lean.macs_per_row()
     peak_ms = macs / peak * 1e3

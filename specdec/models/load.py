@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from specdec.backends.quant import KV_DTYPES
 from specdec.errors import ModelNotFoundError, TokenizerMismatchError
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, convert_gguf, converted_folder, gguf_path, is_pulled, pull, sha256_of
@@ -22,9 +23,6 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name; "./x" and "../
 
 BACKENDS = ("auto", "lean", "hf")
 DEVICES = ("auto", "cpu", "cuda")
-# The quantized backend's KV cache dtypes, its default first: fp16 halves the bytes attention reads
-# (measured in docs/quantized.md); every element widens to fp32 exactly, so the forward stays batch-invariant.
-KV_DTYPES = (torch.float16, torch.float32)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -66,9 +64,9 @@ class Model:
     the transformers model itself; "auto" (default) picks lean where it can run the model.
 
     A quantized model has no transformers model until something asks for `hf` (a transformers
-    peer, training): `hf_loader` then loads the fp32 dequantization, once; its KV cache is kept in
-    `kv_dtype` (KV_DTYPES[0] when None). Raises ValueError for
-    backend="lean" on a model it cannot run, or an unknown backend.
+    peer, training): `hf_loader` then loads the fp32 dequantization, once. kv_dtype: a quantized
+    model's KV cache dtype (specdec.backends.quant.QuantModel's; None: its default). Raises
+    ValueError for backend="lean" on a model it cannot run, or an unknown backend.
     """
 
     def __init__(
@@ -90,7 +88,7 @@ class Model:
         self._hf, self.tokenizer, self.name = hf, tokenizer, name
         self.eos_token_ids = frozenset(eos_token_ids)  # ids that end generation; empty: never stop on EOS
         self.gguf, self._config, self._hf_loader, self._lean = gguf, config, hf_loader, lean
-        self._kv_dtype = kv_dtype  # the quantized backend's KV cache (None: its default)
+        self._kv_dtype = kv_dtype
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if gguf is not None:
@@ -137,7 +135,7 @@ class Model:
             if self.gguf is not None:
                 from specdec.backends.quant import QuantModel
 
-                self._lean = QuantModel(self.gguf, self.config, kv_dtype=self._kv_dtype or KV_DTYPES[0])
+                self._lean = QuantModel(self.gguf, self.config, kv_dtype=self._kv_dtype)
             else:
                 from specdec.backends.lean import LeanModel
 

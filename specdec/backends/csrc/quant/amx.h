@@ -42,9 +42,7 @@ constexpr bool AMX_EMULATED = false;
 inline bool amx_ready() {
   static const bool ready = [] {
     if (AMX_EMULATED) return true;
-#if !defined(SPECDEC_AMX_INTRINSICS)
-    return false;
-#endif
+#if defined(SPECDEC_AMX_INTRINSICS)
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -54,6 +52,9 @@ inline bool amx_ready() {
       return false;
     }
     return true;
+#else
+    return false;
+#endif
   }();
   return ready;
 }
@@ -125,7 +126,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline double amx_peak_macs(int64_t
   return 4.0 * 16 * 16 * 64 * static_cast<double>(iterations);
 }
 #else
-inline double amx_peak_macs(int64_t) { TORCH_CHECK(false, "quant.peak: the emulated AMX build has no peak"); }
+inline double amx_peak_macs(int64_t) { return 0.0; }  // never called: peak() asks amx_ready() and !AMX_EMULATED
 thread_local int emulated_rows = 0;
 inline void configure_tiles(int T) { emulated_rows = T; }
 inline void tile_block(const int8_t* a, int64_t stride, const uint8_t* b, int32_t* c) {
@@ -138,13 +139,12 @@ inline void tile_block(const int8_t* a, int64_t stride, const uint8_t* b, int32_
 }
 #endif
 
-// One group of sixteen weight rows times T >= 2 quantized input rows, on tiles: legacy_x16_tile's outputs, bits
-// included.
+// One group of sixteen weight rows times T >= 2 quantized input rows, on tiles: legacy_x16_tile's integer sums,
+// then its block_step, so its bits.
 template <int64_t type, int T>
 void legacy_amx_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*out)[GROUP]) {
   static_assert(T >= 2 && T <= 16, "legacy_amx_tile: 2 to 16 input rows");
   constexpr int64_t gb = legacy_group_bytes<type>();
-  constexpr int32_t offset = offset_of<type>();
   const int64_t B = x.K / 32, width = x.chunks * 64;
   alignas(64) uint8_t weights[512];
   alignas(64) int32_t sums[T][GROUP];
@@ -167,10 +167,8 @@ void legacy_amx_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
     tile_block(x.q.data() + m0 * width + 32 * b, width, tile, &sums[0][0]);
     for (int m = 0; m < T; ++m) {
       const int64_t blk = (m0 + m) * B + b;
-      __m512i i = _mm512_load_si512(sums[m]);
-      if constexpr (offset != 0) i = _mm512_add_epi32(_mm512_set1_epi32(x.offset_sum[offset_index(offset)][blk]), i);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(x.block_scale[blk])), acc[m]);
-      if constexpr (has_min<type>()) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.block_scaled_sum[blk]), acc[m]);
+      acc[m] = block_step<type>(acc[m], _mm512_add_epi32(offset_term<type>(x, blk), _mm512_load_si512(sums[m])), d,
+                                mn, x, blk);
     }
   }
   for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);

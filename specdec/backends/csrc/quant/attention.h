@@ -31,19 +31,17 @@ template <int V, typename T>
 inline void block_scores(const float* q, const T* k, int jn, float sc, float* score) {
   __m512 qv[V], acc[16];
   for (int e = 0; e < V; ++e) qv[e] = _mm512_loadu_ps(q + 16 * e);
-  if (jn == 16) {  // a whole block without a branch per key, so that its sums stay in registers
-#pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t) {
-      acc[t] = _mm512_setzero_ps();
+  const auto key = [&](int t) {  // key t's 16-lane products, its chunks in order
+    __m512 a = _mm512_setzero_ps();
 #pragma GCC unroll 8
-      for (int e = 0; e < V; ++e) acc[t] = _mm512_fmadd_ps(qv[e], (__m512)load(k + t * 16 * V + 16 * e), acc[t]);
-    }
+    for (int e = 0; e < V; ++e) a = _mm512_fmadd_ps(qv[e], (__m512)load(k + t * 16 * V + 16 * e), a);
+    return a;
+  };
+  if (jn == 16) {  // a whole block without a test per key, so that its sums stay in registers
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) acc[t] = key(t);
   } else {
-    for (int t = 0; t < 16; ++t) {
-      acc[t] = _mm512_setzero_ps();
-      if (t < jn)
-        for (int e = 0; e < V; ++e) acc[t] = _mm512_fmadd_ps(qv[e], (__m512)load(k + t * 16 * V + 16 * e), acc[t]);
-    }
+    for (int t = 0; t < 16; ++t) acc[t] = t < jn ? key(t) : _mm512_setzero_ps();
   }
   _mm512_storeu_ps(score, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(sc)));
 }
@@ -310,7 +308,6 @@ void attend_all(const std::vector<Attention<T>>& parts, int64_t H, int64_t D, in
     }
   });
 }
-
 
 const bool* mask_data(const c10::optional<torch::Tensor>& mask, torch::Tensor& holder, int64_t n, int64_t keys) {
   if (!mask.has_value()) return nullptr;

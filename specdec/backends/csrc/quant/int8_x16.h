@@ -150,11 +150,27 @@ inline void unpack_legacy(const uint8_t* q, __m512i* u) {
   }
 }
 
+// A 32-block's integer sum starts at -offset * sum(xq) of input row block blk (zero for the types without an offset).
+template <int64_t type>
+inline __m512i offset_term(const QRows& x, int64_t blk) {
+  constexpr int32_t offset = offset_of<type>();
+  if constexpr (offset != 0) return _mm512_set1_epi32(x.offset_sum[offset_index(offset)][blk]);
+  return _mm512_setzero_si512();
+}
+
+// acc after one 32-block of sixteen rows (scales d, minimums mn) for input row block blk, from the block's integer
+// sums i, offset included: the fp32 steps of every kernel of these types (VNNI and AMX), so that their bits agree.
+template <int64_t type>
+inline __m512 block_step(__m512 acc, __m512i i, __m512 d, __m512 mn, const QRows& x, int64_t blk) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(x.block_scale[blk])), acc);
+  if constexpr (has_min<type>()) acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.block_scaled_sum[blk]), acc);
+  return acc;
+}
+
 // One group of sixteen weight rows times T quantized input rows (x's rows m0..m0+T-1): out[m][r].
 template <int64_t type, int T>
 void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*out)[GROUP]) {
   constexpr int64_t gb = legacy_group_bytes<type>();
-  constexpr int32_t offset = offset_of<type>();
   const int64_t B = x.K / 32, width = x.chunks * 64;
   __m512 acc[T];
   for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
@@ -168,11 +184,9 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
 #pragma GCC unroll 8
     for (int m = 0; m < T; ++m) {
       const int64_t blk = (m0 + m) * B + b;
-      const __m512i init =
-          offset ? _mm512_set1_epi32(x.offset_sum[offset_index(offset)][blk]) : _mm512_setzero_si512();
-      const __m512i i = block_dot<8, chains_for<T>()>(u, x.q.data() + (m0 + m) * width + 32 * b, init);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(x.block_scale[blk])), acc[m]);
-      if constexpr (has_min<type>()) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.block_scaled_sum[blk]), acc[m]);
+      const __m512i i =
+          block_dot<8, chains_for<T>()>(u, x.q.data() + (m0 + m) * width + 32 * b, offset_term<type>(x, blk));
+      acc[m] = block_step<type>(acc[m], i, d, mn, x, blk);
     }
   }
   for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
