@@ -31,9 +31,11 @@ def rss_bytes() -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (ru_maxrss: kB on Linux, bytes on macOS)."""
+    """The process's peak resident set size so far: ru_maxrss (kB on Linux, bytes on macOS), or the
+    resident set now where that is more (Linux computes ru_maxrss from approximate per-CPU counters,
+    which can lag the exact VmRSS by some pages)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return max(peak if sys.platform == "darwin" else peak * 1024, rss_bytes() or 0)
 
 
 def mapped_rss_bytes(path: str | os.PathLike) -> int | None:
