@@ -30,12 +30,12 @@ def rss_bytes() -> int | None:
     return None
 
 
-def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far: ru_maxrss (kB on Linux, bytes on macOS), or the
-    resident set now where that is more (Linux computes ru_maxrss from approximate per-CPU counters,
-    which can lag the exact VmRSS by some pages)."""
+def peak_rss_bytes(seen: int | None = None) -> int:
+    """The process's peak resident set size so far: ru_maxrss (kB on Linux, bytes on macOS), or a
+    resident set size `seen` earlier (rss_bytes()) where that is more: Linux computes ru_maxrss from
+    approximate per-CPU counters, which can lag the exact VmRSS by some pages."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return max(peak if sys.platform == "darwin" else peak * 1024, rss_bytes() or 0)
+    return max(peak if sys.platform == "darwin" else peak * 1024, seen or 0)
 
 
 def mapped_rss_bytes(path: str | os.PathLike) -> int | None:
@@ -71,7 +71,7 @@ def footprint(before: int | None, gguf=None) -> dict:
         "rss_before_mb": _mb(before),
         "rss_after_mb": _mb(after),
         "rss_growth_mb": _mb(growth),
-        "peak_rss_mb": _mb(peak_rss_bytes()),
+        "peak_rss_mb": _mb(peak_rss_bytes(after)),
         "file_mb": None,
         "file_resident_mb": None,
         "other_mb": None,
