@@ -4,7 +4,7 @@ Each step runs ONE target forward (specdec.cache.extend_batch) over the rows of 
 sequence: a decoding sequence's last committed token plus its draft (lengths differ from sequence
 to sequence), and a chunk of a joining sequence's prompt (chunked prefill, as in Sarathi-Serve and
 vLLM, so that a long prompt does not stall the others). Each sequence keeps its own KV cache, so it
-verifies, samples, stops and rolls back alone, with no copies. Sequences join and leave between
+verifies, samples, stops and rolls back alone, with no copies. Decodings join and leave between
 steps (continuous batching, Orca, Yu et al. 2022).
 
 Exactness: on the quantized backend, whose kernels are batch-invariant, a sequence's logits have
@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.adaptive import AdaptiveK, Share, VerifyCosts
 from specdec.adaptive.rowcosts import RowCosts
 from specdec.cache import extend_batch
+from specdec.decoding import Decoding, Generation
+from specdec.drafters.base import Drafter
 from specdec.models.load import Model, synchronize
+from specdec.options import GenerationOptions, options_from
 from specdec.round import Proposal
-from specdec.sequence import AUTO_K_MAX, Generation, Sequence
 
 PREFILL_CHUNK = 128  # prompt tokens a step's forward takes, over all joining sequences
 
@@ -59,16 +61,16 @@ class Step:
 
 @dataclass
 class _Slot:
-    seq: Sequence
-    on_commit: Callable[[Sequence, list[int]], None] | None
-    on_finish: Callable[[Sequence, Generation], None] | None
+    seq: Decoding
+    on_commit: Callable[[Decoding, list[int]], None] | None
+    on_finish: Callable[[Decoding, Generation], None] | None
     blocks: list[list[int]]  # prompt blocks still to feed
     joined: float = field(default_factory=time.perf_counter)
     ready: bool = False
 
 
 class Batch:
-    """Sequences of one target decoded together, a step at a time (see the module's docstring).
+    """Decodings of one target decoded together, a step at a time (see the module's docstring).
 
     prefill_chunk: prompt tokens a step feeds, over all joining sequences, oldest first (on a
     backend whose kernels are not batch-invariant a prompt goes in one block, as generate feeds
@@ -91,16 +93,16 @@ class Batch:
 
     def add(
         self,
-        seq: Sequence,
-        on_commit: Callable[[Sequence, list[int]], None] | None = None,
-        on_finish: Callable[[Sequence, Generation], None] | None = None,
+        seq: Decoding,
+        on_commit: Callable[[Decoding, list[int]], None] | None = None,
+        on_finish: Callable[[Decoding, Generation], None] | None = None,
     ) -> None:
-        """Let a new Sequence join at the next step. on_commit(seq, tokens) is called after each of
+        """Let a new Decoding join at the next step. on_commit(seq, tokens) is called after each of
         its rounds with the tokens committed; on_finish(seq, generation) once, when it ends."""
         chunk = self.prefill_chunk if self.invariant else None
         self.slots.append(_Slot(seq, on_commit, on_finish, seq.prefill_blocks(chunk)))
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: Decoding) -> None:
         """Drop a sequence (its client went away): its rows leave from the next step on."""
         self.slots = [s for s in self.slots if s.seq is not seq]
 
@@ -123,32 +125,23 @@ class Batch:
         rows = len(decoding) + sum(len(s.blocks[0]) for s in prefill)
         proposals: list[Proposal] = []
         for s in decoding:
-            policy = s.seq.policy
-            if policy:
-                if self.costs is None:
-                    self.costs = RowCosts(policy.verify)
-                policy.shared_rows = rows - 1 if shared else 0  # the rest of the forward, drafts so far included
-                policy.shared_rate = self.rate if shared else 0.0
-                policy.shared_cost = self.costs if shared else None
-            proposals.append(s.seq.next_round())
+            costs = s.seq.verify_costs
+            if costs is not None and self.costs is None:
+                self.costs = RowCosts(costs)
+            # the rest of the forward, drafts so far included, at the batch's rate
+            share = Share(rows - 1, self.rate, self.costs) if shared and costs is not None else None
+            proposals.append(s.seq.next_round(share))
             rows += len(proposals[-1].checked.tokens)
         if not decoding and not prefill:  # every sequence ended before its first round
             return Step(0, 0, 0, [], 0.0, 0)
-        caches, blocks, all_logits, parents = [], [], [], []
-        for s, p in zip(decoding, proposals):
-            block, tree = s.seq.block(p)
-            caches.append(s.seq.kv)
-            blocks.append(block)
-            all_logits.append(True)
-            parents.append(tree)
-        for s in prefill:
-            caches.append(s.seq.kv)
-            blocks.append(s.blocks.pop(0))
-            all_logits.append(False)
-            parents.append(None)
+        forward = [s.seq.verify_rows(p) for s, p in zip(decoding, proposals)]
+        forward += [s.seq.prefill_rows(s.blocks.pop(0)) for s in prefill]
+        blocks = [r.tokens for r in forward]
         synchronize(self.target.device)
         t0 = time.perf_counter()
-        logits = extend_batch(caches, blocks, all_logits, parents)
+        logits = extend_batch(
+            [r.cache for r in forward], blocks, [r.all_logits for r in forward], [r.parents for r in forward]
+        )
         synchronize(self.target.device)
         forward_s = time.perf_counter() - t0
         committed = 0
@@ -158,8 +151,8 @@ class Batch:
             if s.on_commit is not None:
                 s.on_commit(s.seq, tokens)
         rows = sum(len(b) for b in blocks)
-        if len(blocks) == 1 and decoding and decoding[0].seq.policy:  # alone: on its curve, as generate times it
-            decoding[0].seq.policy.verify.observe(rows, forward_s * 1e3)
+        if len(blocks) == 1 and decoding and decoding[0].seq.verify_costs:  # alone: on its curve, as generate times it
+            decoding[0].seq.verify_costs.observe(rows, forward_s * 1e3)
         if self.costs is not None:
             self.costs.observe(rows, forward_s * 1e3)
         if decoding:
@@ -194,28 +187,34 @@ class Batch:
             s.on_finish(s.seq, generation)
 
 
-def generate_batch(target: Model, prompts: Seq[Seq[int] | torch.Tensor], **kwargs) -> list[Generation]:
+def generate_batch(
+    target: Model,
+    prompts: Seq[Seq[int] | torch.Tensor],
+    drafter: str | None = None,
+    options: GenerationOptions | None = None,
+    *,
+    drafters: Seq[Drafter] | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+    **option_fields,
+) -> list[Generation]:
     """specdec.engine.generate of several prompts at once, batched (see the module's docstring):
-    each Generation's tokens are those generate(target, prompt, **kwargs) gives for its prompt
-    alone. kwargs: generate's but stream and policy (a drafter is given by name, or as drafters=
-    [...], one Drafter per prompt: a drafter's state is its sequence's); prefill_chunk: Batch's.
-    With k="auto" each sequence has its own policy over one verify-cost curve.
-    Raises what generate raises, before any forward runs."""
-    prefill_chunk = kwargs.pop("prefill_chunk", PREFILL_CHUNK)
-    costs = VerifyCosts.for_model(target) if kwargs.get("k", "auto") == "auto" else None
-    drafters = kwargs.pop("drafters", None)
+    each Generation's tokens are those generate(target, prompt, ...) gives for its prompt alone.
+    drafter: a registry name (or None), forked per prompt; or drafters=[...], one Drafter per
+    prompt (a drafter's state is its sequence's). options or option_fields: generate's.
+    prefill_chunk: Batch's. With k="auto" each sequence has its own policy over one verify-cost
+    curve. Raises what generate raises, before any forward runs."""
+    options = options_from(options, option_fields)
     if drafters is not None and len(drafters) != len(prompts):
         raise ValueError(f"drafters: one per prompt, got {len(drafters)} for {len(prompts)} prompts")
-    if drafters is None and not isinstance(kwargs.get("drafter"), (str, type(None))):
+    if drafters is None and not isinstance(drafter, (str, type(None))):
         raise ValueError("a Drafter object cannot serve several sequences at once: pass its name, or drafters=[...]")
+    costs = VerifyCosts.for_model(target) if options.k == "auto" else None
     batch = Batch(target, prefill_chunk)
     out: dict[int, Generation] = {}
     seqs = []
     for i, prompt in enumerate(prompts):
-        args = dict(kwargs, drafter=drafters[i]) if drafters is not None else dict(kwargs)
-        if costs is not None:
-            args["policy"] = AdaptiveK(costs, k_max=kwargs.get("k_max", AUTO_K_MAX))
-        seqs.append(Sequence(target, prompt, **args))
+        policy = AdaptiveK(costs, k_max=options.k_max) if costs is not None else None
+        seqs.append(Decoding(target, prompt, drafters[i] if drafters is not None else drafter, options, policy))
     for i, seq in enumerate(seqs):
         batch.add(seq, on_finish=lambda _s, g, i=i: out.__setitem__(i, g))
     batch.run()

@@ -12,7 +12,7 @@ A round, as in gpt-fast and Leviathan et al. 2023:
   4. roll back: the target's cache is cut to the committed tokens minus the last;
   5. learn: the policy observes the round's costs and outcome.
 
-What the target does is behind a Verifier: the engine's runs the target's forward over its KV cache
+What the target does is behind a Verifier (specdec.verifier): the engine's runs the target's forward over its KV cache
 and times it with the clock; the replay's compares the draft with a recorded greedy output and
 advances a simulated clock by measured costs. Everything else is this one function.
 """
@@ -21,32 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from functools import partial
+from typing import Any
 
-from specdec.adaptive import AdaptiveK
+from specdec.adaptive import AdaptiveK, Outcome, RoundPlan, Share
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.sampling import Sampler
 from specdec.stats import RunStats
-
-
-class Verifier(Protocol):
-    """The target's side of a round.
-
-    verifies_trees: whether score() takes a token tree (else a tree's main chain is verified).
-    score(tokens, draft): the target's forward over tokens[-1] plus the draft (a chain, or a tree
-    with parents), timed as the round's verify; returns what judge() reads (logits).
-    judge(scores, tokens, draft): the accepted draft tokens and the one token the target adds.
-    rollback(n): the target's cache keeps the first n tokens of the sequence.
-    """
-
-    verifies_trees: bool
-
-    def score(self, tokens: list[int], draft: Draft) -> Any: ...
-
-    def judge(self, scores: Any, tokens: list[int], draft: Draft) -> tuple[list[int], int]: ...
-
-    def rollback(self, n: int) -> None: ...
+from specdec.verifier import Verifier
 
 
 @dataclass
@@ -88,7 +71,8 @@ class Round:
 class Proposal:
     """A round up to its verify: `checked`, the draft the target scores after the last committed
     token (a chain, or a tree where the verifier takes one); kk, the draft length planned;
-    n_verified drafted tokens to score, depth the draft's; times from spec.clock."""
+    n_verified drafted tokens to score, depth the draft's; times from spec.clock; plan: the
+    policy's RoundPlan (None without a policy)."""
 
     tokens: list[int]
     checked: Draft
@@ -98,6 +82,7 @@ class Proposal:
     match_length: int | None
     t_round: float  # when planning began
     draft_s: float  # seconds drafting
+    plan: RoundPlan | None = None
 
 
 def speculative_round(
@@ -117,24 +102,29 @@ def speculative_round(
     return conclude(spec, proposal, scores, spec.clock() - t1, verifier, stats)
 
 
-def propose(spec: Speculation, tokens: list[int], budget: int, room: int, trees: bool) -> Proposal:
+def propose(
+    spec: Speculation, tokens: list[int], budget: int, room: int, trees: bool, share: Share | None = None
+) -> Proposal:
     """A round's plan and draft (steps 1-2): what the target is to score after `tokens`.
     trees: whether the verifier takes a token tree (else a tree's main chain is verified).
-    Arguments as speculative_round."""
+    share: in a batch, its part in the round's costs (specdec.adaptive.policy.Share), for the
+    policy. Other arguments as speculative_round."""
     policy, drafter, clock = spec.policy, spec.drafter, spec.clock
     t_round = clock()
     kk = min(spec.k_max if policy else spec.k, budget - 1, room - 1)
     if drafter is None:
         kk = 0
+    plan = None
     if policy:
-        policy.verify.at(len(tokens))
+        policy.costs.at(len(tokens))
         match = (lambda: drafter.long_match(tokens)) if spec.sampler.params.greedy else None
-        kk = policy.plan(kk, spec.incremental, match)
+        plan = policy.plan(kk, spec.incremental, match, share)
+        kk = plan.k
     t0 = clock()
     if kk <= 0:
         draft = Draft([])
     elif spec.incremental:
-        draft = drafter.propose(tokens, kk, spec.sampler, keep_going=policy.keep_going)
+        draft = drafter.propose(tokens, kk, spec.sampler, keep_going=partial(policy.keep_going, plan))
     else:
         draft = drafter.propose(tokens, kk, spec.sampler)
     t1 = clock()
@@ -145,7 +135,7 @@ def propose(spec: Speculation, tokens: list[int], budget: int, room: int, trees:
     cut_at = len(chain)
     if policy:  # a tree is cut by depth, as its main chain would be
         deterministic = spec.sampler.params.greedy or draft.probs is None
-        cut_at = policy.cut(chain, deterministic, len(tokens), draft.match_length)
+        cut_at = policy.cut(plan, chain, deterministic, len(tokens), draft.match_length)
     if tree:
         checked = draft.pruned(cut_at, spec.vocab, kk)
         n_verified, depth = len(checked.tokens), max(checked.depths(), default=0)
@@ -153,7 +143,7 @@ def propose(spec: Speculation, tokens: list[int], budget: int, room: int, trees:
         probs = None if draft.probs is None else draft.probs[:cut_at]
         checked = Draft(chain[:cut_at], probs)
         n_verified = depth = cut_at
-    return Proposal(tokens, checked, kk, n_verified, depth, draft.match_length, t_round, t1 - t0)
+    return Proposal(tokens, checked, kk, n_verified, depth, draft.match_length, t_round, t1 - t0, plan)
 
 
 def conclude(
@@ -178,18 +168,18 @@ def conclude(
     stats.record_round(proposal.n_verified, len(accepted), proposal.depth)
     if policy:
         other_ms = (clock() - proposal.t_round - draft_s - verify_s) * 1e3
-        policy.observe(
+        outcome = Outcome(
             proposal.n_verified,
             len(accepted),
             verify_s * 1e3,
             draft_s * 1e3,
             other_ms,
-            proposal.kk,
-            spec.incremental,
-            proposal.depth,
-            proposal.match_length,
+            requested=proposal.kk,
+            depth=proposal.depth,
+            match_length=proposal.match_length,
             timed=timed,
         )
+        policy.observe(proposal.plan, outcome)
     return Round(accepted + [token], proposal.n_verified, len(accepted), proposal.depth)
 
 

@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.adaptive import AdaptiveK, RoundPlan, Share, VerifyCosts
 from specdec.adaptive.rowcosts import RowCosts
 from specdec.batch import Batch, generate_batch
+from specdec.decoding import Decoding
 from specdec.engine import generate
 from specdec.models.load import load_model
 from specdec.models.quantize import quantize_model
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, is_pulled
+from specdec.options import GenerationOptions
 from specdec.sampling import Penalties
-from specdec.sequence import Sequence
 
 from .conftest import make_model, prompt_ids, remake
 
@@ -77,8 +78,9 @@ def test_sequences_join_and_leave_between_steps():
     done, streamed = {}, {}
     kw = dict(drafter="prompt-lookup", k=3, max_new_tokens=12)
 
-    def add(i: int) -> Sequence:
-        seq = Sequence(target, PROMPTS[i], **kw)
+    def add(i: int) -> Decoding:
+        options = GenerationOptions(k=kw["k"], max_new_tokens=kw["max_new_tokens"])
+        seq = Decoding(target, PROMPTS[i], kw["drafter"], options)
         streamed[i] = []
         batch.add(
             seq,
@@ -140,12 +142,12 @@ def test_shared_rows_make_drafts_dearer():
     costs = VerifyCosts.__new__(VerifyCosts)
     costs.ms, costs.shapes, costs.shape, costs.optimistic_slope = {n: 10.0 + 0.2 * n for n in range(1, 10)}, {}, {}, 0.1
     policy = AdaptiveK(costs, k_max=6)
-    alone = [policy.extra_verify_ms(m) for m in range(7)]
+    alone = [policy.extra_verify_ms(RoundPlan(cap=6), m) for m in range(7)]
     batch = RowCosts(costs)
     for rows in range(8, 48, 4):
         batch.observe(rows, 4.0 + 1.5 * rows)
-    policy.shared_rows, policy.shared_cost = 40, batch
-    full = [policy.extra_verify_ms(m) for m in range(7)]
+    shared = RoundPlan(cap=6, share=Share(rows=40, rate=0.0, cost=batch))
+    full = [policy.extra_verify_ms(shared, m) for m in range(7)]
     assert full[0] == alone[0] == 0
     assert full[1:] == pytest.approx([1.5 * m + 0.02 * costs(1) for m in range(1, 7)])
     assert all(f > 3 * a for f, a in zip(full[1:], alone[1:]))

@@ -324,7 +324,7 @@ def test_auto_proposes_a_long_lookup_match_even_when_the_heads_trees_do_not_pay(
     ctl.estimates.reached = [[0.0] * 8 for _ in ctl.estimates.reached]  # nothing known of lookup's matches
     ctl.estimates.accepted = [[0.0] * 8 for _ in ctl.estimates.accepted]
     ctl.estimates.reached[0] = [1000.0] * 8  # the head's trees (class 0): never right in 1000 rounds
-    ctl.probe_interval = ctl.probe_max  # and its probes backed off
+    ctl.learned.probe_interval = ctl.probe_max  # and its probes backed off
     out = generate(target, prompt, drafter, k="auto", max_new_tokens=20, policy=ctl)
     assert out.tokens == plain
     long = range(match_class(EagleDrafter.LONG_MATCH), len(ctl.estimates.reached))

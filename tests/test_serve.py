@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import math
 import os
 import signal
 import socket
@@ -575,6 +576,55 @@ def test_malformed_requests_never_crash_the_server(served, tiny):
     assert c.completions.create(model="tiny", prompt="w1 w2", max_tokens=2, temperature=0).usage.completion_tokens >= 1
 
 
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"max_completion_tokens": "12"}, "max_completion_tokens", "integer"),
+        ({"logprobs": 3}, "logprobs", "true or false in a chat request"),
+        ({"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
+        ({"prompt": "w1"}, "prompt", "the fields it reads: model, max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "only text"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages", "expected a string or a list of text parts"),
+    ],
+)
+def test_bad_chat_parameters_get_400_naming_the_field(served, body, param, needle):
+    messages = [{"role": "user", "content": "w1"}]
+    status, err = raw_post(served, "/v1/chat/completions", json.dumps({"messages": messages, **body}).encode())
+    assert status == 400 and needle in err["error"]["message"], err
+    assert err["error"]["param"] == param
+
+
+def test_a_body_not_sent_as_json_is_refused_saying_how_to_send_it(served):
+    u = urlparse(served)
+    body = json.dumps({"model": "tiny", "prompt": "w1", "max_tokens": 2}).encode()
+    for headers, needle in [
+        ({"Content-Type": "text/plain"}, "came with Content-Type: text/plain"),
+        ({}, "came without a Content-Type"),
+    ]:
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/v1/completions", body, headers)
+        r = conn.getresponse()
+        err = json.loads(r.read())["error"]
+        assert r.status == 400 and err["code"] == "invalid_json", err
+        assert needle in err["message"] and "Content-Type: application/json" in err["message"]
+    status, err = raw_post(served, "/v1/completions", b"")
+    assert status == 400 and "the request body is empty" in err["error"]["message"]
+
+
+def test_a_chunked_body_over_the_limit_gets_413(tiny):
+    """Without a Content-Length the limit is checked on the body read."""
+    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny", max_body_bytes=500)
+    with running(app) as url:
+        u = urlparse(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        body = json.dumps({"model": "tiny", "prompt": "w1 " * 300, "max_tokens": 2}).encode()
+        conn.request("POST", "/v1/completions", iter([body[:300], body[300:]]), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        err = json.loads(r.read())["error"]
+        assert r.status == 413 and "limit of 500 bytes" in err["message"] and err["code"] == "request_too_large"
+        assert metrics(url)['specdec_requests_total{outcome="invalid"}'] == 1
+
+
 def test_a_model_without_a_chat_template_says_so():
     app = create_app(make_model("llama", seed=1), model_name="plain")
     with running(app) as url:
@@ -639,6 +689,46 @@ def test_metrics_count_one_request_exactly(tiny):
     assert m["specdec_queue_depth"] == 0 and m["specdec_queue_capacity"] == 64
 
 
+METRIC_FAMILIES = {  # what users scrape: each metric's name and type
+    "specdec_requests_total": "counter",
+    "specdec_rounds_total": "counter",
+    "specdec_drafts_total": "counter",
+    "specdec_draft_tokens_total": "counter",
+    "specdec_accepted_tokens_total": "counter",
+    "specdec_prompt_tokens_total": "counter",
+    "specdec_generation_tokens_total": "counter",
+    "specdec_draft_tokens_by_position_total": "counter",
+    "specdec_accepted_tokens_by_position_total": "counter",
+    "specdec_acceptance_rate": "gauge",
+    "specdec_acceptance_rate_by_position": "gauge",
+    "specdec_request_latency_seconds": "histogram",
+    "specdec_steps_total": "counter",
+    "specdec_forward_seconds_total": "counter",
+    "specdec_batch_size": "histogram",
+    "specdec_forward_rows": "histogram",
+    "specdec_draft_length": "histogram",
+    "specdec_queue_depth": "gauge",
+    "specdec_queue_capacity": "gauge",
+    "specdec_requests_running": "gauge",
+    "specdec_batch_sequences": "gauge",
+    "specdec_batch_capacity": "gauge",
+}
+
+
+def test_metric_families_are_kept_and_each_app_counts_apart(tiny):
+    apps = [create_app(tiny, model_name="tiny", max_queue=q) for q in (5, 7)]
+    apps[0].state.server.metrics.count("invalid")
+    texts = [app.state.server.metrics.render().decode() for app in apps]
+    for text, invalid, capacity in zip(texts, (1, 0), (5, 7)):
+        types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+        assert types == METRIC_FAMILIES
+        assert "_created" not in text  # no series beside the families above
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+        assert float(samples['specdec_requests_total{outcome="invalid"}']) == invalid
+        assert float(samples["specdec_queue_capacity"]) == capacity
+        assert samples["specdec_acceptance_rate"] == "NaN"  # nothing drafted yet
+
+
 # ---- the load generator -----------------------------------------------------------------------
 
 
@@ -653,6 +743,15 @@ def test_loadtest_percentiles_and_table():
     rows = report("s", levels)
     assert [r["tokens_per_s"] for r in rows] == [5.0, 10.0] and [r["same_as_first"] for r in rows] == [2, 1]
     assert "| s | 2 | 2 | 10.0 | 2.00 |" in table(rows)
+
+
+def test_loadtest_percentiles_are_nearest_rank_values():
+    from specdec.serve.loadtest import _percentiles
+
+    assert _percentiles([3.0, 1.0, 2.0]) == {"p50": 2.0, "p90": 3.0, "p99": 3.0, "mean": 2.0}
+    assert _percentiles([20.0, 10.0])["p50"] == 10.0  # a value of the list, not an interpolation
+    assert _percentiles([1.0] * 9 + [100.0])["p90"] == 1.0 and _percentiles([1.0] * 9 + [100.0])["p99"] == 100.0
+    assert all(math.isnan(v) for v in _percentiles([]).values())
 
 
 def test_64_concurrent_streams_of_real_smollm2_each_equal_their_solo_output():

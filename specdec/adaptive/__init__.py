@@ -3,6 +3,16 @@ rows (rowcosts), the acceptance estimates (acceptance) and the per-round decisio
 
 from specdec.adaptive.acceptance import Acceptance, match_class
 from specdec.adaptive.costs import VerifyCosts
-from specdec.adaptive.policy import AdaptiveK, best_length, values
+from specdec.adaptive.policy import AdaptiveK, Outcome, RoundPlan, Share, best_length, values
 
-__all__ = ["Acceptance", "AdaptiveK", "VerifyCosts", "best_length", "match_class", "values"]
+__all__ = [
+    "Acceptance",
+    "AdaptiveK",
+    "Outcome",
+    "RoundPlan",
+    "Share",
+    "VerifyCosts",
+    "best_length",
+    "match_class",
+    "values",
+]

@@ -23,9 +23,9 @@ How the policy drafts:
 - when plain rounds win for a while, one depth of the usual draft is probed now and then
   (exponential back-off) to notice when drafting starts paying again.
 
-In a batch (specdec.batch) a drafted row costs what it adds to the batch's forward (shared_cost,
-after shared_rows other rows) and rho is at least the batch's rate (shared_rate): SmartSpec's
-goodput rule (Liu et al. 2024).
+In a batch (specdec.batch) a drafted row costs what it adds to the batch's forward after its
+other rows, and rho is at least the batch's rate (a Share, passed to plan()): SmartSpec's goodput
+rule (Liu et al. 2024).
 Related work: SpecDec++ (Huang et al. 2024) and dynamic speculation lookahead (Mamou et al. 2024)
 choose the draft length per round; BanditSpec and SWIFT adapt online. Design and measurements:
 docs/adaptive-k.md.
@@ -34,7 +34,8 @@ docs/adaptive-k.md.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from specdec.adaptive.acceptance import Acceptance, match_class
 from specdec.adaptive.costs import VerifyCosts
@@ -68,6 +69,82 @@ def best_length(worth: Sequence[float]) -> int:
     return best
 
 
+@dataclass
+class Share:
+    """A batch's part in one sequence's round (specdec.batch): `rows`, the rows the rest of the
+    step's forward runs (the drafts planned so far included); `rate`, the batch's committed tokens
+    per ms; `cost`, ms of a batched forward by its rows (a RowCosts)."""
+
+    rows: int
+    rate: float
+    cost: Callable[[int], float]
+
+
+@dataclass
+class RoundPlan:
+    """One round's decision, made by AdaptiveK.plan() and read by keep_going(), cut() and observe().
+
+    k: tokens to ask the drafter for (0: a plain round). cap: the most the budget and context
+    allow. rho: the rate a draft must beat, tokens per ms (Dinkelbach's). incremental: the drafter
+    is steered token by token (keep_going). shadowing: the draft is free: drafted fully, cut by
+    cut(), and learned from by shadow verification. probing: one depth of the usual draft after
+    plain rounds. share: the batch's part (None alone). confidence: the drafter's probability of
+    each token drafted so far (keep_going appends). t_last: when the last draft step ended (the
+    policy's clock, seconds).
+    """
+
+    k: int = 0
+    cap: int = 0
+    rho: float = 0.0
+    incremental: bool = False
+    shadowing: bool = False
+    probing: bool = False
+    share: Share | None = None
+    confidence: list[float] = field(default_factory=list)
+    t_last: float = 0.0
+
+
+@dataclass
+class Outcome:
+    """A finished round, for AdaptiveK.observe(): n_verified drafted tokens were scored in a
+    forward of verify_ms and the first n_accepted kept; draft_ms went to drafting `requested`
+    tokens and other_ms to the rest of the round. depth: a token tree's (None: n_verified, a
+    chain). match_length: the draft's (Draft.match_length). timed: whether that forward scored
+    this round alone (a batched forward is put on the cost curves by the batch, once)."""
+
+    n_verified: int
+    n_accepted: int
+    verify_ms: float
+    draft_ms: float = 0.0
+    other_ms: float = 0.0
+    requested: int = 0
+    depth: int | None = None
+    match_length: int | None = None
+    timed: bool = True
+
+
+@dataclass
+class Learned:
+    """What a policy has learned besides the acceptance estimates, all in one place: running
+    averages of a round's tokens and ms (tokens_ema, ms_ema), of a draft model's first and further
+    steps (draft_first_ms, draft_step_ms), of an all-at-once drafter's ms per requested token
+    (draft_token_ms) and of a round's ms outside drafting and verifying (overhead_ms); tokens
+    verified per depth of the drafts (nodes_per_depth, 1 for chains); whether a draft step was timed
+    yet in this generation (fresh); plain rounds in a row (plain_streak) and the plain rounds
+    before the next probe (probe_interval)."""
+
+    probe_interval: int
+    tokens_ema: float | None = None
+    ms_ema: float | None = None
+    draft_first_ms: float | None = None
+    draft_step_ms: float | None = None
+    draft_token_ms: float | None = None
+    overhead_ms: float = 0.0
+    nodes_per_depth: float = 1.0
+    fresh: bool = True
+    plain_streak: int = 0
+
+
 class AdaptiveK:
     """The per-round draft-length policy of `generate(..., k="auto")` for one (drafter, target).
 
@@ -78,6 +155,10 @@ class AdaptiveK:
     margin: the part of V(1) any verify of drafted tokens is taken to cost beyond the measured
     curve, for the noise of a curve timed once per context range. clock: seconds, read to time a
     draft model's steps (specdec.bench.replay passes a simulated one).
+
+    A round: plan() (what to draft, a RoundPlan, from the cap and, in a batch, a Share), then
+    keep_going() after each step of an incremental drafter, cut() of the finished draft, and
+    observe() of the round's Outcome. What it learns is in `estimates` and `learned` (a Learned).
 
     Raises ValueError for k_max < 1.
     """
@@ -98,86 +179,73 @@ class AdaptiveK:
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
-        self.verify, self.k_max = costs, k_max
+        self.costs, self.k_max = costs, k_max
         self.estimates = Acceptance(k_max, decay, prior, prior_weight, lift, explore)
         self.probe_after, self.probe_max = probe_after, probe_max
         self.margin = margin
         self.clock = clock
-        self.shadowing = False  # this round's draft is free and learned from by shadow verification
-        self.tokens_ema: float | None = None  # realised tokens per round (running average)
-        self.ms_ema: float | None = None  # realised ms per round
-        self.draft_first_ms: float | None = None  # draft model: first step of a proposal
-        self.draft_step_ms: float | None = None  # draft model: each further step
-        self.draft_token_ms: float | None = None  # all-at-once drafter: ms per requested token
-        self.overhead_ms = 0.0  # per round, outside drafting and verifying
-        self.nodes_per_depth = 1.0  # tokens verified per depth of the drafts: 1 for chains
-        self.fresh = True  # no draft step timed yet in this generation
-        self.plain_streak = 0
-        self.probe_interval = probe_after
-        self.probing = False
-        # the round in progress
-        self.rho = 0.0  # tokens per ms
-        self.cap = k_max
-        self.confidence: list[float] = []  # the drafter's probability for each token drafted
-        self._t_last = 0.0  # when the last draft step ended
-        # in a batch (specdec.batch): rows the rest of this step's forward runs, the batch's
-        # committed tokens per ms and its forward's ms by rows (a RowCosts); 0, 0.0 and None alone
-        self.shared_rows = 0
-        self.shared_rate = 0.0
-        self.shared_cost = None
+        self.learned = Learned(probe_interval=probe_after)
 
     # ---- estimates ----------------------------------------------------------------------------
-    def acceptances(self, n: int, cls: int = 0, optimistic: bool = False) -> list[float]:
-        """[P(draft token j accepted | tokens 1..j-1 accepted) for j = 1..n] for this round's
-        draft, of match class cls (Acceptance.per_position; lifted unless shadow-verified)."""
-        return self.estimates.per_position(n, cls, optimistic, lifted=not self.shadowing)
+    def acceptances(self, n: int, cls: int = 0, optimistic: bool = False, shadowed: bool = False) -> list[float]:
+        """[P(draft token j accepted | tokens 1..j-1 accepted) for j = 1..n] for a draft of match
+        class cls (Acceptance.per_position; lifted unless the draft is shadow-verified)."""
+        return self.estimates.per_position(n, cls, optimistic, lifted=not shadowed)
 
-    def acceptance(self, j: int, cls: int = 0) -> float:
+    def acceptance(self, j: int, cls: int = 0, shadowed: bool = False) -> float:
         """P(draft token j accepted | tokens 1..j-1 accepted), j from 1 (see acceptances)."""
-        return self.acceptances(j, cls)[-1]
+        return self.acceptances(j, cls, shadowed=shadowed)[-1]
 
     def draft_ms(self, m: int, incremental: bool) -> float:
         """Estimated ms to draft m tokens from scratch (unknown costs count as free)."""
+        learned = self.learned
         if m == 0:
             return 0.0
         if incremental:
-            first = self.draft_first_ms or 0.0
-            step = self.draft_step_ms if self.draft_step_ms is not None else first
+            first = learned.draft_first_ms or 0.0
+            step = learned.draft_step_ms if learned.draft_step_ms is not None else first
             return first + (m - 1) * step
-        return m * (self.draft_token_ms or 0.0)
+        return m * (learned.draft_token_ms or 0.0)
 
-    def nodes(self, depth: int) -> int:
+    def nodes(self, plan: RoundPlan, depth: int) -> int:
         """Tokens verified for a draft `depth` deep: depth for a chain; for a token tree about
         nodes_per_depth x depth, at most the round's cap (the engine prunes a tree to it)."""
-        return max(depth, min(self.cap, round(depth * self.nodes_per_depth))) if depth > 0 else 0
+        return max(depth, min(plan.cap, round(depth * self.learned.nodes_per_depth))) if depth > 0 else 0
 
-    def extra_verify_ms(self, m: int) -> float:
+    def extra_verify_ms(self, plan: RoundPlan, m: int) -> float:
         """What verifying a draft m tokens deep costs over a plain step, in ms: V(n + 1) - V(1)
         at the current context, n = nodes(m), plus margin x V(1); 0 for m = 0. It may be negative
         where the kernel for n + 1 rows beats the one-row kernel: verifying even a useless draft
-        then beats a plain step. In a batch, C(b + n + 1) - C(b + 1) instead, C = shared_cost
-        (ms by rows of a batched forward), b = shared_rows: the forward's other rows come first,
-        so that drafts get dearer as rows fill the CPU."""
+        then beats a plain step. In a batch (plan.share), C(b + n + 1) - C(b + 1) instead, C the
+        batch's ms by rows, b its other rows: the forward's other rows come first, so that drafts
+        get dearer as rows fill the CPU."""
         if m == 0:
             return 0.0
-        if self.shared_cost is not None:
-            base, cost = self.shared_rows, self.shared_cost
-            return cost(base + self.nodes(m) + 1) - cost(base + 1) + self.margin * self.verify(1)
-        return self.verify(self.nodes(m) + 1) - self.verify(1) + self.margin * self.verify(1)
+        margin = self.margin * self.costs(1)
+        if plan.share is not None:
+            base, cost = plan.share.rows, plan.share.cost
+            return cost(base + self.nodes(plan, m) + 1) - cost(base + 1) + margin
+        return self.costs(self.nodes(plan, m) + 1) - self.costs(1) + margin
 
-    def _best_rate(self, cap: int, incremental: bool) -> float:
+    def _best_rate(self, plan: RoundPlan) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
+        cap = plan.cap
         tokens = values(self.acceptances(cap), [0.0] * (cap + 1), 0.0, tokens=1.0)  # per round
         best = 0.0
         for m in range(cap + 1):
-            ms = self.draft_ms(m, incremental) + self.verify(1) + self.extra_verify_ms(m) + self.overhead_ms
+            ms = (
+                self.draft_ms(m, plan.incremental)
+                + self.costs(1)
+                + self.extra_verify_ms(plan, m)
+                + self.learned.overhead_ms
+            )
             best = max(best, tokens[m] / ms if ms > 0 else 0.0)
         return best
 
-    def _best_depth(self, accept: list[float], incremental: bool) -> int:
+    def _best_depth(self, plan: RoundPlan, accept: list[float], incremental: bool) -> int:
         """The draft length worth most under these acceptances, drafting and verifying it paid."""
-        cost = [self.draft_ms(m, incremental) + self.extra_verify_ms(m) for m in range(len(accept) + 1)]
-        return best_length(values(accept, cost, self.rho))
+        cost = [self.draft_ms(m, incremental) + self.extra_verify_ms(plan, m) for m in range(len(accept) + 1)]
+        return best_length(values(accept, cost, plan.rho))
 
     def _given(self, confidence: list[float], accept: list[float]) -> list[float]:
         """The acceptance per position of a draft whose first len(confidence) tokens were drafted
@@ -186,130 +254,129 @@ class AdaptiveK:
         return known + accept[len(known) :]
 
     # ---- one round ----------------------------------------------------------------------------
-    def plan(self, cap: int, incremental: bool, match=None) -> int:
-        """How many tokens to ask the drafter for this round (0: a plain round). cap: the most the
-        budget and context allow. An incremental drafter is then steered by keep_going().
+    def plan(self, cap: int, incremental: bool, match=None, share: Share | None = None) -> RoundPlan:
+        """This round's plan: plan.k is how many tokens to ask the drafter for (0: a plain round).
+        cap: the most the budget and context allow. An incremental drafter is then steered by
+        keep_going(). share: the batch's part in the round, None alone.
 
         match: for a drafter that sometimes proposes a lookup match alone instead of its usual
         draft (eagle-tree), a callable () -> that match's length or None, read only when the usual
         draft is not worth drafting: such a draft is judged by its own match class, and is free to
         draft. Without it a long copyable match would go unproposed once the usual draft stopped
         paying."""
-        self.confidence, self.probing = [], False
-        if cap <= 0:
-            return 0
-        if not self.verify.known():
-            return 0  # the first round times V(1) before any choice
-        self.cap = cap
-        cheap = self.draft_token_ms is None or self.draft_token_ms * cap < CHEAP * self.verify(1)
-        self.shadowing = not incremental and cheap
-        if self.shadowing:  # free: always draft fully, then cut() decides what to verify
-            plain = 1.0 / (self.verify(1) + self.overhead_ms)
-            self.rho = max(plain, self.tokens_ema / self.ms_ema if self.ms_ema else 0.0, self.shared_rate)
-            return cap
-        self.rho = max(self._best_rate(cap, incremental), self.shared_rate)
-        best_m = self._best_depth(self.acceptances(cap, optimistic=True), incremental)  # UCB
+        plan = RoundPlan(cap=cap, incremental=incremental, share=share)
+        if cap <= 0 or not self.costs.known():  # the first round times V(1) before any choice
+            return plan
+        learned = self.learned
+        shared_rate = share.rate if share is not None else 0.0
+        cheap = learned.draft_token_ms is None or learned.draft_token_ms * cap < CHEAP * self.costs(1)
+        plan.shadowing = not incremental and cheap
+        if plan.shadowing:  # free: always draft fully, then cut() decides what to verify
+            plain = 1.0 / (self.costs(1) + learned.overhead_ms)
+            realised = learned.tokens_ema / learned.ms_ema if learned.ms_ema else 0.0
+            plan.rho = max(plain, realised, shared_rate)
+            plan.k = cap
+            return plan
+        plan.rho = max(self._best_rate(plan), shared_rate)
+        best_m = self._best_depth(plan, self.acceptances(cap, optimistic=True), incremental)  # UCB
         length = match() if match is not None and not best_m else None
         if length:  # lookup's draft: no draft steps to pay
-            best_m = self._best_depth(self.acceptances(cap, match_class(length), optimistic=True), incremental=False)
+            accept = self.acceptances(cap, match_class(length), optimistic=True)
+            best_m = self._best_depth(plan, accept, incremental=False)
         if best_m:
-            self.probe_interval = self.probe_after  # drafting pays: probe promptly if it stops
-            self._t_last = self.clock()
-            return cap if incremental else best_m  # keep_going() steers an incremental drafter
-        self.plain_streak += 1
-        if self.plain_streak >= self.probe_interval:
-            self.probing = True
-            self._t_last = self.clock()
+            learned.probe_interval = self.probe_after  # drafting pays: probe promptly if it stops
+            plan.t_last = self.clock()
+            plan.k = cap if incremental else best_m  # keep_going() steers an incremental drafter
+            return plan
+        learned.plain_streak += 1
+        if learned.plain_streak >= learned.probe_interval:
+            plan.probing = True
+            plan.t_last = self.clock()
             # one depth of the drafter's usual draft (a token for a chain, a depth's tokens for a
             # tree): a one-token tree would be learned as a worse draft than the tree is
-            return self.nodes(1)
-        return 0
+            plan.k = self.nodes(plan, 1)
+        return plan
 
-    def keep_going(self, n_drafted: int, confidence: float) -> bool:
+    def keep_going(self, plan: RoundPlan, n_drafted: int, confidence: float) -> bool:
         """Called by an incremental drafter after each drafted token (n_drafted so far, the last
         one's probability under the drafter): draft another? Also times the draft steps.
 
         Stopping now is worth the best length m <= n_drafted, or a plain round (as cut() would
         choose); going on must beat that, paying the further draft steps too."""
+        learned = self.learned
         now = self.clock()
-        step = now - self._t_last
-        self._t_last = now
-        if n_drafted == 1 and self.fresh:
-            self.fresh = False  # a generation's first step also reads the prompt: not a step cost
+        step = now - plan.t_last
+        plan.t_last = now
+        if n_drafted == 1 and learned.fresh:
+            learned.fresh = False  # a generation's first step also reads the prompt: not a step cost
         elif n_drafted == 1:
-            self.draft_first_ms = self._ema(self.draft_first_ms, step * 1e3)
+            learned.draft_first_ms = self._ema(learned.draft_first_ms, step * 1e3)
         else:
-            self.draft_step_ms = self._ema(self.draft_step_ms, step * 1e3)
-        self.confidence.append(confidence)
-        if self.probing or n_drafted >= self.cap:
+            learned.draft_step_ms = self._ema(learned.draft_step_ms, step * 1e3)
+        plan.confidence.append(confidence)
+        if plan.probing or n_drafted >= plan.cap:
             return False
-        known = (ms for ms in (self.draft_step_ms, self.draft_first_ms) if ms is not None)
+        known = (ms for ms in (learned.draft_step_ms, learned.draft_first_ms) if ms is not None)
         step_ms = next(known, 0.0)  # unknown: free
-        ahead = self.acceptances(self.cap, optimistic=True)
-        accept = self._given(self.confidence[:n_drafted], ahead)
-        worth = values(accept, [self.extra_verify_ms(m) for m in range(self.cap + 1)], self.rho)
+        ahead = self.acceptances(plan.cap, optimistic=True, shadowed=plan.shadowing)
+        accept = self._given(plan.confidence[:n_drafted], ahead)
+        worth = values(accept, [self.extra_verify_ms(plan, m) for m in range(plan.cap + 1)], plan.rho)
         stop = max(worth[: n_drafted + 1])
-        return any(worth[m] - self.rho * (m - n_drafted) * step_ms > stop for m in range(n_drafted + 1, self.cap + 1))
+        return any(worth[m] - plan.rho * (m - n_drafted) * step_ms > stop for m in range(n_drafted + 1, plan.cap + 1))
 
-    def cut(self, drafted: list[int], deterministic: bool, position: int = 0, match_length: int | None = None) -> int:
+    def cut(
+        self,
+        plan: RoundPlan,
+        drafted: list[int],
+        deterministic: bool,
+        position: int = 0,
+        match_length: int | None = None,
+    ) -> int:
         """The best length to verify of a finished draft (<= len(drafted)). Only a deterministic
         draft may be cut by what it contains: cutting a sampled draft by its own tokens'
         probabilities would bias speculative sampling. A free draft (shadowing) is also held for
         shadow verification: `position` is the index its first token would have in the sequence."""
         n = len(drafted)
         cls = match_class(match_length)
-        if self.shadowing and n:
+        if plan.shadowing and n:
             self.estimates.shadow(position, drafted, cls)
-        if n == 0 or self.probing:
+        if n == 0 or plan.probing:
             return min(n, 1)
         if not deterministic:
             return n
-        accept = self._given(self.confidence[:n], self.acceptances(n, cls))
-        worth = values(accept, [self.extra_verify_ms(m) for m in range(n + 1)], self.rho)
+        accept = self._given(plan.confidence[:n], self.acceptances(n, cls, shadowed=plan.shadowing))
+        worth = values(accept, [self.extra_verify_ms(plan, m) for m in range(n + 1)], plan.rho)
         best_m = best_length(worth)
-        if best_m == 0 and not self.shadowing:  # not worth verifying: a plain round, maybe a probe
-            self.plain_streak += 1
-            if self.plain_streak >= self.probe_interval:
-                self.probing = True
+        learned = self.learned
+        if best_m == 0 and not plan.shadowing:  # not worth verifying: a plain round, maybe a probe
+            learned.plain_streak += 1
+            if learned.plain_streak >= learned.probe_interval:
+                plan.probing = True
                 return 1
         return best_m
 
-    def observe(
-        self,
-        n_verified: int,
-        n_accepted: int,
-        verify_ms: float,
-        draft_ms: float,
-        other_ms: float,
-        requested: int,
-        incremental: bool,
-        depth: int | None = None,
-        match_length: int | None = None,
-        timed: bool = True,
-    ) -> None:
-        """Learn from the finished round: n_verified drafted tokens were scored in a forward of
-        verify_ms, the first n_accepted were kept; draft_ms spent drafting `requested` tokens.
-        depth: of a token tree, its depth (default n_verified, a chain). match_length: the draft's
-        (Draft.match_length), whose class the acceptance is learned under, as cut() reads it.
-        timed: whether that forward scored this round alone; a batched forward (specdec.batch)
-        is put on the verify-cost curve by the batch, once, with all its rows."""
-        depth = n_verified if depth is None else depth
-        if timed:
-            self.verify.observe(n_verified + 1, verify_ms)
-        if n_verified and depth:
-            self.nodes_per_depth = self._ema(self.nodes_per_depth, n_verified / depth)
-        self.overhead_ms = self._ema(self.overhead_ms, other_ms)
-        self.tokens_ema = self._ema(self.tokens_ema, n_accepted + 1.0, 0.1)
-        self.ms_ema = self._ema(self.ms_ema, verify_ms + draft_ms + other_ms, 0.1)
-        if requested and not incremental:
-            self.draft_token_ms = self._ema(self.draft_token_ms, draft_ms / requested)
-        if n_verified and not self.shadowing:  # a shadowed draft is learned from in resolve()
-            checked = min(depth, n_accepted + 1)
-            self.estimates.learn(match_class(match_length), checked, n_accepted)
-            self.estimates.learn_confidences(self.confidence[:checked], n_accepted)
-            if self.probing:  # an accepted probe need not mean drafting pays: back off
-                self.probe_interval = min(2 * self.probe_interval, self.probe_max)
-            self.plain_streak = 0
+    def observe(self, plan: RoundPlan, outcome: Outcome) -> None:
+        """Learn from the finished round of this plan: its costs go to `learned` (and, when timed,
+        to the verify-cost curve), its acceptance to `estimates` (a shadowed draft is learned from
+        in resolve() instead)."""
+        o, learned = outcome, self.learned
+        depth = o.n_verified if o.depth is None else o.depth
+        if o.timed:
+            self.costs.observe(o.n_verified + 1, o.verify_ms)
+        if o.n_verified and depth:
+            learned.nodes_per_depth = self._ema(learned.nodes_per_depth, o.n_verified / depth)
+        learned.overhead_ms = self._ema(learned.overhead_ms, o.other_ms)
+        learned.tokens_ema = self._ema(learned.tokens_ema, o.n_accepted + 1.0, 0.1)
+        learned.ms_ema = self._ema(learned.ms_ema, o.verify_ms + o.draft_ms + o.other_ms, 0.1)
+        if o.requested and not plan.incremental:
+            learned.draft_token_ms = self._ema(learned.draft_token_ms, o.draft_ms / o.requested)
+        if o.n_verified and not plan.shadowing:
+            checked = min(depth, o.n_accepted + 1)
+            self.estimates.learn(match_class(o.match_length), checked, o.n_accepted)
+            self.estimates.learn_confidences(plan.confidence[:checked], o.n_accepted)
+            if plan.probing:  # an accepted probe need not mean drafting pays: back off
+                learned.probe_interval = min(2 * learned.probe_interval, self.probe_max)
+            learned.plain_streak = 0
 
     def resolve(self, sequence: list[int], final: bool = False) -> None:
         """Shadow verification: learn from the held free drafts that the committed `sequence`
@@ -319,7 +386,7 @@ class AdaptiveK:
     def begin(self) -> None:
         """A new generation: drop shadow drafts left from an earlier one."""
         self.estimates.begin()
-        self.fresh = True
+        self.learned.fresh = True
 
     @staticmethod
     def _ema(old: float | None, new: float, weight: float = 0.3) -> float:

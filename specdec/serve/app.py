@@ -8,8 +8,9 @@ One worker thread (specdec.serve.worker) decodes every admitted request in one c
 (specdec.batch): each step is one target forward over all of them, and each request's output is
 what it would be alone. Requests beyond the batch wait in a bounded queue; a full queue answers
 429. The HTTP event loop never waits on the model. A client that disconnects frees its rows at the
-next step. Each request is validated before it is queued, and every error is a JSON body
-`{"error": {"message", "type", "code", "param"}}` with a 4xx status (5xx only for a bug).
+next step. Each request body is validated (the pydantic models below, FastAPI's request models)
+before it is queued, and every error is a JSON body `{"error": {"message", "type", "code",
+"param"}}` with a 4xx status (5xx only for a bug).
 
 OpenAI's fields are honoured or refused, never dropped: n choices, stop, logprobs (completions:
 0..20; chat: logprobs with top_logprobs), frequency and presence penalties, seed. Beyond them a
@@ -27,32 +28,25 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adaptive import VerifyCosts
 from specdec.batch import PREFILL_CHUNK
+from specdec.decoding import Generation
 from specdec.drafters import Drafter
 from specdec.drafters.factory import DRAFTERS, REQUIRED, drafter_from_options, options_for
 from specdec.models.load import Model, check_same_tokenizer
+from specdec.options import MAX_TOP_LOGPROBS
 from specdec.sampling import Penalties, SamplingParams, TokenLogprob
-from specdec.sequence import MAX_TOP_LOGPROBS, Generation
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
 from specdec.serve.worker import Job, Worker
@@ -146,65 +140,62 @@ class ChatRequest(_Params):
     tools: Any = None
 
 
-async def _parse(request: Request, cls: type[BaseModel], max_bytes: int) -> Any:
-    """The request body as `cls`; ApiError 413 for a body over max_bytes, 400 for a body that is not
-    JSON or a bad field."""
-    too_large = ApiError(
-        413,
-        f"the request body is over this server's limit of {max_bytes} bytes; send a shorter prompt",
-        code="request_too_large",
-    )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise too_large
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(
-            400,
-            f"the request body is not valid JSON ({e}); send a JSON object with Content-Type: application/json",
-            code="invalid_json",
-        ) from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    try:
-        return cls.model_validate(data)
-    except ValidationError as e:
-        extra = [err["loc"][0] for err in e.errors() if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
-        if extra:
-            honoured = ", ".join(cls.model_fields)
-            raise ApiError(
-                400,
-                f"{extra[0]!r} is not a field this server honours; leave it out (the fields it reads: {honoured})",
-                code="unsupported_parameter",
-                param=str(extra[0]),
-            ) from None
-        parts: dict[str, str] = {}
-        for err in e.errors():
-            loc = err["loc"]
-            got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:80]})"
-            pattern = ".".join("*" if isinstance(x, int) else str(x) for x in loc[:-1])
-            if pattern in _ONE_OF and isinstance(loc[-1], str):  # a union's branch failed: say what is expected
-                where = ".".join(str(x) for x in loc[:-1])
-                parts.setdefault(where, f"{where}: expected {_ONE_OF[pattern]}{got}")
-            else:
-                where = ".".join(str(x) for x in loc) or "body"
-                parts.setdefault(where, f"{where}: {err['msg']}{got}")
-        param = next(iter(parts)).split(".")[0] if parts else None
-        raise ApiError(
-            400, "invalid request: " + "; ".join(parts.values()), code="invalid_parameter", param=param
-        ) from None
-
-
 _ONE_OF = {  # fields that take one of several types, and how to say so
     "prompt": "a string or a list of token ids (or a list holding one of these)",
     "stop": "a string or a list of strings",
     "k": 'an integer >= 0 (0 = plain decoding) or "auto"',
     "messages.*.content": 'a string or a list of text parts ({"type": "text", "text": ...})',
 }
+_BODIES: dict[str, type[_Params]] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
+_SEND_JSON = "send a JSON object with Content-Type: application/json"
+
+
+def _invalid(errors: Iterable[Mapping[str, Any]], cls: type[BaseModel], content_type: str | None) -> ApiError:
+    """The ApiError 400 for a request body FastAPI could not validate as `cls` (errors: its
+    RequestValidationError's, each located under "body"): a body that is not JSON, not an object,
+    or sent without a JSON Content-Type (code invalid_json); a field the server does not honour
+    (unsupported_parameter, naming it); else every bad field with what it expects
+    (invalid_parameter, param: the first one)."""
+    errors = [{**err, "loc": tuple(err["loc"])[1:]} for err in errors]  # drop "body"
+    for err in errors:
+        if err["type"] == "json_invalid":
+            where = f" at character {err['loc'][0]}" if err["loc"] else ""
+            reason = err.get("ctx", {}).get("error", err["msg"])
+            return ApiError(
+                400, f"the request body is not valid JSON ({reason}{where}); {_SEND_JSON}", code="invalid_json"
+            )
+        if not err["loc"]:  # the body as a whole: none, not an object, or not read as JSON
+            body = err.get("input")
+            if err["type"] == "missing":
+                message = f"the request body is empty; {_SEND_JSON}"
+            elif isinstance(body, bytes):  # FastAPI reads a body as JSON only with a JSON Content-Type
+                sent_as = f"with Content-Type: {content_type}" if content_type else "without a Content-Type"
+                message = f"the request body came {sent_as}, not JSON; {_SEND_JSON}"
+            else:
+                message = f"the request body must be a JSON object, got {type(body).__name__}; {_SEND_JSON}"
+            return ApiError(400, message, code="invalid_json")
+    extra = [err["loc"][0] for err in errors if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
+    if extra:
+        honoured = ", ".join(cls.model_fields)
+        return ApiError(
+            400,
+            f"{extra[0]!r} is not a field this server honours; leave it out (the fields it reads: {honoured})",
+            code="unsupported_parameter",
+            param=str(extra[0]),
+        )
+    parts: dict[str, str] = {}
+    for err in errors:
+        loc = err["loc"]
+        got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:80]})"
+        pattern = ".".join("*" if isinstance(x, int) else str(x) for x in loc[:-1])
+        if pattern in _ONE_OF and isinstance(loc[-1], str):  # a union's branch failed: say what is expected
+            where = ".".join(str(x) for x in loc[:-1])
+            parts.setdefault(where, f"{where}: expected {_ONE_OF[pattern]}{got}")
+        else:
+            where = ".".join(str(x) for x in loc)
+            parts.setdefault(where, f"{where}: {err['msg']}{got}")
+    param = next(iter(parts)).split(".")[0] if parts else None
+    return ApiError(400, "invalid request: " + "; ".join(parts.values()), code="invalid_parameter", param=param)
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -230,26 +221,21 @@ class Server:
         self.target, self.drafters, self.drafter, self.k = target, dict(drafters), drafter, k
         self.model_name, self.max_queue, self.max_tokens, self.max_batch = model_name, max_queue, max_tokens, max_batch
         self.created = int(time.time())
-        self.metrics = Metrics(self._gauges)
+        self.metrics = Metrics()
         # k = "auto": every sequence's policy plans over one verify-cost curve
         costs = VerifyCosts.for_model(target, cache)
         self.worker = Worker(target, costs, self.metrics, max_batch, max_queue, prefill_chunk, self.metrics.step)
         self.inline = False  # run_server steps the batch in the calling thread
-
-    def _gauges(self) -> dict[str, tuple[str, float]]:
-        return {
-            "specdec_queue_depth": ("Requests waiting in the queue.", self.worker.queue.qsize()),
-            "specdec_queue_capacity": (
-                "Most requests the queue holds; past it the server answers 429.",
-                self.max_queue,
-            ),
-            "specdec_requests_running": ("Requests in the batch now.", self.worker.running),
-            "specdec_batch_sequences": (
-                "Sequences in the batch now (a request with n choices is n).",
-                self.worker.sequences,
-            ),
-            "specdec_batch_capacity": ("Most sequences the batch decodes at once.", self.max_batch),
-        }
+        for name, help_, read in [
+            ("specdec_queue_depth", "Requests waiting in the queue.", self.worker.queue.qsize),
+            ("specdec_queue_capacity", "Most requests the queue holds; past it the server answers 429.",
+             lambda: self.max_queue),
+            ("specdec_requests_running", "Requests in the batch now.", lambda: self.worker.running),
+            ("specdec_batch_sequences", "Sequences in the batch now (a request with n choices is n).",
+             lambda: self.worker.sequences),
+            ("specdec_batch_capacity", "Most sequences the batch decodes at once.", lambda: self.max_batch),
+        ]:  # fmt: skip
+            self.metrics.gauge(name, help_, read)
 
     # -- lifecycle --
     def start(self) -> None:
@@ -586,7 +572,263 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-# ---- the app ----------------------------------------------------------------------------------
+def _chunk(
+    server: Server,
+    chat: bool,
+    ident: str,
+    text: str | None,
+    finish: str | None = None,
+    role: bool = False,
+    index: int = 0,
+    logprobs: dict | None = None,
+) -> dict:
+    """One streamed chunk in OpenAI's format: a chat delta (the first one of a choice carries the
+    role), or a completion's text."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    return {
+        "id": ident,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": server.model_name,
+        "choices": [choice],
+    }
+
+
+async def _events(server: Server, job: Job, chat: bool, ident: str, include_usage: bool) -> AsyncIterator[str]:
+    """A job's server-sent events: each choice's text as the worker commits it, then each choice's
+    finish reason, the usage when asked for, and [DONE]; or an error body."""
+    sent = [0] * job.n  # characters streamed per choice
+    earlier: list[list[int]] = [[] for _ in range(job.n)]  # tokens whose logprobs were streamed, per choice
+    offsets = [0] * job.n  # their characters
+    if chat:
+        for i in range(job.n):
+            yield _sse(_chunk(server, chat, ident, None, role=True, index=i))
+    while True:
+        kind, value = await job.events.get()
+        if kind == "delta":
+            i, text, entries = value
+            logprobs = server.logprobs(entries, chat, earlier[i], offsets[i])
+            if entries is not None:
+                earlier[i] += [e.token for e in entries]
+                offsets[i] = len(server.target.tokenizer.decode(earlier[i], skip_special_tokens=False))
+            sent[i] += len(text)
+            yield _sse(_chunk(server, chat, ident, text if text or not chat else None, index=i, logprobs=logprobs))
+        elif kind == "error":
+            yield _sse(value.body())
+            return
+        else:
+            generations: list[Generation] = value
+            for i, gen in enumerate(generations):
+                if gen.text[sent[i] :]:
+                    yield _sse(_chunk(server, chat, ident, gen.text[sent[i] :], index=i))
+                yield _sse(_chunk(server, chat, ident, None, FINISH_REASONS[gen.stats.stop_reason], index=i))
+            if include_usage:
+                last = _chunk(server, chat, ident, None)
+                last.update(choices=[], usage=server.usage(generations, job.drafter_name))
+                yield _sse(last)
+            yield _sse("[DONE]")
+            return
+
+
+async def _complete(request: Request, server: Server, job: Job, chat: bool, ident: str) -> Response:
+    """A job's whole answer as one JSON body, once it is done; 499 (and the job cancelled) when
+    the client goes away first."""
+    result = asyncio.ensure_future(job.events.get())
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not result.done():  # the client went away, or the server is shutting down
+            result.cancel()
+            job.cancelled.set()
+    if not result.done() or result.cancelled():
+        return Response(status_code=499)  # nobody is listening
+    kind, value = result.result()
+    if kind == "error":
+        return value.response()
+    generations: list[Generation] = value
+    choices = []
+    for i, gen in enumerate(generations):
+        finish = FINISH_REASONS[gen.stats.stop_reason]
+        logprobs = server.logprobs(gen.logprobs, chat)
+        if chat:
+            message = {"role": "assistant", "content": gen.text}
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        else:
+            choices.append({"index": i, "text": gen.text, "logprobs": logprobs, "finish_reason": finish})
+    return JSONResponse(
+        {
+            "id": ident,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": server.model_name,
+            "choices": choices,
+            "usage": server.usage(generations, job.drafter_name),
+        }
+    )
+
+
+# ---- routes: each reads the Server from request.app.state -------------------------------------
+
+router = APIRouter()
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 with the model and the queue, or 503 when the generation worker is not running."""
+    server = _server(request)
+    if not server.alive:
+        return JSONResponse({"status": "error", "message": "the generation worker is not running"}, status_code=503)
+    return JSONResponse(
+        {
+            "status": "ok",
+            "model": server.model_name,
+            "queue_depth": server.worker.queue.qsize(),
+            "running": server.worker.running,
+        }
+    )
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    """The one served model, with its context length, drafters and defaults."""
+    server = _server(request)
+    model = {
+        "id": server.model_name,
+        "object": "model",
+        "created": server.created,
+        "owned_by": "specdec",
+        "max_model_len": server.target.n_ctx,
+        "drafters": [*server.drafters, "none"],
+        "default_drafter": server.drafter,
+        "default_k": server.k,
+    }
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    """The server's metrics in Prometheus' text format (specdec.serve.metrics)."""
+    return Response(_server(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """OpenAI's completions: a JSON body, or server-sent events with "stream": true."""
+    return await _generate(request, body, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    """OpenAI's chat completions: a JSON body, or server-sent events with "stream": true."""
+    return await _generate(request, body, chat=True)
+
+
+async def _generate(request: Request, req: _Params, chat: bool) -> Response:
+    """Check a validated request, queue its job, and answer it (streamed or whole); a 4xx
+    (429: the queue is full) counted in the metrics."""
+    server = _server(request)
+    try:
+        if chat:
+            ids = server.encode_chat(req)
+            max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        else:
+            ids = server.encode_completion(req)
+            max_new = req.max_tokens
+        job = server.job(req, ids, request.state.arrived, max_new, chat)
+        server.submit(job)
+    except ApiError as e:
+        server.metrics.count("rejected" if e.status == 429 else "invalid")
+        return e.response()
+    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _EventStream(_events(server, job, chat, ident, include_usage), on_close=job.cancelled.set)
+    return await _complete(request, server, job, chat, ident)
+
+
+# ---- the app: its lifespan, middleware and error handlers ---------------------------------------
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    server: Server = app.state.server
+    server.start()
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def _guard(request: Request, call_next) -> Response:
+    """Before any route: note the request's arrival (its latency counts from here), refuse a /v1/
+    request without the server's API key when it has one (401), and a request body over the
+    server's limit (413)."""
+    request.state.arrived = time.perf_counter()
+    state = request.app.state
+    if state.api_key is not None and request.url.path.startswith("/v1/"):
+        sent = request.headers.get("authorization", "")
+        if not hmac.compare_digest(sent.encode(), f"Bearer {state.api_key}".encode()):
+            return ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key this "
+                "server was started with (--api-key)",
+                code="invalid_api_key",
+            ).response()
+    if request.url.path in _BODIES and await _too_large(request, state.max_body_bytes):
+        state.server.metrics.count("invalid")
+        return ApiError(
+            413,
+            f"the request body is over this server's limit of {state.max_body_bytes} bytes; send a shorter prompt",
+            code="request_too_large",
+        ).response()
+    return await call_next(request)
+
+
+async def _too_large(request: Request, max_bytes: int) -> bool:
+    """Whether the request body, declared (Content-Length) or read, is over max_bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        return True
+    return len(await request.body()) > max_bytes  # read once; the route reads it again from the cache
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    """A body the route's request model refused: a 400 naming the field (see _invalid)."""
+    _server(request).metrics.count("invalid")
+    cls = _BODIES.get(request.url.path, _Params)
+    return _invalid(exc.errors(), cls, request.headers.get("content-type")).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Starlette's and FastAPI's own HTTP errors (no such route, a body it could not decode) in
+    the OpenAI error format."""
+    if exc.status_code == 404:
+        message = (
+            f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
+            "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+        )
+        return ApiError(404, message, code="404").response()
+    if exc.status_code == 400 and request.url.path in _BODIES:  # FastAPI could not decode it (not UTF-8, ...)
+        _server(request).metrics.count("invalid")
+        message = f"the request body could not be read as JSON ({exc.detail}); {_SEND_JSON}, in UTF-8"
+        return ApiError(400, message, code="invalid_json").response()
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return ApiError(exc.status_code, message, code=str(exc.status_code)).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
 
 def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int, cache=None) -> dict[str, Drafter]:
@@ -670,206 +912,19 @@ def create_app(
         prefill_chunk,
     )  # fmt: skip
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        server.start()
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(server.stop)
-
     app = FastAPI(
         title="specdec",
         summary="Exact speculative decoding behind an OpenAI-compatible API",
-        lifespan=lifespan,
+        lifespan=_lifespan,
         docs_url=None,
         redoc_url=None,
     )
-    app.state.server = server
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
-                return ApiError(
-                    401,
-                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key this "
-                    "server was started with (--api-key)",
-                    code="invalid_api_key",
-                ).response()
-        return await call_next(request)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 404:
-            message = (
-                f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
-                "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
-            )
-        else:
-            message = f"{request.method} {request.url.path}: {exc.detail}"
-        return ApiError(exc.status_code, message, code=str(exc.status_code)).response()
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
-
-    @app.get("/health")
-    async def health():
-        if not server.alive:
-            return JSONResponse({"status": "error", "message": "the generation worker is not running"}, status_code=503)
-        return {
-            "status": "ok",
-            "model": server.model_name,
-            "queue_depth": server.worker.queue.qsize(),
-            "running": server.worker.running,
-        }
-
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "specdec",
-                    "max_model_len": server.target.n_ctx,
-                    "drafters": [*server.drafters, "none"],
-                    "default_drafter": server.drafter,
-                    "default_k": server.k,
-                }
-            ],
-        }
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _handle(request, chat=True)
-
-    async def _handle(request: Request, chat: bool) -> Response:
-        arrived = time.perf_counter()
-        try:
-            if chat:
-                req = await _parse(request, ChatRequest, max_body_bytes)
-                ids = server.encode_chat(req)
-                max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            else:
-                req = await _parse(request, CompletionRequest, max_body_bytes)
-                ids = server.encode_completion(req)
-                max_new = req.max_tokens
-            job = server.job(req, ids, arrived, max_new, chat)
-            server.submit(job)
-        except ApiError as e:
-            server.metrics.count("rejected" if e.status == 429 else "invalid")
-            return e.response()
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        if req.stream:
-            return _EventStream(_events(job, chat, ident, include_usage), on_close=job.cancelled.set)
-        return await _complete(request, job, chat, ident)
-
-    def _chunk(
-        chat: bool,
-        ident: str,
-        text: str | None,
-        finish: str | None = None,
-        role: bool = False,
-        index: int = 0,
-        logprobs: dict | None = None,
-    ) -> dict:
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        return {
-            "id": ident,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": server.model_name,
-            "choices": [choice],
-        }
-
-    async def _events(job: Job, chat: bool, ident: str, include_usage: bool) -> AsyncIterator[str]:
-        sent = [0] * job.n  # characters streamed per choice
-        earlier: list[list[int]] = [[] for _ in range(job.n)]  # tokens whose logprobs were streamed, per choice
-        offsets = [0] * job.n  # their characters
-        if chat:
-            for i in range(job.n):
-                yield _sse(_chunk(chat, ident, None, role=True, index=i))
-        while True:
-            kind, value = await job.events.get()
-            if kind == "delta":
-                i, text, entries = value
-                logprobs = server.logprobs(entries, chat, earlier[i], offsets[i])
-                if entries is not None:
-                    earlier[i] += [e.token for e in entries]
-                    offsets[i] = len(server.target.tokenizer.decode(earlier[i], skip_special_tokens=False))
-                sent[i] += len(text)
-                yield _sse(_chunk(chat, ident, text if text or not chat else None, index=i, logprobs=logprobs))
-            elif kind == "error":
-                yield _sse(value.body())
-                return
-            else:
-                generations: list[Generation] = value
-                for i, gen in enumerate(generations):
-                    if gen.text[sent[i] :]:
-                        yield _sse(_chunk(chat, ident, gen.text[sent[i] :], index=i))
-                    yield _sse(_chunk(chat, ident, None, FINISH_REASONS[gen.stats.stop_reason], index=i))
-                if include_usage:
-                    last = _chunk(chat, ident, None)
-                    last.update(choices=[], usage=server.usage(generations, job.drafter_name))
-                    yield _sse(last)
-                yield _sse("[DONE]")
-                return
-
-    async def _complete(request: Request, job: Job, chat: bool, ident: str) -> Response:
-        result = asyncio.ensure_future(job.events.get())
-        gone = asyncio.ensure_future(_until_disconnect(request))
-        try:
-            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not result.done():  # the client went away, or the server is shutting down
-                result.cancel()
-                job.cancelled.set()
-        if not result.done() or result.cancelled():
-            return Response(status_code=499)  # nobody is listening
-        kind, value = result.result()
-        if kind == "error":
-            return value.response()
-        generations: list[Generation] = value
-        choices = []
-        for i, gen in enumerate(generations):
-            finish = FINISH_REASONS[gen.stats.stop_reason]
-            logprobs = server.logprobs(gen.logprobs, chat)
-            if chat:
-                message = {"role": "assistant", "content": gen.text}
-                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
-            else:
-                choices.append({"index": i, "text": gen.text, "logprobs": logprobs, "finish_reason": finish})
-        return JSONResponse(
-            {
-                "id": ident,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": server.model_name,
-                "choices": choices,
-                "usage": server.usage(generations, job.drafter_name),
-            }
-        )
-
+    app.state.server, app.state.api_key, app.state.max_body_bytes = server, api_key, max_body_bytes
+    app.middleware("http")(_guard)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(router)
     return app
 
 

@@ -16,6 +16,8 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Request:
@@ -70,12 +72,12 @@ class Level:
 
 
 def _percentiles(values: list[float]) -> dict:
-    """p50, p90, p99 and mean (nearest rank), NaN for none."""
+    """p50, p90 and p99 (nearest rank: the smallest value with at least that share of the values
+    at or below it, so always one of them) and the mean; NaN for none."""
     if not values:
         return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan}
-    v = sorted(values)
-    rank = lambda q: v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]  # noqa: E731
-    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "mean": sum(v) / len(v)}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99], method="inverted_cdf")
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(np.mean(values))}
 
 
 async def _one(client, model: str, request: Request, params: dict, extra: dict) -> Answer:

@@ -21,9 +21,10 @@ from typing import Any
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.batch import Batch, Step
+from specdec.decoding import Decoding, Generation
 from specdec.drafters.base import Drafter
 from specdec.models.load import Model
-from specdec.sequence import AUTO_K_MAX, Generation, Sequence
+from specdec.options import AUTO_K_MAX, GenerationOptions
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
 from specdec.textstream import TextDeltas
@@ -34,7 +35,7 @@ log = logging.getLogger("specdec.serve.worker")
 @dataclass
 class Job:
     """One request on its way through the queue and the batch: n choices of the prompt `ids`.
-    run: the rest of Sequence's keyword arguments (k, max_new_tokens, sampling, stop, penalties,
+    run: the fields of its GenerationOptions (k, max_new_tokens, sampling, stop, penalties,
     logprobs); choice i's seed is seed + i. `cancelled` is set when the client goes away."""
 
     ids: list[int]
@@ -61,7 +62,7 @@ class _Live:
     """A job in the batch: its sequences, their text streams, and the choices finished so far."""
 
     job: Job
-    seqs: list[Sequence]
+    seqs: list[Decoding]
     deltas: list[TextDeltas | None]
     done: dict[int, Generation] = field(default_factory=dict)
 
@@ -197,14 +198,13 @@ class Worker:
                 self.owner[id(seq)] = (live, i)
                 self.batch.add(seq, self._on_commit, self._on_finish)
 
-    def _sequence(self, job: Job, index: int) -> Sequence:
+    def _sequence(self, job: Job, index: int) -> Decoding:
         run = dict(job.run)
         if run.get("seed") is not None:
             run["seed"] = (run["seed"] + index) % 2**64
         drafter = job.drafter.fork() if job.drafter is not None else None
-        if run["k"] == "auto" and drafter is not None:
-            run["policy"] = AdaptiveK(self.costs, k_max=AUTO_K_MAX)
-        return Sequence(self.target, job.ids, drafter, **run)
+        policy = AdaptiveK(self.costs, k_max=AUTO_K_MAX) if run["k"] == "auto" and drafter is not None else None
+        return Decoding(self.target, job.ids, drafter, GenerationOptions(**run), policy)
 
     def _drop_cancelled(self) -> None:
         for live in [v for v in self.live.values() if v.job.cancelled.is_set()]:
@@ -217,7 +217,7 @@ class Worker:
             self.owner.pop(id(seq), None)
         self.live.pop(id(live.job), None)
 
-    def _on_commit(self, seq: Sequence, tokens: list[int]) -> None:
+    def _on_commit(self, seq: Decoding, tokens: list[int]) -> None:
         live, i = self.owner[id(seq)]
         deltas = live.deltas[i]
         if deltas is None:
@@ -227,7 +227,7 @@ class Worker:
         if piece or logprobs:
             live.job.push("delta", (i, piece, logprobs))
 
-    def _on_finish(self, seq: Sequence, generation: Generation) -> None:
+    def _on_finish(self, seq: Decoding, generation: Generation) -> None:
         live, i = self.owner.pop(id(seq))
         live.done[i] = generation
         if len(live.done) == len(live.seqs):

@@ -1,34 +1,34 @@
-"""One generation's state, from its validated parameters to its Generation: the prompt, the
-committed tokens, the target's KV cache, the drafter, the adaptive policy and the stop rules.
+"""One generation's state, from its options to its Generation: the prompt, the committed tokens,
+the target's KV cache, the drafter, the adaptive policy and the stop rules (a Decoding).
 
-specdec.engine runs one Sequence with its own forwards; specdec.batch runs many, their forwards
+specdec.engine runs one Decoding with its own forwards; specdec.batch runs many, their forwards
 batched. Both go through the same steps (prefill, then rounds of specdec.round's propose, a
 verify forward and conclude, then commit), so a sequence's tokens do not depend on which runs it.
+A driver talks only to the Decoding: it says what each forward is to run (Rows) and takes back
+its scores.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
-from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.adaptive import AdaptiveK, Share, VerifyCosts
 from specdec.cache import new_cache
 from specdec.drafters.base import Drafter
-from specdec.drafters.draft import Draft
 from specdec.drafters.factory import make_drafter
 from specdec.errors import ContextLengthError
 from specdec.models.load import Model, synchronize
+from specdec.options import GenerationOptions
 from specdec.round import Proposal, Round, Speculation, conclude, propose
-from specdec.sampling import Penalties, Sampler, SamplingParams, TokenLogprob, logprobs_of, processed_probs
+from specdec.sampling import Sampler, TokenLogprob
 from specdec.stats import RunStats
 from specdec.textstream import IncrementalText
-from specdec.verify import verify_greedy, verify_sampling, verify_tree_greedy
-
-AUTO_K_MAX = 8  # the longest draft k = "auto" chooses by default
-MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+from specdec.verifier import TargetVerifier
 
 
 @dataclass
@@ -43,44 +43,46 @@ class Generation:
     logprobs: list[TokenLogprob] | None = None
 
 
-class Sequence:
-    """One prompt's generation, round by round. Parameters: specdec.engine.generate's (the policy,
-    when given with k="auto", is used and updated; penalties: a Penalties; logprobs: None, or how
-    many most likely tokens to report beside each committed token's log-probability, 0..20).
+class Rows(NamedTuple):
+    """What one sequence puts into a target forward (specdec.cache.extend_batch): `tokens` after
+    what `cache` holds, their tree `parents` (None for a chain), and whether the forward returns
+    logits for every row (a verify) or none (a prompt block)."""
 
-    Raises ValueError on bad parameters, ContextLengthError when the prompt leaves no room in the
-    target's context, TypeError for a drafter that is not a specdec Drafter.
+    cache: Any
+    tokens: list[int]
+    all_logits: bool
+    parents: list[int] | None
+
+
+class Decoding:
+    """One prompt's generation, round by round.
+
+    input_ids: the prompt, a list or a (n,) / (1, n) tensor. drafter: a Drafter, a registry name,
+    or None (plain decoding). options: a GenerationOptions (default: its defaults). policy: with
+    k="auto", the AdaptiveK to use and update (its k_max replaces options.k_max); default: a new
+    one over the target's verify-cost curve.
+
+    Raises ContextLengthError when the prompt leaves no room in the target's context, ValueError
+    for an empty prompt, TypeError for a drafter that is not a specdec Drafter.
 
     The steps, for a driver (specdec.engine, specdec.batch): `prefill_blocks()` (the prompt but its
-    last token, to feed to the cache), `ready()` after they ran; then while not `finished`:
-    `next_round()` (a Proposal), the target's scores of it (`block()` is what to feed), and
-    `commit(proposal, scores, verify_s)`; at the end `result()`.
+    last token), each fed with `feed(block)` or, batched, as `prefill_rows(block)`; `ready()` after
+    them; then while not `finished`: `step()` alone, or batched `next_round()` (a Proposal), a
+    forward over its `verify_rows()`, and `commit(proposal, scores, verify_s)`; at the end
+    `result()`.
     """
 
     def __init__(
         self,
         target: Model,
-        input_ids: Seq[int] | torch.Tensor,
+        input_ids: Sequence[int] | torch.Tensor,
         drafter: Drafter | str | None = None,
-        k: int | str = "auto",
-        k_max: int = AUTO_K_MAX,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Seq[str] = (),
+        options: GenerationOptions | None = None,
         policy: AdaptiveK | None = None,
-        penalties: Penalties | None = None,
-        logprobs: int | None = None,
     ):
-        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise ValueError(f"k (draft length) must be an integer >= 0 or 'auto', got {k!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
-        params = SamplingParams(temperature, top_k, top_p)
+        options = options or GenerationOptions()
+        k, max_new_tokens, seed, logprobs = options.k, options.max_new_tokens, options.seed, options.logprobs
+        params = options.sampling
         prompt = [int(t) for t in (input_ids.flatten().tolist() if torch.is_tensor(input_ids) else input_ids)]
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
@@ -99,7 +101,7 @@ class Sequence:
         if drafter is None:
             k = 0
         if k == "auto":
-            policy = policy or AdaptiveK(VerifyCosts.for_model(target), k_max=k_max)
+            policy = policy or AdaptiveK(VerifyCosts.for_model(target), k_max=options.k_max)
             policy.begin()
         else:
             policy = None
@@ -108,10 +110,10 @@ class Sequence:
             seed = generator.seed()
         else:
             generator.manual_seed(seed)
-        self.target, self.prompt, self.max_new_tokens, self.stop = target, prompt, max_new_tokens, tuple(stop)
+        self.target, self.prompt, self.max_new_tokens, self.stop = target, prompt, max_new_tokens, options.stop
+        self.options = options
         self.sampler = Sampler(params, generator)
-        self.penalties = penalties or Penalties()
-        self.top_logprobs = logprobs
+        self.penalties = options.penalties
         self.drafter, self.policy = drafter, policy
         self.stats = RunStats(k=k, prompt_tokens=len(prompt))
         self.tokens = list(prompt)  # committed: prompt + output
@@ -136,6 +138,11 @@ class Sequence:
         )
         self.verifier = TargetVerifier(self.kv, self.sampler, self.penalties, len(prompt), logprobs)
 
+    @property
+    def verify_costs(self) -> VerifyCosts | None:
+        """The verify-cost curve its k="auto" policy plans with (None without one)."""
+        return self.policy.costs if self.policy else None
+
     def prefill_blocks(self, chunk: int | None = None) -> list[list[int]]:
         """The prompt but its last token, in blocks of at most `chunk` tokens (None: one block), to
         feed to the cache in order; the last prompt token is the first of the first round."""
@@ -145,12 +152,20 @@ class Sequence:
         chunk = chunk or len(rest)
         return [rest[i : i + chunk] for i in range(0, len(rest), chunk)]
 
+    def feed(self, block: list[int]) -> None:
+        """Run a prompt block (of prefill_blocks()) through the target into the cache, alone."""
+        self.kv.extend(block, all_logits=False)  # the cache holds all committed tokens but the last
+
+    def prefill_rows(self, block: list[int]) -> Rows:
+        """A prompt block (of prefill_blocks()) as rows of a batched forward, no logits kept."""
+        return Rows(self.kv, block, False, None)
+
     def ready(self, calibrate: bool = True) -> None:
         """After the prefill: with k="auto" and calibrate, time the target's verify-cost curve
         here and where the output ends, once per target, context range and machine (cached on disk,
         specdec.adaptive.costs)."""
         if self.policy and calibrate:
-            self.policy.verify.calibrate(self.kv, self.prompt, self.policy.k_max + 1, ahead=self.max_new_tokens)
+            self.policy.costs.calibrate(self.kv, self.prompt, self.policy.k_max + 1, ahead=self.max_new_tokens)
 
     @property
     def finished(self) -> bool:
@@ -163,15 +178,25 @@ class Sequence:
                 self.stats.stop_reason = "context"
         return bool(self.stats.stop_reason)
 
-    def next_round(self) -> Proposal:
-        """Plan and draft the next round (specdec.round.propose). Only while not finished."""
+    def next_round(self, share: Share | None = None) -> Proposal:
+        """Plan and draft the next round (specdec.round.propose); share: in a batch, its part in
+        the round's costs, for the policy. Only while not finished."""
         budget, room = self.max_new_tokens - len(self.out), self.target.n_ctx - len(self.tokens)
-        return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees)
+        return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees, share)
 
-    def block(self, proposal: Proposal) -> tuple[list[int], list[int] | None]:
-        """What the target scores for a proposal: the last committed token then the draft, and the
-        tree's parents (None for a chain)."""
-        return self.verifier.block(self.tokens, proposal.checked)
+    def verify_rows(self, proposal: Proposal) -> Rows:
+        """What the target scores for a proposal, as rows of a forward: the last committed token
+        then the draft (and a tree's parents), logits for every row."""
+        block, parents = self.verifier.block(self.tokens, proposal.checked)
+        return Rows(self.kv, block, True, parents)
+
+    def step(self) -> list[int]:
+        """One round alone: plan and draft, the target's forward over it (timed by the run's
+        clock), commit. Returns the tokens committed. Only while not finished."""
+        proposal = self.next_round()
+        t1 = self.spec.clock()
+        scores = self.verifier.score(self.tokens, proposal.checked)
+        return self.commit(proposal, scores, self.spec.clock() - t1)
 
     def commit(self, proposal: Proposal, scores: torch.Tensor, verify_s: float, timed: bool = True) -> list[int]:
         """Conclude the round from the target's scores of block(proposal) (a forward of verify_s
@@ -208,67 +233,7 @@ class Sequence:
         return Generation(self.out, text if cut < 0 else text[:cut], self.stats, self.logprobs)
 
 
-class TargetVerifier:
-    """The engine's Verifier (specdec.round): the target's forward over its KV cache.
-
-    A token tree is verified in the same one forward under a tree attention mask where the cache
-    can keep a path of it (the lean backend) and decoding is greedy, without penalties or
-    logprobs; elsewhere its main chain is. Penalties (a Penalties) apply to each row of a verified
-    block with that row's history, so that every drafter and k gives what plain decoding with them
-    gives. With top_logprobs (not None) each round's committed tokens' TokenLogprobs are left in
-    last_logprobs."""
-
-    def __init__(self, kv, sampler: Sampler, penalties: Penalties, prompt_len: int, top_logprobs: int | None = None):
-        self.kv, self.sampler, self.penalties, self.prompt_len = kv, sampler, penalties, prompt_len
-        self.top_logprobs = top_logprobs
-        plain = penalties.neutral and top_logprobs is None
-        self.verifies_trees = sampler.params.greedy and plain and hasattr(kv, "keep_path")
-        self.last_logprobs: list[TokenLogprob] = []
-
-    def block(self, tokens: list[int], draft: Draft) -> tuple[list[int], list[int] | None]:
-        """The tokens to score (the last committed one, then the draft) and their tree parents."""
-        parents = None if draft.parents is None else [-1] + [p + 1 for p in draft.parents]
-        return [tokens[-1]] + draft.tokens, parents
-
-    def score(self, tokens: list[int], draft: Draft) -> torch.Tensor:
-        """Logits (1 + len(draft.tokens), V): node 0 is the last committed token."""
-        block, parents = self.block(tokens, draft)
-        return self.kv.extend(block) if parents is None else self.kv.extend(block, parents=parents)
-
-    def judge(self, logits: torch.Tensor, tokens: list[int], draft: Draft) -> tuple[list[int], int]:
-        if draft.parents is not None:
-            nodes = [tokens[-1]] + draft.tokens
-            verdict, path = verify_tree_greedy(nodes, [-1] + [p + 1 for p in draft.parents], logits)
-            self.kv.keep_path(len(tokens) - 1, path)
-            return [nodes[i] for i in path[1:]], verdict.token
-        raw = logits
-        if not self.penalties.neutral:
-            logits = self.penalties.apply(logits, tokens[: self.prompt_len], tokens[self.prompt_len :], draft.tokens)
-        if self.sampler.params.greedy:
-            verdict = verify_greedy(draft.tokens, logits)
-        else:
-            q = None if draft.probs is None else _match_vocab(draft.probs, logits.shape[-1])
-            verdict = verify_sampling(
-                draft.tokens, q, processed_probs(logits, self.sampler.params), self.sampler.generator
-            )
-        accepted = draft.tokens[: verdict.n_accepted]
-        if self.top_logprobs is not None:
-            self.last_logprobs = logprobs_of(raw, accepted + [verdict.token], self.top_logprobs)
-        return accepted, verdict.token
-
-    def rollback(self, n: int) -> None:
-        self.kv.rollback(n)
-
-
-def stop_at(text: str, stop: Seq[str]) -> int:
+def stop_at(text: str, stop: Sequence[str]) -> int:
     """Index where the earliest stop string starts in text, or -1."""
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else -1
-
-
-def _match_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft probabilities (n, V_draft) as (n, vocab): zero-padded when the target's logits are
-    wider (Qwen 151936 vs 152064), cut when narrower (padding ids only, checked at load)."""
-    if q.shape[1] < vocab:
-        return torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
-    return q[:, :vocab]

@@ -1,0 +1,99 @@
+"""GenerationOptions: what one generation is asked for (draft length, budget, sampling, stop rules,
+penalties, logprobs), validated once, in one place, and passed as one value from the edges (CLI,
+server, bench) to the Sequence that runs it. specdec.engine.generate keeps its keyword arguments
+and builds one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from specdec.sampling import Penalties, SamplingParams
+
+AUTO_K_MAX = 8  # the longest draft k = "auto" chooses by default
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
+
+def parse_k(value: int | str) -> int | str:
+    """A draft length: an integer >= 0 (0 = plain decoding), or "auto" (chosen every round by
+    specdec.adaptive). Takes the command line's text too ("4", "auto"). Returns the int or "auto".
+    Raises ValueError naming the value otherwise (a bool, a negative number, other text)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"k (draft length) must be 'auto' or a whole number >= 0, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"k (draft length) must be an integer >= 0 (0 = plain decoding) or 'auto', got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """One generation's options, checked when made.
+
+    k: the draft length per round, an int >= 0 (0 = plain decoding) or "auto" (chosen every round
+    up to k_max, >= 1). max_new_tokens: the budget (>= 0). temperature, top_k, top_p: the sampling
+    (specdec.sampling.SamplingParams; temperature 0 is greedy). seed: of the run's one
+    torch.Generator (None: a random seed). stop: strings that end the text. penalties: a Penalties
+    (None: none). logprobs: None, or how many most likely tokens (0..20) to report beside each new
+    token's log-probability.
+
+    Raises ValueError naming the first bad field (what parse_k, SamplingParams and Penalties raise,
+    a k_max < 1, a negative budget, logprobs out of range, a stop that is not strings).
+    """
+
+    k: int | str = "auto"
+    k_max: int = AUTO_K_MAX
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    penalties: Penalties = field(default_factory=Penalties)
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, str) and self.k != "auto":
+            raise ValueError(f"k (draft length) must be an integer >= 0 (0 = plain decoding) or 'auto', got {self.k!r}")
+        parse_k(self.k)
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
+            raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        if self.penalties is None:
+            object.__setattr__(self, "penalties", Penalties())
+        self.sampling  # noqa: B018 -- checks temperature, top_k and top_p
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sampling parameters (temperature, top_k, top_p)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def replace(self, **changes) -> GenerationOptions:
+        """A copy with these fields changed (checked again). Raises TypeError for an unknown field."""
+        return replace(self, **changes)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(GenerationOptions))
+
+
+def options_from(options: GenerationOptions | None, kwargs: dict) -> GenerationOptions:
+    """The options of a call given either an options object or its fields as keyword arguments
+    (generate's way), not both. Raises TypeError for an unknown keyword or both given."""
+    unknown = set(kwargs) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}; known: {', '.join(OPTION_NAMES)}")
+    if options is not None and kwargs:
+        raise TypeError(f"give options= or its fields ({', '.join(sorted(kwargs))}), not both")
+    return options if options is not None else GenerationOptions(**kwargs)
