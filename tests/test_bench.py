@@ -307,8 +307,8 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload, monkeypatch):
         for config in pair["configs"]:
             assert set(config["replayed"]["by_category"]) == {"qa", "summarization"}
             assert config["replayed"]["speedup"]["median"] > 0
-    assert lookup["backend"] == "lean" and model["draft_dtype"] == model["draft_precision"] == "float32"
-    assert lookup["dtype"] == lookup["precision"] == "float32"  # "dtype": the key older readers know
+    assert lookup["backend"] == "lean" and model["draft_precision"] == "float32"
+    assert lookup["precision"] == "float32" and "dtype" not in lookup and "draft_dtype" not in model
     assert lookup["products"] == model["products"] == "kernels named by a stand-in"
     assert lookup["kernel"] == model["draft_kernel"] == "kernels named by a stand-in"
     report = markdown_report(res)
@@ -354,6 +354,7 @@ def test_bench_cli_writes_results_report_and_plots(model_dir, workload, tmp_path
     assert main(args) == 0
     assert "identical" in capsys.readouterr().out
     res = results.load(out / "results.json")
+    assert json.loads((out / "results.json").read_text())["schema_version"] == results.SCHEMA_VERSION
     report = (out / "report.md").read_text()
     assert res["settings"]["ks"] == [1, 2, "auto"] and report.startswith("#")
     # auto against the best fixed k, measured and replayed, on the median row of the replay table
@@ -555,7 +556,7 @@ def test_bench_runs_a_quantized_model_without_its_fp32_dequantization(workload, 
     res = run_bench([Pair("smollm2-135m")], load_workload(workload, ["qa"], 1), workload.name, [2], 8, progress=False)
     results.validate(res)
     pair = res["pairs"][0]
-    assert pair["dtype"] == pair["precision"] == "gguf Q4_1+Q8_0" and pair["backend"] == "lean"
+    assert pair["precision"] == "gguf Q4_1+Q8_0" and pair["backend"] == "lean"
     target, _ = load_measured("smollm2-135m")
     assert pair["kernel"] == target.lean().kernel and pair["products"] is None
     assert pair["kernel"].startswith("specdec quant, ") and "batch-invariant" in pair["kernel"]

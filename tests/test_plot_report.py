@@ -232,3 +232,116 @@ def test_save_round_trips_and_is_atomic(data, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="best_k"):
         results_mod.save(changed, path)
     assert path.read_bytes() == before
+
+
+def _write(tmp_path, raw: dict, name: str = "results.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    "where, field, value, named",
+    [
+        (lambda r: r["pairs"][0]["configs"][1], "tau", "high", "pairs[0].configs[1].tau"),
+        (lambda r: r["pairs"][0]["configs"][1], "k", True, "pairs[0].configs[1].k"),
+        (lambda r: r["settings"], "limit", "1", "settings.limit"),  # no coercion of "1" to 1
+        (lambda r: r["pairs"][0]["costs"]["verify_ms"], "2", None, "pairs[0].costs.verify_ms.2"),
+        (lambda r: r["pairs"][0]["configs"][0], "identical", [3], "pairs[0].configs[0].identical"),
+        (lambda r: r["pairs"][0]["prompts"][1]["plain"], "rounds", 2.5, "pairs[0].prompts[1].plain.rounds"),
+    ],
+)
+def test_load_refuses_a_wrong_typed_field_naming_file_and_field(tmp_path, where, field, value, named):
+    raw = json.loads(DATA.read_text())
+    where(raw)[field] = value
+    path = _write(tmp_path, raw)
+    with pytest.raises(ValueError) as refused:
+        results_mod.load(path)
+    assert str(refused.value).startswith(f"{path}: field '{named}': ")
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__  # one line, no pydantic trace
+
+
+def test_the_cli_reports_a_malformed_file_in_one_line(tmp_path, capsys):
+    from specdec.cli import main
+
+    raw = json.loads(DATA.read_text())
+    raw["pairs"][0]["costs"]["overhead_ms"] = "fast"
+    path = _write(tmp_path, raw)
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: field 'pairs[0].costs.overhead_ms'" in err and "Traceback" not in err
+
+
+def test_a_version_1_file_is_migrated_on_read():
+    raw = json.loads(DATA.read_text())
+    assert raw["schema"] == "specdec.bench/1" and "schema_version" not in raw
+    pair = raw["pairs"][0]
+    assert pair["dtype"] == "float32" and "precision" not in pair and "backend" not in pair
+    data = results_mod.load(DATA)
+    assert (
+        (data["schema"], data["schema_version"])
+        == (results_mod.SCHEMA, results_mod.SCHEMA_VERSION)
+        == (
+            "specdec.bench",
+            2,
+        )
+    )
+    migrated = data["pairs"][0]
+    assert migrated["precision"] == "float32" and migrated["draft_precision"] is None
+    assert "dtype" not in migrated and "draft_dtype" not in migrated  # the duplicate keys are gone
+    assert (migrated["backend"], migrated["device"]) == ("hf", "cpu")  # what ran before either was recorded
+    assert migrated["memory"] is None and migrated["kernel"] is None  # not recorded
+    assert migrated["costs"]["draft_catchup_ms"] == migrated["costs"]["draft_ms"] == pair["costs"]["draft_ms"]
+    assert data["settings"]["interleave"] is None and data["settings"]["replay"] is False
+    assert data["environment"]["memory_bandwidth_gbs"] is None
+    for k, run in migrated["prompts"][0]["runs"].items():  # the measured numbers as they were
+        assert run["decode_tokens_per_s"] == pair["prompts"][0]["runs"][k]["decode_tokens_per_s"]
+    quick = results_mod.load(DATA.parent / "quick_results.json")["pairs"][0]  # older still: no mean_k, no D2
+    assert quick["prompts"][0]["plain"]["mean_k"] is None and quick["prompts"][0]["plain"]["k_per_round"] is None
+
+
+def test_a_version_1_pair_with_both_keys_keeps_its_precision(tmp_path):
+    raw = json.loads(DATA.read_text())
+    raw["pairs"][0].update(dtype="torch.float32", precision="gguf Q4_1+Q8_0", draft_dtype="bfloat16")
+    pair = results_mod.load(_write(tmp_path, raw))["pairs"][0]
+    assert pair["precision"] == "gguf Q4_1+Q8_0" and pair["draft_precision"] == "bfloat16"
+
+
+@pytest.mark.parametrize("schema, version", [("specdec.bench/0", None), ("specdec.bench", 3), ("specdec.bench", "2")])
+def test_other_versions_are_refused_saying_how_to_regenerate(tmp_path, schema, version):
+    raw = results_mod.load(DATA)
+    raw.update(schema=schema, schema_version=version)
+    path = _write(tmp_path, raw)
+    with pytest.raises(ValueError, match=r"version 2 .*regenerate it with `specdec bench`") as refused:
+        results_mod.load(path)
+    assert str(refused.value).startswith(f"{path}: results schema {schema!r} version {version!r}")
+
+
+def test_a_version_2_file_with_a_removed_duplicate_key_is_refused(data, tmp_path):
+    data["pairs"][0]["dtype"] = data["pairs"][0]["precision"]
+    with pytest.raises(ValueError, match=r"field 'pairs\[0\]\.dtype' is not in schema version 2"):
+        results_mod.load(_write(tmp_path, data))
+    with pytest.raises(ValueError, match="is not in schema version 2"):  # nor written
+        results_mod.save(data, tmp_path / "out.json")
+    assert not (tmp_path / "out.json").exists()
+
+
+def _without_nan(obj):
+    """obj with every NaN replaced by 0.0 (NaN != NaN would defeat an equality test)."""
+    if isinstance(obj, dict):
+        return {k: _without_nan(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_without_nan(v) for v in obj]
+    return 0.0 if isinstance(obj, float) and math.isnan(obj) else obj
+
+
+def test_a_record_written_then_read_round_trips_equal(data, tmp_path):
+    record = results_mod.validate(_without_nan(data), "data")
+    assert isinstance(record.pairs[0], results_mod.PairRecord) and record.pairs[0].precision == "float32"
+    path = results_mod.save(record, tmp_path / "results.json")
+    assert json.loads(path.read_text())["schema_version"] == 2  # the file carries its version
+    again = results_mod.load(path)
+    assert results_mod.validate(again, str(path)) == record
+    assert again == record.to_dict()
+    results_mod.save(again, path)  # and once more
+    assert results_mod.load(path) == again

@@ -3,8 +3,8 @@ results/*/serving.json.
 
     python -m specdec.bench.headline [--results results] [--readme README.md] [--check]
 
-Reads every `<results>/<run>/results.json` (schema `specdec.bench/1`, see specdec.bench.results;
-read here with the json module alone, so this runs without torch) and writes one markdown table
+Reads every `<results>/<run>/results.json` (specdec.bench.results.load: validated, version 1
+migrated) and writes one markdown table
 between the README's markers `<!-- results:begin -->` and `<!-- results:end -->`: one row per
 (pair, workload), the run with the latest `created` time where two runs measured the same one.
 Columns: the pair (linked to its run's folder), the workload with its prompts x new tokens,
@@ -32,6 +32,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from specdec.bench import results
+
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 
@@ -53,23 +55,13 @@ NOTE = (
 
 
 def load_runs(results_dir: str | os.PathLike) -> list[tuple[Path, dict]]:
-    """Every `<results_dir>/*/results.json`, parsed, sorted by folder name.
+    """Every `<results_dir>/*/results.json`, loaded (specdec.bench.results.load), sorted by folder name.
 
-    Raises ValueError when there is none, or one cannot be read or lacks the fields used here."""
+    Raises ValueError when there is none, or one cannot be read or does not fit the schema."""
     paths = sorted(Path(results_dir).glob("*/results.json"))
     if not paths:
         raise ValueError(f"no {results_dir}/*/results.json found")
-    runs = []
-    for path in paths:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read {path}: {e}") from e
-        for key in ("created", "environment", "settings", "pairs"):
-            if key not in data:
-                raise ValueError(f"{path}: missing field {key!r}")
-        runs.append((path.parent, data))
-    return runs
+    return [(path.parent, results.load(path)) for path in paths]
 
 
 def _pair_label(pair: dict) -> str:
@@ -89,9 +81,10 @@ def _workload_label(run: dict, pair: dict) -> str:
 
 
 def _precision(pair: dict) -> str:
-    text = DTYPES.get(pair["dtype"], pair["dtype"])
-    if pair.get("draft_dtype") and pair["draft_dtype"] != pair["dtype"]:
-        text += f" (draft {DTYPES.get(pair['draft_dtype'], pair['draft_dtype'])})"
+    text = DTYPES.get(pair["precision"], pair["precision"])
+    draft = pair["draft_precision"]
+    if draft and draft != pair["precision"]:
+        text += f" (draft {DTYPES.get(draft, draft)})"
     text += f", {pair.get('backend') or 'hf'}"
     device = pair.get("device") or "cpu"
     return text if device == "cpu" else f"{text}, {device}"

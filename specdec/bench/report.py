@@ -72,7 +72,7 @@ def _header(results: dict) -> list[str]:
     out = [
         "# specdec bench report",
         "",
-        f"Results file schema `{results['schema']}`, created {results['created']}.",
+        f"Results file schema `{results['schema']}` version {results['schema_version']}, created {results['created']}.",
         "",
         "## Environment",
         "",
@@ -100,10 +100,9 @@ def _header(results: dict) -> list[str]:
         ["temperature", f"{temperature:g}" + (" (greedy)" if temperature == 0 else " (sampling)")],
         ["draft lengths k", ", ".join(str(k) for k in st["ks"])],
         ["quick", "yes" if st["quick"] else "no"],
+        ["repeats", st["repeats"]],
     ]
-    if "repeats" in st:
-        rows.append(["repeats", st["repeats"]])
-    if "interleave" in st:
+    if st["interleave"] is not None:
         rows.append(["a prompt's configs", "together, round by round" if st["interleave"] else "one after another"])
     out += _table(["", ""], rows, "ll")
     out += [
@@ -116,11 +115,6 @@ def _header(results: dict) -> list[str]:
         "and the table gives the median of those errors beside the median prediction.",
     ]
     return out
-
-
-def _precision(pair: dict) -> str:
-    """What the target's weights are: "precision" (files before it: "dtype")."""
-    return pair.get("precision") or pair["dtype"]
 
 
 def _memory(pair: dict) -> list[str]:
@@ -193,7 +187,7 @@ def _costs(pair: dict) -> list[str]:
         screened = " (its output layer in bf16, screened)" if roof.get("screened_output_layer") else ""
         out += [
             "",
-            f"Roofline ({pair.get('backend', 'hf')} backend, {roof.get('weights') or _precision(pair)}): a forward "
+            f"Roofline ({pair['backend']} backend, {roof['weights'] or pair['precision']}): a forward "
             f"reads{screened} {roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured "
             f"here that takes at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
             f"V({widest}) {frac[widest]:.0%}.",
@@ -299,7 +293,7 @@ def _replayed(pair: dict) -> list[str]:
         return []
     auto = pair.get("auto") or {}
     again = auto.get("replayed") or {}
-    measured, replayed = auto.get("vs_best_fixed_by_category", {}), again.get("vs_best_fixed_by_category", {})
+    measured, replayed = auto.get("vs_best_fixed_by_category") or {}, again.get("vs_best_fixed_by_category") or {}
     rows = [
         [cat]
         + [_x(c["replayed"]["by_category"][cat]["speedup"]) for c in configs]
@@ -345,7 +339,7 @@ def _peers(pair: dict) -> list[str]:
     out = []
     summary = pair.get("peer_summary") or []
     if summary:
-        ours = _precision(pair)
+        ours = pair["precision"]
         ctx = [p["n_ctx"] for p in summary if p.get("n_ctx")]
         rows = [
             [
@@ -440,12 +434,12 @@ def markdown_report(results: dict) -> str:
     pair its costs, the per-k table, best k, by-category table, peers and divergences."""
     out = _header(results)
     for pair in results["pairs"]:
-        draft = pair.get("draft_precision") or pair.get("draft_dtype")
+        draft = pair["draft_precision"]
         out += [
             "",
             f"## {_pair_name(pair)}",
             "",
-            f"precision {_precision(pair)}, backend {pair.get('backend', 'hf')}, device {pair.get('device', 'cpu')}, "
+            f"precision {pair['precision']}, backend {pair['backend']}, device {pair['device']}, "
             f"workload {pair['workload']}, {len(pair['prompts'])} prompts"
             + (f"; draft precision {draft}." if draft else "."),
             "",

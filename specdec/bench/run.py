@@ -25,7 +25,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,7 +40,7 @@ from specdec.bench.memory import MB, footprint, rss_bytes
 from specdec.bench.peers import hf_generate, llama_cpp_generate
 from specdec.bench.replay import controller, replayable
 from specdec.bench.replay import replay as replay_run
-from specdec.bench.results import SCHEMA
+from specdec.bench.results import SCHEMA, SCHEMA_VERSION, PairRecord, PeerRun, parse, validate
 from specdec.bench.roofline import memory_bandwidth_gbs, roofline
 from specdec.bench.rowcost import row_cost
 from specdec.bench.workloads import Prompt
@@ -253,58 +253,39 @@ def bench_pair(
     replay: bool = True,
     interleave: bool = True,
     **load_kwargs,
-) -> dict:
-    """Everything for one pair, as the `pairs[i]` object of results.json (see specdec.bench.results).
+) -> PairRecord:
+    """Everything for one pair: its `pairs[i]` record of results.json (specdec.bench.results.PairRecord).
+
+    In this order: load the models, each load measured in resident memory (load_measured, _drafters);
+    warm up and measure the costs (_measure); give each config its drafter (_config_drafters); the
+    roofline and an added row's cost (_roofline_and_row_cost); per prompt, plain decoding and every k
+    (_run_configs), checked against plain decoding (_prompt_record), then the peers (_peer_run); the
+    per-round overhead; the replay (_replay); the fit (_pair_record).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
-    bandwidth_gbs (measured memory bandwidth) adds the roofline of the target's forward. Each model's
-    load is measured in resident memory (load_measured).
+    bandwidth_gbs (measured memory bandwidth, GB/s) adds the roofline of the target's forward.
     replay: when greedy and the drafter allows it (specdec.bench.replay), also replay every config on
     each prompt's plain output under the measured costs: speeds without the machine's noise.
     interleave: run a repeat's configs together, round by round (run_all), each with a drafter of its
-    own; else one after another."""
+    own; else one after another. Raises ValueError when the record does not fit the schema."""
     greedy = temperature == 0
+    cache = load_kwargs.get("cache")
     target, memory = load_measured(pair.target, greedy=greedy, **load_kwargs)
     encoded = [encode_prompt(target, p) for p in prompts]
-    # The pair's third part fills its drafter's main option (MAIN_OPTION): a draft model (loaded
-    # once, here, in the draft's dtype; the peers use it too), a corpus file, layers or a head file.
-    main = MAIN_OPTION.get(pair.drafter)
-    source = pair.draft if main else None
-    draft_model, draft_memory = None, None
-    if source and main == "draft":
-        dtype = draft_dtype or load_kwargs.get("dtype")  # None: the draft's own precision (load_model)
-        source, draft_memory = load_measured(source, greedy, **{**load_kwargs, "dtype": dtype})
-        draft_model = source
-    settings = {"cache": load_kwargs.get("cache"), **({main: source} if main else {})}
-    options = options_for(pair.drafter, settings)
-
-    def new_drafter() -> Drafter:  # one per config when interleaved: drafters keep per-generation state
-        return drafter_from_options(pair.drafter, **options)
-
+    new_drafter, draft_model, draft_memory = _drafters(pair, greedy, draft_dtype, load_kwargs)
     drafter = new_drafter()
     run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
     # The costs are measured for every fixed k, and for k = "auto" over the lengths it chooses from.
     cost_ks = sorted({k for k in ks if k != "auto"} | ({1, AUTO_K_MAX} if "auto" in ks else set()))
-
-    # Warm up every path once, then measure the costs at the typical KV length of the decode.
-    generate(target, encoded[0], drafter, k=max(cost_ks), **{**run, "max_new_tokens": 8})
-    generate(target, encoded[0], None, **{**run, "max_new_tokens": 8})
-    ctx_len = int(statistics.median(len(e) for e in encoded)) + max_new_tokens // 2
-    longest = max(encoded, key=len)
-    context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
-    costs = measure_costs(target, drafter, context, cost_ks, greedy=greedy)
-    own = {k: new_drafter() if interleave else drafter for k in ks}
-    policy = AdaptiveK(
-        VerifyCosts.for_model(target, load_kwargs.get("cache")), k_max=AUTO_K_MAX
-    )  # carried across prompts
-    if interleave:
-        for d in own.values():  # at a fixed k: warm it without starting auto's policy
-            generate(target, encoded[0], d, k=max(cost_ks), **{**run, "max_new_tokens": 8})
-    if bandwidth_gbs:
-        costs["roofline"] = roofline(target, costs["verify_ms"], bandwidth_gbs, greedy=greedy)
-    costs["row_cost"] = row_cost(target, costs["verify_ms"])
+    costs = _measure(target, drafter, encoded, cost_ks, run)
+    own, policy = _config_drafters(target, encoded[0], drafter, new_drafter, ks, max(cost_ks), run, interleave, cache)
+    costs.update(_roofline_and_row_cost(target, costs["verify_ms"], bandwidth_gbs, greedy))
 
     # llama.cpp allocates its whole KV cache up front: room for the longest prompt and its output
     peer_ctx = min(target.n_ctx, -(-(max(map(len, encoded)) + max_new_tokens + peer_k + 16) // 256) * 256)
+    peer_run = functools.partial(
+        _peer_run, target=target, spec=pair.target, draft_model=draft_model, max_new_tokens=max_new_tokens,
+        peer_k=peer_k, n_ctx=peer_ctx, cache=cache, greedy=greedy,
+    )  # fmt: skip
     records, peer_rows, outputs = [], [], []
     bar = tqdm(
         total=len(prompts) * (len(ks) + 1 + len(peers)),
@@ -312,136 +293,262 @@ def bench_pair(
         disable=not progress,
     )
     for prompt, ids in zip(prompts, encoded):
-        timed: dict[str, list] = {}  # per config, its `repeats` generations, interleaved in time
-        configs = [0, *ks]  # 0: plain decoding
-        for r in range(repeats):  # each repeat rotates the order, so no config always runs first
-            order = configs[r % len(configs) :] + configs[: r % len(configs)]
-            steps = {
-                str(k) if k else "plain": stepwise(
-                    target, ids, own[k] if k else None, k=k, policy=policy if k == "auto" else None, **run
-                )
-                for k in order
-            }
-            for name, spec in run_all(steps, interleave).items():
-                timed.setdefault(name, []).append(spec)
-        plain = _median_run(timed["plain"])
-        outputs.append(plain.tokens)
-        bar.update()
-        runs = {}
-        for k in ks:
-            spec = _median_run(timed[str(k)])
-            d = spec.stats.to_dict()
-            d["decode_tokens_per_s_repeats"] = [g.stats.decode_tokens_per_s for g in timed[str(k)]]
-            if temperature == 0:  # every repeat must be plain greedy's output
-                odd = next((g for g in timed[str(k)] if g.tokens != plain.tokens), spec)
-                div = first_divergence(target, ids, plain.tokens, odd.tokens)
-                d["identical"] = div is None
-                d["divergence"] = None if div is None else vars(div)
-            else:
-                d["identical"], d["divergence"] = None, None
-            runs[str(k)] = d
-            bar.update()
+        timed = _run_configs(target, ids, ks, own, policy, run, repeats, interleave)
+        record, plain = _prompt_record(target, prompt, ids, ks, timed, greedy)
+        bar.update(1 + len(ks))
         for name in peers:
-            try:
-                if name.startswith("llama-cpp"):
-                    gguf = _gguf_of(target, pair.target, load_kwargs.get("cache"))
-                    peer = llama_cpp_generate(
-                        gguf,
-                        ids,
-                        max_new_tokens,
-                        target.eos_token_ids,
-                        n_ctx=peer_ctx,
-                        k=peer_k if name == "llama-cpp-lookup" else 0,
-                    )
-                    weights = target.precision if target.gguf is not None else _gguf_precision(gguf)
-                    same_weights = target.gguf is not None
-                else:
-                    peer = hf_generate(name, target, ids, max_new_tokens, draft=draft_model, k=peer_k)
-                    # transformers runs the model object's fp32 (or bf16) weights: a GGUF model's dequantization
-                    weights = str(target.hf.dtype).removeprefix("torch.")
-                    same_weights = target.gguf is None
-                peer_rows.append(
-                    {
-                        "name": name,
-                        "prompt_id": prompt.id,
-                        "tokens_per_s": peer.tokens_per_s,
-                        "decode_tokens_per_s": peer.decode_tokens_per_s,
-                        "identical": peer.tokens == plain.tokens if greedy else None,
-                        "agreement": _agreement(peer.tokens, plain.tokens) if greedy else None,
-                        "weights": weights,
-                        "same_weights": same_weights,
-                        "rss_growth_mb": None if peer.rss_growth_bytes is None else peer.rss_growth_bytes / MB,
-                        "n_ctx": peer.n_ctx,
-                        "error": None,
-                    }
-                )
-            except Exception as e:  # a peer failing is a result to report, not a reason to stop
-                peer_rows.append(
-                    {
-                        "name": name,
-                        "prompt_id": prompt.id,
-                        "tokens_per_s": float("nan"),
-                        "identical": None,
-                        "error": f"{type(e).__name__}: {e}",
-                    }
-                )
+            peer_rows.append(peer_run(name, prompt.id, ids, plain))
             bar.update()
-        records.append(
-            {
-                "id": prompt.id,
-                "category": prompt.category,
-                "prompt_tokens": len(ids),
-                "plain": {
-                    **plain.stats.to_dict(),
-                    "decode_tokens_per_s_repeats": [g.stats.decode_tokens_per_s for g in timed["plain"]],
-                },
-                "runs": runs,
-            }
-        )
+        records.append(record)
+        outputs.append(plain)
     bar.close()
 
-    # The fixed per-round overhead: time outside draft and verify, per round, over every run.
+    costs["overhead_ms"] = _overhead_ms(records)
+    if replay and greedy and replayable(drafter):
+        desc = f"replay {pair.target} / {pair.drafter}"
+        _replay(target, drafter, records, encoded, outputs, ks, costs, desc, progress)
+    return _pair_record(pair, workload, ks, target, draft_model, memory, draft_memory, costs, records, peer_rows)
+
+
+def _drafters(
+    pair: Pair, greedy: bool, draft_dtype: torch.dtype | None, load_kwargs: dict
+) -> tuple[Callable[[], Drafter], Model | None, dict | None]:
+    """A maker of the pair's drafters (one per config when interleaved: drafters keep per-generation
+    state), and its draft model with its load's resident memory (None, None without one). The pair's
+    third part fills its drafter's main option (MAIN_OPTION): a draft model (loaded once, here, in
+    draft_dtype, else load_kwargs' dtype, else its own precision; the peers use it too), a corpus file,
+    layers or a head file."""
+    main = MAIN_OPTION.get(pair.drafter)
+    source = pair.draft if main else None
+    draft_model, draft_memory = None, None
+    if source and main == "draft":
+        dtype = draft_dtype or load_kwargs.get("dtype")  # None: the draft's own precision (load_model)
+        source, draft_memory = load_measured(source, greedy, **{**load_kwargs, "dtype": dtype})
+        draft_model = source
+    options = options_for(pair.drafter, {"cache": load_kwargs.get("cache"), **({main: source} if main else {})})
+    return functools.partial(drafter_from_options, pair.drafter, **options), draft_model, draft_memory
+
+
+def _measure(target: Model, drafter: Drafter, encoded: list[list[int]], cost_ks: list[int], run: dict) -> dict:
+    """Warm up every path once (speculative at the largest k, plain), then measure_costs at the typical
+    KV length of the decode: the median prompt plus half the new tokens, cut from the longest prompt
+    repeated. Returns the costs without overhead, roofline and row cost."""
+    generate(target, encoded[0], drafter, k=max(cost_ks), **{**run, "max_new_tokens": 8})
+    generate(target, encoded[0], None, **{**run, "max_new_tokens": 8})
+    ctx_len = int(statistics.median(len(e) for e in encoded)) + run["max_new_tokens"] // 2
+    longest = max(encoded, key=len)
+    context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
+    return measure_costs(target, drafter, context, cost_ks, greedy=run["temperature"] == 0)
+
+
+def _config_drafters(
+    target: Model,
+    ids: list[int],
+    drafter: Drafter,
+    new_drafter: Callable[[], Drafter],
+    ks: list,
+    warm_k: int,
+    run: dict,
+    interleave: bool,
+    cache,
+) -> tuple[dict, AdaptiveK]:
+    """Each config's drafter ({k: drafter}): its own when interleaved, warmed up on `ids` at the fixed
+    k warm_k (auto's policy not started), else the one `drafter`; and k = "auto"'s policy, carried
+    across prompts."""
+    own = {k: new_drafter() if interleave else drafter for k in ks}
+    policy = AdaptiveK(VerifyCosts.for_model(target, cache), k_max=AUTO_K_MAX)
+    if interleave:
+        for d in own.values():  # at a fixed k: warm it without starting auto's policy
+            generate(target, ids, d, k=warm_k, **{**run, "max_new_tokens": 8})
+    return own, policy
+
+
+def _roofline_and_row_cost(target: Model, verify_ms: dict, bandwidth_gbs: float | None, greedy: bool) -> dict:
+    """{"roofline": the target's memory roofline (None without a bandwidth), "row_cost": an added
+    verify row against the product instruction's peak (None off the quantized backend)}."""
+    return {
+        "roofline": roofline(target, verify_ms, bandwidth_gbs, greedy=greedy) if bandwidth_gbs else None,
+        "row_cost": row_cost(target, verify_ms),
+    }
+
+
+def _run_configs(
+    target: Model, ids: list[int], ks: list, own: dict, policy: AdaptiveK, run: dict, repeats: int, interleave: bool
+) -> dict[str, list[Generation]]:
+    """One prompt's generations by config ("plain" and each str(k)), `repeats` each: every repeat runs
+    all configs (run_all), its order rotated so that no config always runs first."""
+    timed: dict[str, list[Generation]] = {}
+    configs = [0, *ks]  # 0: plain decoding
+    for r in range(repeats):
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
+        steps = {
+            str(k) if k else "plain": stepwise(
+                target, ids, own[k] if k else None, k=k, policy=policy if k == "auto" else None, **run
+            )
+            for k in order
+        }
+        for name, spec in run_all(steps, interleave).items():
+            timed.setdefault(name, []).append(spec)
+    return timed
+
+
+def _prompt_record(
+    target: Model, prompt: Prompt, ids: list[int], ks: list, timed: dict[str, list[Generation]], greedy: bool
+) -> tuple[dict, list[int]]:
+    """A prompt's record (results.PromptRecord, its replay still None) from its generations, each
+    config's by its median run, and plain decoding's output tokens. Greedy: every repeat of every k
+    is checked token for token against plain decoding (the first that differs gives the divergence)."""
+    plain = _median_run(timed["plain"])
+    runs = {}
+    for k in ks:
+        spec = _median_run(timed[str(k)])
+        d = {**spec.stats.to_dict(), "decode_tokens_per_s_repeats": _speeds(timed[str(k)])}
+        d["identical"], d["divergence"] = None, None
+        if greedy:
+            odd = next((g for g in timed[str(k)] if g.tokens != plain.tokens), spec)
+            div = first_divergence(target, ids, plain.tokens, odd.tokens)
+            d["identical"], d["divergence"] = div is None, None if div is None else vars(div)
+        runs[str(k)] = d
+    record = {
+        "id": prompt.id,
+        "category": prompt.category,
+        "prompt_tokens": len(ids),
+        "plain": {**plain.stats.to_dict(), "decode_tokens_per_s_repeats": _speeds(timed["plain"])},
+        "runs": runs,
+        "replay": None,
+    }
+    return record, plain.tokens
+
+
+def _speeds(generations: list[Generation]) -> list[float]:
+    """Each generation's decode tokens/s, in the order run."""
+    return [g.stats.decode_tokens_per_s for g in generations]
+
+
+def _peer_run(
+    name: str,
+    prompt_id: str,
+    ids: list[int],
+    plain: list[int],
+    *,
+    target: Model,
+    spec: str,
+    draft_model: Model | None,
+    max_new_tokens: int,
+    peer_k: int,
+    n_ctx: int,
+    cache,
+    greedy: bool,
+) -> dict:
+    """One peer's run of one prompt (specdec.bench.peers) as a `peers[i]` row (results.PeerRun), its
+    output held against ours (plain: our plain decoding's tokens). A peer that fails gives a row with
+    its error and NaN tokens/s: a result to report, not a reason to stop."""
+    try:
+        if name.startswith("llama-cpp"):
+            gguf = _gguf_of(target, spec, cache)
+            k = peer_k if name == "llama-cpp-lookup" else 0
+            peer = llama_cpp_generate(gguf, ids, max_new_tokens, target.eos_token_ids, n_ctx=n_ctx, k=k)
+            weights = target.precision if target.gguf is not None else _gguf_precision(gguf)
+            same_weights = target.gguf is not None
+        else:
+            peer = hf_generate(name, target, ids, max_new_tokens, draft=draft_model, k=peer_k)
+            # transformers runs the model object's fp32 (or bf16) weights: a GGUF model's dequantization
+            weights = str(target.hf.dtype).removeprefix("torch.")
+            same_weights = target.gguf is None
+        return {
+            "name": name,
+            "prompt_id": prompt_id,
+            "tokens_per_s": peer.tokens_per_s,
+            "decode_tokens_per_s": peer.decode_tokens_per_s,
+            "identical": peer.tokens == plain if greedy else None,
+            "agreement": _agreement(peer.tokens, plain) if greedy else None,
+            "weights": weights,
+            "same_weights": same_weights,
+            "rss_growth_mb": None if peer.rss_growth_bytes is None else peer.rss_growth_bytes / MB,
+            "n_ctx": peer.n_ctx,
+            "error": None,
+        }
+    except Exception as e:  # a peer failing is a result to report, not a reason to stop
+        error = f"{type(e).__name__}: {e}"
+        return {
+            **dict.fromkeys(PeerRun.model_fields),
+            "name": name,
+            "prompt_id": prompt_id,
+            "tokens_per_s": float("nan"),
+            "error": error,
+        }
+
+
+def _overhead_ms(records: list[dict]) -> float:
+    """The fixed per-round overhead in ms: time outside draft and verify per round, the median over
+    every run of every prompt."""
     per_round = [
         r["other_s"] / r["rounds"] * 1e3
         for rec in records
         for r in [rec["plain"], *rec["runs"].values()]
         if r["rounds"]
     ]
-    costs["overhead_ms"] = statistics.median(per_round)
-    if replay and temperature == 0 and replayable(drafter):
-        policy = controller(costs) if "auto" in ks else None  # carried across prompts, as in the measured runs
-        for rec, ids, out in tqdm(
-            list(zip(records, encoded, outputs)), desc=f"replay {pair.target} / {pair.drafter}", disable=not progress
-        ):
-            rec["replay"] = {
-                str(k) if k else "plain": _brief(replay_run(target, ids, out, drafter, k, costs, policy=policy))
-                for k in [0, *ks]
-            }
-    result = {
+    return statistics.median(per_round)
+
+
+def _replay(
+    target: Model,
+    drafter: Drafter,
+    records: list[dict],
+    encoded: list[list[int]],
+    outputs: list[list[int]],
+    ks: list,
+    costs: dict,
+    desc: str,
+    progress: bool,
+) -> None:
+    """Set each prompt record's "replay": plain decoding and every k replayed on the prompt's plain
+    output (outputs) under the measured costs (specdec.bench.replay), auto's policy carried across
+    prompts as in the measured runs."""
+    policy = controller(costs) if "auto" in ks else None
+    for rec, ids, out in tqdm(list(zip(records, encoded, outputs)), desc=desc, disable=not progress):
+        rec["replay"] = {
+            str(k) if k else "plain": _brief(replay_run(target, ids, out, drafter, k, costs, policy=policy))
+            for k in [0, *ks]
+        }
+
+
+def _pair_record(
+    pair: Pair,
+    workload: str,
+    ks: list,
+    target: Model,
+    draft_model: Model | None,
+    memory: dict,
+    draft_memory: dict | None,
+    costs: dict,
+    records: list[dict],
+    peer_rows: list[dict],
+) -> PairRecord:
+    """The typed record of a pair: what ran (precision, kernels, memory), the raw measurements, and
+    their fit (fit). Raises ValueError naming the field that does not fit the schema."""
+    raw = {
         "target": pair.target,
         "drafter": pair.drafter,
         "draft": pair.draft,
-        "dtype": target.precision,  # the key older files and readers know
+        "workload": workload,
         "precision": target.precision,
-        "backend": target.backend,
-        "kernel": kernel(target),
-        "device": str(target.device),
-        "draft_dtype": draft_model.precision if draft_model else None,
         "draft_precision": draft_model.precision if draft_model else None,
+        "backend": target.backend,
+        "device": str(target.device),
+        "kernel": kernel(target),
         "draft_kernel": kernel(draft_model),
+        "products": kernel(target) if target.gguf is None else None,  # gemv's status, the fp32 lean path's
         "memory": memory,
         "draft_memory": draft_memory,
-        "workload": workload,
+        "padded_rows": _padded_rows(target),
+        "draft_padded_rows": _padded_rows(draft_model),
+        "ratio_noise": ratio_noise(records),
         "costs": costs,
         "prompts": records,
         "peers": peer_rows,
-        "ratio_noise": ratio_noise(records),
-        "padded_rows": _padded_rows(target),
-        "draft_padded_rows": _padded_rows(draft_model),
-        "products": kernel(target) if target.gguf is None else None,  # gemv's status, the fp32 lean path's
     }
-    result.update(fit(result, ks))
-    return result
+    return parse(PairRecord, {**raw, **fit(raw, ks)}, f"bench {pair.target} / {pair.drafter}")
 
 
 def _agreement(peer: list[int], plain: list[int]) -> float:
@@ -537,8 +644,8 @@ def _pooled(runs: list[dict]) -> dict:
 
 
 def fit(pair: dict, ks: list[int]) -> dict:
-    """The `configs`, `best_k` and `peer_summary` of a pair from its raw measurements (no model).
-    Speed-ups and predictions are per prompt, then the median over prompts."""
+    """The `configs`, `best_k`, `auto` and `peer_summary` of a pair (a `pairs[i]` dict) from its raw
+    measurements (no model). Speed-ups and predictions are per prompt, then the median over prompts."""
     costs, records = pair["costs"], pair["prompts"]
     configs = []
     for k in ks:
@@ -576,7 +683,8 @@ def fit(pair: dict, ks: list[int]) -> dict:
                 "by_category": by_category,
             }
         )
-        if records and all("replay" in rec for rec in records):  # the same runs replayed (specdec.bench.replay)
+        configs[-1]["replayed"] = None
+        if records and all(rec.get("replay") for rec in records):  # the same runs replayed (specdec.bench.replay)
             sim = [
                 rec["replay"][str(k)]["decode_tokens_per_s"] / rec["replay"]["plain"]["decode_tokens_per_s"]
                 for rec in records
@@ -691,7 +799,8 @@ def run_bench(
     interleave: bool = True,
     **load_kwargs,
 ) -> dict:
-    """The whole results dict (schema specdec.bench/1) for the given pairs and prompts.
+    """The whole results of the given pairs and prompts, in the file's JSON form
+    (specdec.bench.results.BenchResults.to_dict(), schema version SCHEMA_VERSION), validated.
 
     repeats: how many times each prompt is generated per config (plain, each k); a prompt's speed
     per config is its median run's. More repeats narrow the noise of a shared machine. interleave:
@@ -700,7 +809,7 @@ def run_bench(
     each repeat rotates the order; the speed ratio of two configs on one prompt then spreads several
     times more between repeats than together, figures in docs/bench.md). replay: also replay every
     config without noise where that is possible (see bench_pair). Raises ValueError on bad ks,
-    repeats < 1 or an empty selection."""
+    repeats < 1 or an empty selection (and, naming the field, on results that do not fit the schema)."""
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     if not ks or any(k != "auto" and (not isinstance(k, int) or k < 1) for k in ks):
@@ -708,8 +817,9 @@ def run_bench(
     if not prompts:
         raise ValueError("the workload selection is empty")
     bandwidth = memory_bandwidth_gbs(resolve_device(load_kwargs.get("device", "cpu")))
-    return {
+    results = {
         "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "environment": {**environment(), "memory_bandwidth_gbs": bandwidth},
         "settings": {
@@ -746,3 +856,4 @@ def run_bench(
             for pair in pairs
         ],
     }
+    return validate(results, "run_bench").to_dict()
