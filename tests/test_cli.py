@@ -9,6 +9,7 @@ import re
 import pytest
 
 import specdec.cli
+import specdec.commands.generate
 from specdec.cli import TextStreamer, compare_lines, main, workload_prompt
 from specdec.drafters import EagleDrafter, LayerSkipDrafter, ModelDrafter, PromptLookup, RandomDrafter, SuffixDrafter
 from specdec.stats import RunStats
@@ -76,10 +77,37 @@ def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):
     assert "acceptance rate alpha" in first
 
 
-def test_bad_input_is_one_clear_line(model_dir, capsys):
-    assert main(["generate", "w1", "--target", str(model_dir), "-k", "-2"]) == 2
+NO_MODEL = "no/such-model-offline"
+GENERATE = ["generate", "w1", "--target", NO_MODEL]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*GENERATE, "-k", "-2"], "-k: k (draft length) must be >= 0"),
+        ([*GENERATE, "-k", "x"], "-k: k (draft length) must be >= 0"),
+        ([*GENERATE, "--k-max", "0"], "--k-max: must be a whole number >= 1, got '0'"),
+        ([*GENERATE, "--max-new-tokens", "-1"], "--max-new-tokens: must be a whole number >= 0, got '-1'"),
+        (["bench", "--pair", NO_MODEL, "--k", "auto,-1"], "--k: k (draft length) must be >= 0"),
+        (["loadtest", "--target", NO_MODEL, "-k", "two"], "-k: k (draft length) must be >= 0"),
+    ],
+)
+def test_bad_flags_are_refused_by_the_parser(argv, message, capsys):
+    """A bad draft length or budget is the parser's error (usage, the flag, the message, exit 2),
+    before any model loads (the model named here does not exist)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
     err = capsys.readouterr().err
-    assert err.startswith("error: k (draft length) must be >= 0") and "Traceback" not in err
+    assert e.value.code == 2 and err.startswith(f"usage: specdec {argv[0]} ") and "Traceback" not in err
+    assert f"specdec {argv[0]}: error: argument {message}" in err
+
+
+def test_every_command_dispatches():
+    sub = next(a for a in specdec.cli._parser()._actions if a.dest == "command")
+    assert set(sub.choices) == set(specdec.cli.COMMANDS)
+
+
+def test_bad_input_is_one_clear_line(model_dir, capsys):
     assert main(["generate", "w1", "--target", str(model_dir), "--drafter", "model"]) == 2
     assert "the model drafter needs a draft model: pass --draft MODEL" in capsys.readouterr().err
     # serve checks it before loading the target
@@ -173,13 +201,13 @@ def test_generate_builds_the_drafter_its_flags_name(model_dir, tmp_path, monkeyp
     corpus = tmp_path / "corpus.json"
     corpus.write_text(json.dumps([[5, 6], [7, 8]]))
     subst = {"MODEL_DIR": str(model_dir), "CORPUS": str(corpus), "CACHE": str(tmp_path)}
-    build, built = specdec.cli.drafter_from_options, []
+    build, built = specdec.commands.generate.drafter_from_options, []
 
     def spy(name, **options):
         built.append(build(name, **options))
         raise _Built
 
-    monkeypatch.setattr(specdec.cli, "drafter_from_options", spy)
+    monkeypatch.setattr(specdec.commands.generate, "drafter_from_options", spy)
     with pytest.raises(_Built):
         main(["generate", "w1 w2", "--target", str(model_dir), *[subst.get(f, f) for f in flags]])
     (drafter,) = built

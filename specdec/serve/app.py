@@ -45,7 +45,7 @@ from specdec.decoding import Generation
 from specdec.drafters import Drafter
 from specdec.drafters.factory import DRAFTERS, REQUIRED, drafter_from_options, options_for
 from specdec.models.load import Model, check_same_tokenizer
-from specdec.options import MAX_TOP_LOGPROBS
+from specdec.options import MAX_TOP_LOGPROBS, GenerationOptions
 from specdec.sampling import Penalties, SamplingParams, TokenLogprob
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
@@ -328,18 +328,21 @@ class Server:
             raise ApiError(
                 400, f'k = {k!r} is not supported: send an integer >= 0 or "auto"', code="invalid_parameter", param="k"
             )
-        run = dict(
-            k=k,
-            max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=req.seed,
-            stop=stop,
-            penalties=penalties,
-            logprobs=logprobs,
-        )
-        return Job(ids, drafter, name, run, n, req.stream, asyncio.get_running_loop(), arrived)
+        try:
+            options = GenerationOptions(
+                k=k,
+                max_new_tokens=self.max_tokens if max_tokens is None else max_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=req.seed,
+                stop=tuple(stop),
+                penalties=penalties,
+                logprobs=logprobs,
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e), code="invalid_parameter") from None
+        return Job(ids, drafter, name, options, n, req.stream, asyncio.get_running_loop(), arrived)
 
     @staticmethod
     def _logprobs(req: _Params, chat: bool) -> int | None:

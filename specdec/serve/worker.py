@@ -35,13 +35,12 @@ log = logging.getLogger("specdec.serve.worker")
 @dataclass
 class Job:
     """One request on its way through the queue and the batch: n choices of the prompt `ids`.
-    run: the fields of its GenerationOptions (k, max_new_tokens, sampling, stop, penalties,
-    logprobs); choice i's seed is seed + i. `cancelled` is set when the client goes away."""
+    options: its GenerationOptions; choice i's seed is seed + i. `cancelled` is set when the client goes away."""
 
     ids: list[int]
     drafter: Drafter | None  # the server's instance, forked per choice
     drafter_name: str
-    run: dict
+    options: GenerationOptions
     n: int
     stream: bool
     loop: asyncio.AbstractEventLoop
@@ -191,7 +190,7 @@ class Worker:
                 self.metrics.count("invalid")
                 job.push("error", ApiError(400, str(e), code="invalid_parameter"))
                 continue
-            deltas = [TextDeltas(self.target.tokenizer, job.run["stop"]) if job.stream else None for _ in seqs]
+            deltas = [TextDeltas(self.target.tokenizer, job.options.stop) if job.stream else None for _ in seqs]
             live = _Live(job, seqs, deltas)
             self.live[id(job)] = live
             for i, seq in enumerate(seqs):
@@ -199,12 +198,12 @@ class Worker:
                 self.batch.add(seq, self._on_commit, self._on_finish)
 
     def _sequence(self, job: Job, index: int) -> Decoding:
-        run = dict(job.run)
-        if run.get("seed") is not None:
-            run["seed"] = (run["seed"] + index) % 2**64
+        options = job.options
+        if options.seed is not None:
+            options = options.replace(seed=(options.seed + index) % 2**64)
         drafter = job.drafter.fork() if job.drafter is not None else None
-        policy = AdaptiveK(self.costs, k_max=AUTO_K_MAX) if run["k"] == "auto" and drafter is not None else None
-        return Decoding(self.target, job.ids, drafter, GenerationOptions(**run), policy)
+        policy = AdaptiveK(self.costs, k_max=AUTO_K_MAX) if options.k == "auto" and drafter is not None else None
+        return Decoding(self.target, job.ids, drafter, options, policy)
 
     def _drop_cancelled(self) -> None:
         for live in [v for v in self.live.values() if v.job.cancelled.is_set()]:

@@ -1,0 +1,155 @@
+"""`specdec generate`: one generation, streamed, with its stats; --compare also runs plain decoding
+and compares speed and tokens."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+from specdec.adaptive import AdaptiveK, VerifyCosts
+from specdec.bench.workloads import load_workload
+from specdec.commands.common import load_kwargs, recalibrate
+from specdec.drafters.factory import check_options, drafter_from_options, options_for
+from specdec.engine import generate
+from specdec.exactness import first_divergence
+from specdec.models.load import load_model
+from specdec.sampling import SamplingParams
+from specdec.textstream import TextDeltas
+
+
+def run(args) -> int:
+    """Generate from the prompt (or the --workload row) and print the text, the stats and, with
+    --compare, the comparison with plain decoding. -k, --k-max and --max-new-tokens come checked
+    by the parser; the rest of the cheap checks run before any model loads."""
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    options = _drafter_options(args)
+    if args.workload:
+        prompt = workload_prompt(args.workload, args.category, args.row)
+    elif args.prompt is None:
+        raise ValueError("give a PROMPT or --workload NAME|FILE")
+    else:
+        prompt = args.prompt
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' per-load "Loading weights" bars
+    recalibrate(args, [args.target])
+    target = load_model(args.target, **load_kwargs(args))
+    if "draft" in options:
+        options["draft"] = load_model(args.draft, **load_kwargs(args, draft=True))
+    drafter = drafter_from_options(args.drafter, **options)
+    ids = target.encode(prompt, chat=args.chat)
+    run = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    policy = None
+    if args.k == "auto" and drafter is not None:  # -k auto: over this machine's cached verify-cost curve
+        policy = AdaptiveK(VerifyCosts.for_model(target, args.cache_dir), k_max=args.k_max)
+    if args.compare:  # warm up both paths so neither pays first-call costs in the timing
+        generate(target, ids, drafter, k=args.k, policy=policy, **{**run, "max_new_tokens": 4})
+        generate(target, ids, None, **{**run, "max_new_tokens": 4})
+
+    print(f"# target {args.target}, drafter {args.drafter}, k {args.k}, prompt {len(ids)} tokens", file=sys.stderr)
+    streamer = TextStreamer(target.tokenizer, args.stop)
+    spec = generate(target, ids, drafter, k=args.k, policy=policy, stream=streamer, **run)
+    streamer.finish(spec.text)
+    print("\n--- speculative" if args.k else "\n--- plain")
+    print(spec.stats.summary())
+    if args.compare:  # like with like: the plain run streams its text too (to nowhere)
+        quiet = TextStreamer(target.tokenizer, args.stop, out=io.StringIO())
+        plain = generate(target, ids, None, stream=quiet, **run)
+        quiet.finish(plain.text)
+        print("--- compare")
+        print("\n".join(compare_lines(plain.stats, spec.stats)))
+        print(_identical_line(target, ids, plain.tokens, spec.tokens, args.temperature))
+    return 0
+
+
+def _identical_line(target, ids, plain_tokens, spec_tokens, temperature: float) -> str:
+    """--compare's verdict on the tokens: identical, or where and why they first differ."""
+    if temperature > 0:
+        return "identical to plain: not expected when sampling (the distribution is the same, not the draws)"
+    d = first_divergence(target, ids, plain_tokens, spec_tokens)
+    if d is None:
+        return "identical to plain greedy: yes"
+    return (
+        f"identical to plain greedy: NO: first difference at new token {d.position} "
+        f"(plain {d.plain_token}, speculative {d.other_token}); the target's top-2 logit "
+        f"gap there is {d.logit_gap:.3g}, {d.logit_gap / d.logit_ulp:.3g} ulp of the logits' dtype "
+        f"({'a floating-point near-tie' if d.near_tie else 'NOT a near-tie: a bug, please report it'})"
+    )
+
+
+def _drafter_options(args) -> dict:
+    """The options of the drafter from its flags (options_for), checked (check_options): raises
+    ValueError for a flag given that the drafter does not take (--max-ngram with --drafter suffix)
+    or one it needs, naming it. The draft is still a spec here: load it to build."""
+    flags = dict(
+        draft=args.draft,
+        layers=args.layers,
+        head=args.head,
+        corpus=args.corpus,
+        cache=args.cache_dir,
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        min_match=args.min_match,
+    )
+    given = {o: v for o, v in flags.items() if v is not None and o != "cache"}  # --cache-dir serves all
+    check_options(args.drafter, **given)
+    return options_for(args.drafter, flags)
+
+
+def workload_prompt(path: Path, category: str | None, row: int) -> str:
+    """The text of row `row` (from 0) of a workload file, within `category` if given."""
+    prompts = load_workload(path, [category] if category else None)
+    if not 0 <= row < len(prompts):
+        raise ValueError(
+            f"{path.name} has {len(prompts)} rows{' of category ' + category if category else ''}; "
+            f"--row {row} is out of range"
+        )
+    return prompts[row].text
+
+
+def compare_lines(plain, spec) -> list[str]:
+    """--compare's speed lines for two runs' RunStats: tokens per second while decoding (after
+    prefill: what speculation changes) and end to end (prefill included), and both ratios."""
+
+    def speed(s) -> str:
+        return (
+            f"{s.decode_tokens_per_s:.1f} tokens/s decoding, {s.tokens_per_s:.1f} end to end "
+            f"({s.new_tokens} tokens, prefill {s.prefill_s * 1e3:.0f} ms)"
+        )
+
+    return [
+        f"plain decoding:  {speed(plain)}",
+        f"speculative:     {speed(spec)}",
+        f"speed-up:        {spec.decode_tokens_per_s / plain.decode_tokens_per_s:.2f}x decoding, "
+        f"{spec.tokens_per_s / plain.tokens_per_s:.2f}x end to end (prefill included)",
+    ]
+
+
+class TextStreamer:
+    """Prints text as tokens arrive, holding back what could still change: an incomplete UTF-8
+    character, or the start of a stop string (specdec.textstream). out: default sys.stdout."""
+
+    def __init__(self, tokenizer, stop: list[str], out=None):
+        self.deltas, self.out = TextDeltas(tokenizer, stop), out
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        """Write the text these new tokens settle."""
+        self._write(self.deltas(new_tokens))
+
+    def finish(self, final_text: str) -> None:
+        """Write the rest of the final text, and a newline."""
+        self._write(final_text[self.deltas.sent :] + "\n")
+
+    def _write(self, piece: str) -> None:
+        if piece:
+            out = self.out or sys.stdout
+            out.write(piece)
+            out.flush()

@@ -1,0 +1,18 @@
+"""`specdec kernels`: time the quantized products per GGML type against the CPU's peak."""
+
+from __future__ import annotations
+
+
+def run(args) -> int:
+    """Time the types and print the table; exits with the message for what it cannot time."""
+    from specdec.bench.kernels import run as time_kernels
+    from specdec.bench.kernels import table
+
+    if args.columns <= 0 or args.columns % 256:
+        raise SystemExit(f"specdec kernels: --columns must be a positive multiple of 256, not {args.columns}")
+    int8 = None if args.activations == "auto" else args.activations == "int8"
+    try:
+        print(table(time_kernels([t.strip() for t in args.types.split(",") if t.strip()], args.columns, args.mb, int8)))
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"specdec kernels: {e}") from None
+    return 0

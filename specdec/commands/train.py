@@ -1,0 +1,58 @@
+"""`specdec train`: train a feature-level draft head (EAGLE-style) for a target on its own outputs."""
+
+from __future__ import annotations
+
+from specdec.bench.workloads import PACKAGED, load_workload, workload_path
+from specdec.commands.common import load_kwargs
+from specdec.models.load import load_model
+
+
+def run(args) -> int:
+    """Train the head (resuming a checkpoint in --out unless --restart) and print where it went."""
+    from transformers.utils import logging as hf_logging
+
+    from specdec.train.train import train_head
+
+    hf_logging.disable_progress_bar()
+    target = load_model(args.target, **load_kwargs(args))
+    summary = train_head(
+        target,
+        args.out,
+        prompts=args.prompts,
+        sampled=args.sampled_prompts,
+        max_new_tokens=args.max_new_tokens,
+        epochs=args.epochs,
+        lr=args.lr,
+        vocab=args.vocab,
+        steps=args.steps,
+        head_out=args.head_out,
+        restart=args.restart,
+        cache=args.cache_dir,
+        taps=_taps(args.taps, target.config.num_hidden_layers),
+        data=args.data,
+        conversations=args.conversations,
+        max_tokens=args.max_tokens,
+        exclude=tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name))),  # benchmarks unseen
+    )
+    last = summary["history"][-1]
+    print(
+        f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} sequences "
+        f"({summary['data']}), "
+        f"held-out accuracy by draft step {' '.join(f'{a:.3f}' for a in last['heldout_acc_by_step'])}; "
+        f"wrote {summary['head']}, {args.out / 'loss.png'}"
+    )
+    return 0
+
+
+def _taps(text: str, n_layers: int) -> list[int]:
+    """--taps: none, auto (DraftHead.default_taps) or comma-separated layer numbers."""
+    from specdec.train.head import DraftHead
+
+    if text == "none":
+        return []
+    if text == "auto":
+        return DraftHead.default_taps(n_layers)
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--taps takes 'none', 'auto' or layer numbers such as 2,15; got {text!r}") from None
