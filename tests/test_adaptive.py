@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import generate
-from specdec.adaptive import AdaptiveK, VerifyCosts, best_length, match_class, values
+from specdec.adaptive import AdaptiveK, Outcome, RoundPlan, VerifyCosts, best_length, match_class, values
 from specdec.cache import new_cache
 from specdec.drafters import ModelDrafter, PromptLookup
 
@@ -26,14 +26,15 @@ def controller(v: dict[int, float], acceptance: list[float] | None = None, round
     return ctl
 
 
-def rate(ctl: AdaptiveK, m: int) -> float:
-    """Tokens per ms of always drafting m tokens, under the controller's own estimates."""
+def rate(ctl: AdaptiveK, plan: RoundPlan, m: int) -> float:
+    """Tokens per ms of always drafting m tokens, under the controller's own estimates (plan: the
+    round's, for its cap and batch share)."""
     tokens, p = 1.0, 1.0
     for j in range(1, m + 1):
         p *= ctl.acceptance(j)
         tokens += p
-    verify = ctl.verify(1) + ctl.extra_verify_ms(m)  # pinned in test_junk_is_verified_only...
-    return tokens / (ctl.draft_ms(m, incremental=False) + verify + ctl.overhead_ms)
+    verify = ctl.costs(1) + ctl.extra_verify_ms(plan, m)  # pinned in test_junk_is_verified_only...
+    return tokens / (ctl.draft_ms(m, incremental=False) + verify + ctl.learned.overhead_ms)
 
 
 def test_values_weigh_expected_tokens_against_their_cost_and_the_best_length_wins():
@@ -77,9 +78,8 @@ def test_deep_positions_borrow_the_previous_positions_estimate_lifted():
     assert ctl.acceptance(2) == pytest.approx(a1 + 0.5 * (1 - a1))  # no data at 2: the estimate at 1, lifted
     assert ctl.acceptance(3) == pytest.approx(ctl.acceptance(2) + 0.5 * (1 - ctl.acceptance(2)))
     assert AdaptiveK(VerifyCosts(ms={1: 10.0}), k_max=4, lift=0.0).acceptance(2) == 0.5  # no lift: the estimate before
-    ctl.shadowing = True  # a shadow-verified draft is seen at every position: no optimism needed
-    assert ctl.acceptance(2) == pytest.approx(a1)
-    ctl.shadowing = False
+    # a shadow-verified draft is seen at every position: no optimism needed
+    assert ctl.acceptance(2, shadowed=True) == pytest.approx(a1)
     for _ in range(20):
         ctl.estimates.learn(0, 2, 1)  # now position 2 is reached and always rejected
     assert ctl.acceptance(2) < 0.2
@@ -109,10 +109,11 @@ def test_drafts_exactly_when_some_fixed_length_beats_plain_decoding(acceptance, 
     for n, step in enumerate(steps, start=2):
         v[n] = v[n - 1] + step
     ctl = controller(v, acceptance, explore=0.0)
-    ctl.draft_token_ms = 0.5
-    m = ctl.plan(cap, incremental=False)
-    assert not ctl.shadowing
-    rates = [rate(ctl, j) for j in range(cap + 1)]
+    ctl.learned.draft_token_ms = 0.5
+    plan = ctl.plan(cap, incremental=False)
+    m = plan.k
+    assert not plan.shadowing
+    rates = [rate(ctl, plan, j) for j in range(cap + 1)]
     if max(rates[1:]) > rates[0] * (1 + 1e-9):
         assert m >= 1 and rates[m] == pytest.approx(max(rates), rel=1e-6)
     elif max(rates[1:]) < rates[0] * (1 - 1e-9):
@@ -124,14 +125,15 @@ def test_junk_is_verified_only_where_that_beats_a_plain_step():
     draft is faster than a plain step, so auto takes it (as a fixed k = 2 would); where the curve
     does not dip, the margin keeps a draft that is almost never right from being verified."""
     dip = controller({1: 10.0, 3: 9.0, 9: 10.5}, [0.0] * 8)
-    assert dip.plan(8, incremental=False) == 8 and dip.shadowing  # a free drafter drafts fully
-    assert dip.cut([7] * 8, deterministic=True) == 2  # the cheapest forward: 3 rows
+    plan = dip.plan(8, incremental=False)
+    assert plan.k == 8 and plan.shadowing  # a free drafter drafts fully
+    assert dip.cut(plan, [7] * 8, deterministic=True) == 2  # the cheapest forward: 3 rows
     flat = controller({1: 10.0, 3: 10.0, 9: 10.5}, [0.005] * 8)
-    flat.plan(8, incremental=False)
-    assert flat.cut([7] * 8, deterministic=True) == 0
+    plan = flat.plan(8, incremental=False)
+    assert flat.cut(plan, [7] * 8, deterministic=True) == 0
     useful = controller({1: 10.0, 3: 10.0, 9: 10.5}, [0.5] * 8)
-    useful.plan(8, incremental=False)
-    assert useful.cut([7] * 8, deterministic=True) >= 2
+    plan = useful.plan(8, incremental=False)
+    assert useful.cut(plan, [7] * 8, deterministic=True) >= 2
 
 
 def test_a_trees_depth_is_costed_by_the_tokens_it_verifies():
@@ -142,24 +144,28 @@ def test_a_trees_depth_is_costed_by_the_tokens_it_verifies():
     v = {1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 16.0, 6: 17.0, 7: 18.0, 8: 19.0, 9: 20.0}
     learner = controller(v, [0.6] * 8)
     for _ in range(30):  # trees 3 deep of 6 tokens, timed at the curve's own V(7)
-        learner.observe(6, 1, v[7], 0.0, 0.0, 8, incremental=False, depth=3)
-    assert learner.nodes_per_depth == pytest.approx(2.0, abs=1e-3)
+        learner.observe(RoundPlan(cap=8, incremental=False), Outcome(6, 1, v[7], 0.0, 0.0, requested=8, depth=3))
+    assert learner.learned.nodes_per_depth == pytest.approx(2.0, abs=1e-3)
     chain, tree = controller(v, [0.6] * 8), controller(v, [0.6] * 8)
-    tree.nodes_per_depth = 2.0
+    tree.learned.nodes_per_depth = 2.0
+    plans = {}
     for ctl in (chain, tree):
-        assert ctl.plan(8, incremental=False) == 8 and ctl.shadowing  # a free drafter: cut() decides
-    assert tree.extra_verify_ms(2) == pytest.approx(v[5] - v[1] + tree.margin * v[1])  # 2 deep: 4 tokens
-    assert chain.extra_verify_ms(2) == pytest.approx(v[3] - v[1] + chain.margin * v[1])
-    assert tree.nodes(8) == 8  # never more than the round's cap: the engine prunes the tree to it
+        plans[ctl] = plan = ctl.plan(8, incremental=False)
+        assert plan.k == 8 and plan.shadowing  # a free drafter: cut() decides
+    in_chain, in_tree = plans[chain], plans[tree]
+    assert tree.extra_verify_ms(in_tree, 2) == pytest.approx(v[5] - v[1] + tree.margin * v[1])  # 2 deep: 4 tokens
+    assert chain.extra_verify_ms(in_chain, 2) == pytest.approx(v[3] - v[1] + chain.margin * v[1])
+    assert tree.nodes(in_tree, 8) == 8  # never more than the round's cap: the engine prunes the tree to it
     # gain of depth m: 0.6, 0.96, 1.18, 1.31; each ms of extra verify costs rho = 0.1 token (plain's rate)
-    assert chain.cut([7] * 8, deterministic=True) == 3  # V(4) = 11.5; depth 4 would cost V(5) = 16
-    assert tree.cut([7] * 8, deterministic=True) == 1  # 2 tokens, V(3) = 11; depth 2 would cost V(5)
+    assert chain.cut(in_chain, [7] * 8, deterministic=True) == 3  # V(4) = 11.5; depth 4 would cost V(5) = 16
+    assert tree.cut(in_tree, [7] * 8, deterministic=True) == 1  # 2 tokens, V(3) = 11; depth 2 would cost V(5)
     # an incremental drafter (eagle-tree drafts a depth per head step) is stopped at the same depths
     for ctl, stop in ((chain, 3), (tree, 1)):
-        ctl.draft_first_ms = ctl.draft_step_ms = 0.2
-        ctl.fresh = False
-        assert ctl.plan(8, incremental=True) == 8
-        assert next(d for d in range(1, 9) if not ctl.keep_going(d, 0.9)) == stop
+        ctl.learned.draft_first_ms = ctl.learned.draft_step_ms = 0.2
+        ctl.learned.fresh = False
+        plan = ctl.plan(8, incremental=True)
+        assert plan.k == 8
+        assert next(d for d in range(1, 9) if not ctl.keep_going(plan, d, 0.9)) == stop
 
 
 def test_verify_shape_follows_the_context_length():
@@ -199,10 +205,11 @@ def test_a_useless_draft_model_is_probed_with_exponential_back_off():
     ctl = controller({1: 10.0, 2: 16.0, 3: 20.0}, [0.0] * 8)  # verifying 2 tokens costs 1.6x one
     asked = []
     for _ in range(400):
-        m = ctl.plan(4, incremental=True)
+        plan = ctl.plan(4, incremental=True)
+        m = plan.k
         asked.append(m)
-        n = ctl.cut([7] * m, deterministic=True)
-        ctl.observe(n, 0, 10.0 + 6.0 * n, 0.0, 0.0, m, incremental=True)
+        n = ctl.cut(plan, [7] * m, deterministic=True)
+        ctl.observe(plan, Outcome(n, 0, 10.0 + 6.0 * n, 0.0, 0.0, requested=m))
     probes = [i for i, m in enumerate(asked) if m]
     assert all(asked[i] == 1 for i in probes)  # a probe is one token
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -216,13 +223,13 @@ def test_a_trees_probe_is_one_depth_and_rounds_learn_under_their_match_class():
     the tree's; and a verified round's acceptance goes to its own match class, so the lookup
     chains' streaks do not raise the head trees' estimate nor the other way round."""
     ctl = controller({1: 10.0, 2: 16.0, 3: 20.0, 4: 24.0}, [0.0] * 8)
-    ctl.nodes_per_depth = 3.0
-    asked = [ctl.plan(8, incremental=True) for _ in range(4)]
-    assert asked == [0, 0, 0, 3] and ctl.probing
+    ctl.learned.nodes_per_depth = 3.0
+    plans = [ctl.plan(8, incremental=True) for _ in range(4)]
+    assert [plan.k for plan in plans] == [0, 0, 0, 3] and plans[-1].probing
     fresh = controller({1: 10.0})
-    fresh.plan(8, incremental=True)
+    plan = fresh.plan(8, incremental=True)
     for _ in range(50):  # lookup's 12-token matches: all 6 accepted
-        fresh.observe(6, 6, 12.0, 0.0, 0.0, 8, incremental=True, match_length=12)
+        fresh.observe(plan, Outcome(6, 6, 12.0, 0.0, 0.0, requested=8, match_length=12))
     assert fresh.acceptance(1, match_class(12)) > 0.9
     assert fresh.acceptance(1) == pytest.approx(fresh.estimates.prior)  # the head's trees (class 0): untouched
 
@@ -240,9 +247,9 @@ def test_a_long_match_is_judged_by_its_own_class_and_looked_for_only_when_the_he
     hopeless = controller(v, [0.0] * 8)  # the head's trees: never right
     for _ in range(100):
         hopeless.estimates.learn(match_class(12), 2, 2)  # 12-token matches: always right
-    assert hopeless.plan(2, incremental=True, match=lambda: None) == 0  # no long match: plain
-    assert hopeless.plan(2, incremental=True, match=match) == 2 and looked == [12]
-    assert controller(v, [0.9] * 8).plan(2, incremental=True, match=match) == 2 and looked == [12]
+    assert hopeless.plan(2, incremental=True, match=lambda: None).k == 0  # no long match: plain
+    assert hopeless.plan(2, incremental=True, match=match).k == 2 and looked == [12]
+    assert controller(v, [0.9] * 8).plan(2, incremental=True, match=match).k == 2 and looked == [12]
 
 
 def test_a_long_match_class_seen_little_starts_from_the_next_shorter_ones_estimate():
@@ -261,8 +268,8 @@ def test_a_long_match_class_seen_little_starts_from_the_next_shorter_ones_estima
     twelve = ctl.acceptances(8, match_class(12))
     assert twelve[0] == pytest.approx(seven[0] / 2)  # its own outcome beside the prior, equally weighted
     assert twelve[1:] == pytest.approx(seven[1:])  # positions it never reached: the shorter class's
-    ctl.rho = 1 / 15.5  # plain decoding's rate on this curve
-    assert ctl.cut(list(range(8)), deterministic=True, match_length=12) == 8
+    plan = RoundPlan(cap=8, rho=1 / 15.5)  # rho: plain decoding's rate on this curve
+    assert ctl.cut(plan, list(range(8)), deterministic=True, match_length=12) == 8
 
 
 def test_an_uncertain_first_position_is_given_the_benefit_of_the_doubt():
@@ -272,33 +279,36 @@ def test_an_uncertain_first_position_is_given_the_benefit_of_the_doubt():
     v = {1: 10.0, 2: 13.0, 3: 16.0}  # the first drafted token costs 3 ms: pays at acceptance > ~0.3
     few, many, never = controller(v, [0.25] * 8, rounds=3), controller(v, [0.25] * 8), controller(v, [0.0] * 8)
     for ctl in (few, many, never):
-        ctl.draft_first_ms = ctl.draft_step_ms = 0.0
-    assert few.plan(2, incremental=True) == 2
-    assert many.plan(2, incremental=True) == 0 and never.plan(2, incremental=True) == 0
-    assert controller(v, [0.25] * 8, rounds=3, explore=0.0).plan(2, incremental=True) == 0
+        ctl.learned.draft_first_ms = ctl.learned.draft_step_ms = 0.0
+    assert few.plan(2, incremental=True).k == 2
+    assert many.plan(2, incremental=True).k == 0 and never.plan(2, incremental=True).k == 0
+    assert controller(v, [0.25] * 8, rounds=3, explore=0.0).plan(2, incremental=True).k == 0
 
 
 def test_probing_notices_when_drafts_start_paying_again():
     ctl = controller({1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 14.0}, [0.0] * 8, rounds=20)
     for _ in range(200):  # the draft model is useless: probes back off
-        m = ctl.plan(4, incremental=True)
-        ctl.observe(ctl.cut([7] * m, deterministic=True), 0, 10.0, 0.0, 0.0, m, incremental=True)
+        plan = ctl.plan(4, incremental=True)
+        m = plan.k
+        ctl.observe(plan, Outcome(ctl.cut(plan, [7] * m, deterministic=True), 0, 10.0, 0.0, 0.0, requested=m))
     for _ in range(200):  # now every drafted token is accepted
-        m = ctl.plan(4, incremental=True)
-        n = ctl.cut([7] * m, deterministic=True)
-        ctl.observe(n, n, 10.0 + n, 0.0, 0.0, m, incremental=True)
-    assert ctl.plan(4, incremental=True) == 4 and ctl.acceptance(1) > 0.9
+        plan = ctl.plan(4, incremental=True)
+        m = plan.k
+        n = ctl.cut(plan, [7] * m, deterministic=True)
+        ctl.observe(plan, Outcome(n, n, 10.0 + n, 0.0, 0.0, requested=m))
+    assert ctl.plan(4, incremental=True).k == 4 and ctl.acceptance(1) > 0.9
 
 
 def test_free_drafts_are_learned_from_by_shadow_verification():
     """A free deterministic draft is always proposed in full, cut to what pays, and checked later
     against the committed tokens, verified or not, per match class."""
     ctl = controller({1: 10.0, 2: 16.0, 3: 17.0, 4: 18.0, 5: 19.0})
-    assert ctl.plan(4, incremental=False) == 4 and ctl.shadowing
+    plan = ctl.plan(4, incremental=False)
+    assert plan.k == 4 and plan.shadowing
     assert match_class(None) == 0 and match_class(1) == 1 and match_class(5) == 4 and match_class(40) == 7
     seq = [1, 2, 3, 4, 5, 6, 7, 8]
-    ctl.cut([4, 5, 9, 9], deterministic=True, position=3, match_length=5)  # 2 right, then wrong
-    ctl.cut([8, 1], deterministic=True, position=7, match_length=1)  # 1 right, 1 not yet known
+    ctl.cut(plan, [4, 5, 9, 9], deterministic=True, position=3, match_length=5)  # 2 right, then wrong
+    ctl.cut(plan, [8, 1], deterministic=True, position=7, match_length=1)  # 1 right, 1 not yet known
     ctl.resolve(seq[:5])  # covers the first draft up to its first 2 tokens only: still pending
     assert len(ctl.estimates.pending) == 2
     ctl.resolve(seq)
@@ -307,12 +317,13 @@ def test_free_drafts_are_learned_from_by_shadow_verification():
     ctl.resolve(seq, final=True)
     assert ctl.estimates.reached[1][:2] == [1, 0] and ctl.estimates.accepted[1][:1] == [1] and not ctl.estimates.pending
     for _ in range(40):  # long matches always right, short ones never
-        assert ctl.plan(4, incremental=False) == 4
-        ctl.cut([1, 2, 3, 4], True, 0, match_length=12)
-        ctl.cut([7, 7, 7, 7], True, 0, match_length=1)
+        plan = ctl.plan(4, incremental=False)
+        assert plan.k == 4
+        ctl.cut(plan, [1, 2, 3, 4], True, 0, match_length=12)
+        ctl.cut(plan, [7, 7, 7, 7], True, 0, match_length=1)
         ctl.resolve([1, 2, 3, 4], final=True)
-    assert ctl.cut([1, 2, 3, 4], True, 0, match_length=12) == 4
-    assert ctl.cut([7, 7, 7, 7], True, 0, match_length=1) == 0
+    assert ctl.cut(plan, [1, 2, 3, 4], True, 0, match_length=12) == 4
+    assert ctl.cut(plan, [7, 7, 7, 7], True, 0, match_length=1) == 0
 
 
 def test_prompt_lookup_reports_how_long_its_match_is():
@@ -324,16 +335,17 @@ def test_prompt_lookup_reports_how_long_its_match_is():
 
 def test_draft_model_stops_at_low_confidence_and_cuts_a_greedy_draft():
     ctl = controller({n: 10.0 + n for n in range(1, 10)}, [0.8] * 8)
-    ctl.draft_first_ms, ctl.draft_step_ms = 2.0, 2.0
+    ctl.learned.draft_first_ms, ctl.learned.draft_step_ms = 2.0, 2.0
     for b in range(len(ctl.estimates.bin_reached)):  # calibrated: acceptance equals the draft's confidence
         ctl.estimates.bin_reached[b] = 1000.0
         ctl.estimates.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
-    assert ctl.plan(8, incremental=True) == 8
-    assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.99)
-    assert not ctl.keep_going(3, 0.05)  # a 5% token: the rest of the draft is not worth its cost
-    assert ctl.draft_first_ms is not None and len(ctl.confidence) == 3
-    assert ctl.cut([4, 5, 6], deterministic=True) == 2  # ...and the unlikely third token is not verified
-    assert ctl.cut([4, 5, 6], deterministic=False) == 3  # a sampled draft is never cut by its contents
+    plan = ctl.plan(8, incremental=True)
+    assert plan.k == 8
+    assert ctl.keep_going(plan, 1, 0.99) and ctl.keep_going(plan, 2, 0.99)
+    assert not ctl.keep_going(plan, 3, 0.05)  # a 5% token: the rest of the draft is not worth its cost
+    assert ctl.learned.draft_first_ms is not None and len(plan.confidence) == 3
+    assert ctl.cut(plan, [4, 5, 6], deterministic=True) == 2  # ...and the unlikely third token is not verified
+    assert ctl.cut(plan, [4, 5, 6], deterministic=False) == 3  # a sampled draft is never cut by its contents
 
 
 def test_a_rarely_reached_confidence_bin_keeps_its_estimate():
@@ -342,18 +354,19 @@ def test_a_rarely_reached_confidence_bin_keeps_its_estimate():
     stops drafting at tokens the target mostly accepts."""
     ctl = controller({n: 10.0 for n in range(1, 10)}, [0.9] * 8)
     for _ in range(10):  # tokens the draft gave 10% are accepted
-        ctl.confidence = [0.99, 0.1]
-        ctl.observe(2, 2, 10.0, 2.0, 0.0, 2, incremental=True)
+        drafted = RoundPlan(cap=8, incremental=True, confidence=[0.99, 0.1])
+        ctl.observe(drafted, Outcome(2, 2, 10.0, 2.0, 0.0, requested=2))
     for _ in range(60):  # then many confident drafts, all accepted
-        ctl.confidence = [0.99] * 3
-        ctl.observe(3, 3, 10.0, 3.0, 0.0, 3, incremental=True)
+        drafted = RoundPlan(cap=8, incremental=True, confidence=[0.99] * 3)
+        ctl.observe(drafted, Outcome(3, 3, 10.0, 3.0, 0.0, requested=3))
     assert ctl.estimates.given_confidence(0.1) > 0.85
-    ctl.confidence = [0.99, 0.1]
-    ctl.observe(2, 1, 10.0, 2.0, 0.0, 2, incremental=True)  # one rejection moves it by a tenth
+    drafted = RoundPlan(cap=8, incremental=True, confidence=[0.99, 0.1])
+    ctl.observe(drafted, Outcome(2, 1, 10.0, 2.0, 0.0, requested=2))  # one rejection moves it by a tenth
     assert 0.7 < ctl.estimates.given_confidence(0.1) < 0.85
-    ctl.draft_first_ms = ctl.draft_step_ms = 1.0
-    assert ctl.plan(8, incremental=True) == 8
-    assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.1)  # so a 10% token is drafted past
+    ctl.learned.draft_first_ms = ctl.learned.draft_step_ms = 1.0
+    plan = ctl.plan(8, incremental=True)
+    assert plan.k == 8
+    assert ctl.keep_going(plan, 1, 0.99) and ctl.keep_going(plan, 2, 0.1)  # so a 10% token is drafted past
 
 
 def test_a_draft_not_worth_verifying_is_not_drafted_deeper():
@@ -363,20 +376,21 @@ def test_a_draft_not_worth_verifying_is_not_drafted_deeper():
     stops there instead of drafting on to have it all cut."""
     v = {1: 10.0, 2: 13.0, 3: 13.2, 4: 13.4, 5: 13.6, 6: 13.8, 7: 14.0, 8: 14.2, 9: 14.4}
     ctl = controller(v, [0.8] * 8, margin=0.0)
-    ctl.draft_first_ms = ctl.draft_step_ms = 0.2
-    ctl.fresh = False
+    ctl.learned.draft_first_ms = ctl.learned.draft_step_ms = 0.2
+    ctl.learned.fresh = False
     for b in range(len(ctl.estimates.bin_reached)):  # calibrated: acceptance equals the draft's confidence
         ctl.estimates.bin_reached[b] = 1000.0
         ctl.estimates.bin_accepted[b] = 1000.0 * [0.1, 0.3, 0.5, 0.7, 0.85, 0.93, 0.99][b]
-    assert ctl.plan(8, incremental=True) == 8
-    ctl.rho = 0.1  # tokens per ms: a token is worth 10 ms
+    plan = ctl.plan(8, incremental=True)
+    assert plan.k == 8
+    plan.rho = 0.1  # tokens per ms: a token is worth 10 ms
     # depth 1 at confidence 0.05 is worth 0.1 - 0.1 x 3 < 0; depths 2 and 3 add 0.08 and 0.064
     # tokens for 0.4 ms each (verify and draft step), so the old marginal test went on
-    assert not ctl.keep_going(1, 0.05)
-    assert ctl.cut([4], deterministic=True) == 0
-    ctl.plan(8, incremental=True)
-    ctl.rho = 0.1
-    assert ctl.keep_going(1, 0.99) and ctl.keep_going(2, 0.99)  # a draft that pays goes on
+    assert not ctl.keep_going(plan, 1, 0.05)
+    assert ctl.cut(plan, [4], deterministic=True) == 0
+    plan = ctl.plan(8, incremental=True)
+    plan.rho = 0.1
+    assert ctl.keep_going(plan, 1, 0.99) and ctl.keep_going(plan, 2, 0.99)  # a draft that pays goes on
 
 
 def test_the_policy_passed_to_generate_is_the_one_that_learns_and_carries_over():
@@ -384,7 +398,7 @@ def test_the_policy_passed_to_generate_is_the_one_that_learns_and_carries_over()
     prompt = prompt_ids()
     policy = AdaptiveK(VerifyCosts(), k_max=4)
     first = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=12, policy=policy)
-    assert policy.verify.shapes and set(range(1, 6)) <= set(policy.verify.ms)  # calibrated up to k_max + 1
+    assert policy.costs.shapes and set(range(1, 6)) <= set(policy.costs.ms)  # calibrated up to k_max + 1
     learnt = sum(map(sum, policy.estimates.reached))
     assert learnt > 0  # shadow-verified lookup drafts were counted
     again = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=12, policy=policy)
@@ -401,11 +415,11 @@ def test_a_generations_first_draft_step_is_not_taken_for_a_step_cost():
     ticks = iter([5.0, 5.02])  # a 5 s first step (the draft model's prefill), then a 20 ms one
     ctl = controller({1: 100.0, 2: 110.0}, [0.9] * 8, clock=lambda: next(ticks))
     ctl.begin()
-    ctl.cap = 8
-    ctl.keep_going(1, 0.9)
-    assert ctl.draft_first_ms is None
-    ctl.keep_going(1, 0.9)
-    assert ctl.draft_first_ms == pytest.approx(20.0)
+    plan = RoundPlan(cap=8, incremental=True)  # not plan(): it would read the clock too
+    ctl.keep_going(plan, 1, 0.9)
+    assert ctl.learned.draft_first_ms is None
+    ctl.keep_going(plan, 1, 0.9)
+    assert ctl.learned.draft_first_ms == pytest.approx(20.0)
 
 
 def test_verify_curve_is_timed_once_per_target_at_first_use():
@@ -413,7 +427,7 @@ def test_verify_curve_is_timed_once_per_target_at_first_use():
     prompt = prompt_ids()
     policy = AdaptiveK(VerifyCosts(), k_max=5)
     first = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=4, policy=policy)
-    costs = policy.verify
+    costs = policy.costs
     assert costs.shapes and set(range(1, 7)) <= set(costs.ms) and all(v > 0 for v in costs.ms.values())
     assert set(costs.shape) == set(range(1, 7)) and costs.shape[1] == 1.0
     costs.shape = {n: 1000.0 * n for n in costs.shape}  # a sentinel a second calibration would overwrite
@@ -470,22 +484,21 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
         p = target.hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
     drafter = ModelDrafter(draft_model)
 
-    def fresh(confidence: float) -> AdaptiveK:
-        """A policy that has learnt nothing, at plain decoding's 0.1 tokens/ms, whose draft's first
-        token had this probability: verifying it costs V(2) - V(1) = 8 ms, 0.8 tokens' worth (plus
-        the margin)."""
-        ctl = AdaptiveK(SteepCosts())
-        ctl.rho, ctl.confidence = 0.1, [confidence]
-        return ctl
+    def cut(confidence: float, deterministic: bool) -> int:
+        """cut() of a one-token draft by a policy that has learnt nothing, at plain decoding's 0.1
+        tokens/ms, whose draft's first token had this probability: verifying it costs V(2) - V(1)
+        = 8 ms, 0.8 tokens' worth (plus the margin)."""
+        plan = RoundPlan(cap=8, rho=0.1, incremental=True, confidence=[confidence])
+        return AdaptiveK(SteepCosts()).cut(plan, [5], deterministic=deterministic)
 
-    assert fresh(0.5).cut([5], deterministic=True) == 0  # the premise: a doubtful greedy draft is cut here
-    assert fresh(0.99).cut([5], deterministic=True) == 1  # (by its doubt: a sure one is verified)
-    assert fresh(0.5).cut([5], deterministic=False) == 1  # a sampled draft never is
+    assert cut(0.5, deterministic=True) == 0  # the premise: a doubtful greedy draft is cut here
+    assert cut(0.99, deterministic=True) == 1  # (by its doubt: a sure one is verified)
+    assert cut(0.5, deterministic=False) == 1  # a sampled draft never is
     ctl = AdaptiveK(SteepCosts())
 
-    def always_draft(cap: int, incremental: bool, match=None) -> int:
-        ctl.confidence, ctl.probing, ctl.cap, ctl.rho = [], False, cap, 0.1  # rho: plain decoding's tokens/ms
-        return cap
+    def always_draft(cap: int, incremental: bool, match=None, share=None) -> RoundPlan:
+        # rho: plain decoding's tokens/ms
+        return RoundPlan(k=cap, cap=cap, rho=0.1, incremental=incremental, share=share, t_last=ctl.clock())
 
     ctl.plan = always_draft
     n = 1500

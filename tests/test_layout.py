@@ -18,7 +18,7 @@ from pathlib import Path
 import specdec
 
 ROOT = Path(specdec.__file__).parent
-SUBPACKAGES = ("adaptive", "backends", "bench", "drafters", "models", "serve", "train")
+SUBPACKAGES = ("adaptive", "backends", "bench", "commands", "drafters", "models", "serve", "train")
 
 
 def module_name(path: Path) -> str:
