@@ -18,17 +18,15 @@ def parse_k(value: int | str) -> int | str:
     """A draft length: an integer >= 0 (0 = plain decoding), or "auto" (chosen every round by
     specdec.adaptive). Takes the command line's text too ("4", "auto"). Returns the int or "auto".
     Raises ValueError naming the value otherwise (a bool, a negative number, other text)."""
+    k = value
     if isinstance(value, str):
         text = value.strip()
         if text == "auto":
             return "auto"
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"k (draft length) must be 'auto' or a whole number >= 0, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"k (draft length) must be an integer >= 0 (0 = plain decoding) or 'auto', got {value!r}")
-    return value
+        k = int(text) if text.isdigit() else None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k (draft length) must be >= 0 (a whole number; 0 = plain decoding) or 'auto', got {value!r}")
+    return k
 
 
 @dataclass(frozen=True)
@@ -58,9 +56,8 @@ class GenerationOptions:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, str) and self.k != "auto":
-            raise ValueError(f"k (draft length) must be an integer >= 0 (0 = plain decoding) or 'auto', got {self.k!r}")
-        parse_k(self.k)
+        if parse_k(self.k) != self.k:  # text such as "4": parse_k turns it into the int first
+            raise ValueError(f"k must be an int or 'auto', got the text {self.k!r}: pass it through parse_k")
         if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or self.k_max < 1:
             raise ValueError(f"k_max must be an integer >= 1, got {self.k_max!r}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:

@@ -17,9 +17,7 @@ from specdec.cli import main
 from specdec.drafters import EagleDrafter, ModelDrafter, PromptLookup, RandomDrafter
 from specdec.drafters.factory import (
     DRAFTERS,
-    MAIN_OPTION,
-    OPTIONS,
-    REQUIRED,
+    REGISTERED,
     check_options,
     drafter_from_options,
     options_for,
@@ -406,17 +404,18 @@ def test_every_drafter_builds_from_its_options(draft_model, tmp_path):
     corpus_file = tmp_path / "corpus.json"
     corpus_file.write_text(json.dumps([[5, 6, 7], [8, 9]]))
     examples = _examples(draft_model, str(corpus_file), tmp_path)
-    assert set(examples) == set(DRAFTERS) == set(OPTIONS)  # a new drafter needs a row here, in OPTIONS
+    assert set(examples) == set(DRAFTERS) == set(REGISTERED)  # a new drafter needs a row here
     for name, (options, kind, expect) in examples.items():
-        assert set(options) == set(OPTIONS[name]), name  # every option it takes is exercised
+        assert set(options) == set(REGISTERED[name].options), name  # every option it takes is exercised
         drafter = drafter_from_options(name, **options)
         assert type(drafter) is kind, name
         for attr, value in expect.items():
             assert getattr(drafter, attr) == value, (name, attr)
-        required = {o: v for o, v in options.items() if o in REQUIRED.get(name, ())}
+        required = {o: v for o, v in options.items() if o in REGISTERED[name].required}
         assert type(drafter_from_options(name, **required)) is kind  # the others have defaults
-    for name, option in MAIN_OPTION.items():
-        assert option in OPTIONS[name]
+    for name, entry in REGISTERED.items():
+        assert entry.main is None or entry.main in entry.options, name
+        assert set(entry.required) <= set(entry.options), name
     assert len(drafter_from_options("suffix", corpus=corpus_file).corpus) > 0  # a path: load_corpus
     assert drafter_from_options("eagle-tree").lookup is not None
 

@@ -30,8 +30,8 @@ from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.bench.costmodel import draft_ms_at, verify_ms
 from specdec.drafters.base import Drafter, KeepGoing
 from specdec.drafters.draft import Draft
-from specdec.engine import AUTO_K_MAX
 from specdec.models.load import Model
+from specdec.options import AUTO_K_MAX, parse_k
 from specdec.round import Speculation, speculative_round
 from specdec.sampling import Sampler, SamplingParams
 from specdec.stats import RunStats
@@ -133,8 +133,7 @@ def replay(
     replayed speed (tokens/s), and whose rounds, drafted and accepted tokens are those a real run
     would have. The round itself is the engine's (specdec.round). Raises ValueError for a bad k or
     a drafter that reads the target's KV cache."""
-    if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise ValueError(f"k (draft length) must be an integer >= 0 or 'auto', got {k!r}")
+    k = parse_k(k)
     if not replayable(drafter):
         raise ValueError(
             f"{type(drafter).__name__} reads the target's KV cache, which a replay does not run: "

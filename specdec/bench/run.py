@@ -46,7 +46,7 @@ from specdec.bench.rowcost import row_cost
 from specdec.bench.workloads import Prompt
 from specdec.cache import common_prefix, new_cache
 from specdec.drafters import Drafter
-from specdec.drafters.factory import MAIN_OPTION, drafter_from_options, options_for
+from specdec.drafters.factory import REGISTERED, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, Generation, generate, stepwise
 from specdec.exactness import first_divergence
 from specdec.models.load import Model, load_model, resolve_device, synchronize
@@ -315,10 +315,10 @@ def _drafters(
 ) -> tuple[Callable[[], Drafter], Model | None, dict | None]:
     """A maker of the pair's drafters (one per config when interleaved: drafters keep per-generation
     state), and its draft model with its load's resident memory (None, None without one). The pair's
-    third part fills its drafter's main option (MAIN_OPTION): a draft model (loaded once, here, in
+    third part fills its drafter's main option (its REGISTERED entry's `main`): a draft model (loaded once, here, in
     draft_dtype, else load_kwargs' dtype, else its own precision; the peers use it too), a corpus file,
     layers or a head file."""
-    main = MAIN_OPTION.get(pair.drafter)
+    main = REGISTERED[pair.drafter].main if pair.drafter in REGISTERED else None
     source = pair.draft if main else None
     draft_model, draft_memory = None, None
     if source and main == "draft":

@@ -15,14 +15,9 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 
 
 def k_arg(text: str) -> int | str:
-    """A draft length from the command line: `auto` or a whole number >= 0 (specdec.options.parse_k).
-    Raises ValueError with the message the command line shows."""
-    try:
-        return parse_k(text)
-    except ValueError:
-        raise ValueError(
-            f"k (draft length) must be >= 0 (a whole number; 0 = plain decoding) or `auto`, got {text!r}"
-        ) from None
+    """A draft length from the command line: `auto` or a whole number >= 0 (specdec.options.parse_k,
+    whose ValueError is the message the command line shows)."""
+    return parse_k(text)
 
 
 def load_kwargs(args, draft: bool = False) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 
 from specdec.drafters.base import Drafter
@@ -15,40 +16,30 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.random import RandomDrafter
 from specdec.drafters.suffix import SuffixDrafter, load_corpus
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {
-    "prompt-lookup": PromptLookup,
-    "model": ModelDrafter,
-    "random": RandomDrafter,
-    "suffix": SuffixDrafter,
-    "suffix-tree": partial(SuffixDrafter, tree=True),
-    "layer-skip": LayerSkipDrafter,
-    "eagle": EagleDrafter,
-    "eagle-tree": partial(EagleDrafter, alternatives=1, lookup=True),
-}
 
-# The options of drafter_from_options that each drafter takes, and those it cannot do without.
-OPTIONS: dict[str, tuple[str, ...]] = {
-    "prompt-lookup": ("max_ngram", "min_ngram"),
-    "model": ("draft",),
-    "random": (),
-    "suffix": ("corpus", "min_match"),
-    "suffix-tree": ("corpus", "min_match"),
-    "layer-skip": ("layers", "cache"),
-    "eagle": ("head", "cache"),
-    "eagle-tree": ("head", "cache"),
-}
-REQUIRED: dict[str, tuple[str, ...]] = {"model": ("draft",)}
+@dataclass(frozen=True)
+class Entry:
+    """A registered drafter: `make` builds it; `options`, the options of drafter_from_options it
+    takes; `required`, those it cannot do without; `main`, the option a one-word source fills (the
+    DRAFT of `specdec bench --pair TARGET:DRAFTER:DRAFT`), None where it has none."""
 
-# The option that a drafter's one-word source fills, for drafters that have one: the DRAFT of
-# `specdec bench --pair TARGET:DRAFTER:DRAFT`.
-MAIN_OPTION: dict[str, str] = {
-    "model": "draft",
-    "suffix": "corpus",
-    "suffix-tree": "corpus",
-    "layer-skip": "layers",
-    "eagle": "head",
-    "eagle-tree": "head",
+    make: Callable[..., Drafter]
+    options: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+    main: str | None = None
+
+
+REGISTERED: dict[str, Entry] = {
+    "prompt-lookup": Entry(PromptLookup, ("max_ngram", "min_ngram")),
+    "model": Entry(ModelDrafter, ("draft",), required=("draft",), main="draft"),
+    "random": Entry(RandomDrafter),
+    "suffix": Entry(SuffixDrafter, ("corpus", "min_match"), main="corpus"),
+    "suffix-tree": Entry(partial(SuffixDrafter, tree=True), ("corpus", "min_match"), main="corpus"),
+    "layer-skip": Entry(LayerSkipDrafter, ("layers", "cache"), main="layers"),
+    "eagle": Entry(EagleDrafter, ("head", "cache"), main="head"),
+    "eagle-tree": Entry(partial(EagleDrafter, alternatives=1, lookup=True), ("head", "cache"), main="head"),
 }
+DRAFTERS: dict[str, Callable[..., Drafter]] = {name: entry.make for name, entry in REGISTERED.items()}
 
 # Each option's command-line flag and what it is, for the error messages.
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -76,7 +67,7 @@ def options_for(name: str, settings: Mapping[str, object]) -> dict:
     caller holding settings for every drafter (the CLI's flags, a server's), which each drafter
     reads only where they apply. Raises ValueError for an unknown name."""
     _known(name)
-    return {o: v for o, v in settings.items() if o in OPTIONS[name] and v is not None}
+    return {o: v for o, v in settings.items() if o in REGISTERED[name].options and v is not None}
 
 
 def check_options(name: str, **options) -> None:
@@ -89,11 +80,12 @@ def check_options(name: str, **options) -> None:
             continue
         if option not in _FLAGS:
             raise ValueError(f"unknown drafter option {option!r}; known: {', '.join(_FLAGS)}")
-        if option not in OPTIONS[name]:
-            takes = f"it takes {', '.join(OPTIONS[name])}" if OPTIONS[name] else "it takes none"
+        takes_options = REGISTERED[name].options
+        if option not in takes_options:
+            takes = f"it takes {', '.join(takes_options)}" if takes_options else "it takes none"
             flag = _FLAGS[option][0]
             raise ValueError(f"the {name} drafter takes no {option} option ({flag}); {takes}")
-    for option in REQUIRED.get(name, ()):
+    for option in REGISTERED[name].required:
         if options.get(option) is None:
             flag, what = _FLAGS[option]
             raise ValueError(f"the {name} drafter needs {what}: pass {flag}")
@@ -113,8 +105,8 @@ def drafter_from_options(
 ) -> Drafter:
     """Build drafter `name` (a key of DRAFTERS) from the options the CLI, bench and serve offer.
 
-    None means not given: the drafter's default. Which drafter takes which option is the table
-    OPTIONS; REQUIRED names those a drafter cannot do without.
+    None means not given: the drafter's default. Which drafter takes which option, and which it
+    cannot do without, is its REGISTERED entry.
     - draft (model, required): the draft model, a loaded Model or a spec for load_model.
     - layers (layer-skip): the decoder layers to keep, a list or "0-9,12"; default: the target's
       stored calibration.

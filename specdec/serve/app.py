@@ -43,9 +43,9 @@ from specdec.adaptive import VerifyCosts
 from specdec.batch import PREFILL_CHUNK
 from specdec.decoding import Generation
 from specdec.drafters import Drafter
-from specdec.drafters.factory import DRAFTERS, REQUIRED, drafter_from_options, options_for
+from specdec.drafters.factory import REGISTERED, drafter_from_options, options_for
 from specdec.models.load import Model, check_same_tokenizer
-from specdec.options import MAX_TOP_LOGPROBS, GenerationOptions
+from specdec.options import MAX_TOP_LOGPROBS, GenerationOptions, parse_k
 from specdec.sampling import Penalties, SamplingParams, TokenLogprob
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
@@ -841,9 +841,9 @@ def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int, cach
     Each sequence of the batch runs a fork of one of these (Drafter.fork)."""
     settings = dict(draft=draft, max_ngram=max_ngram, min_ngram=min_ngram, cache=cache)
     out: dict[str, Drafter] = {}
-    for name in DRAFTERS:
+    for name, entry in REGISTERED.items():
         options = options_for(name, settings)
-        if all(option in options for option in REQUIRED.get(name, ())):
+        if all(option in options for option in entry.required):
             out[name] = drafter_from_options(name, **options)
     return out
 
@@ -894,10 +894,7 @@ def create_app(
     if drafter != "none" and drafter not in available:
         hint = " (pass draft=MODEL, or --draft MODEL on the command line)" if drafter == "model" else ""
         raise ValueError(f"unknown drafter {drafter!r}; available: {', '.join([*available, 'none'])}{hint}")
-    if isinstance(k, bool) or (isinstance(k, int) and k < 0) or not isinstance(k, (int, str)):
-        raise ValueError(
-            f"k (draft length) must be an integer >= 0 (or a mode the engine takes, such as 'auto'), got {k!r}"
-        )
+    k = parse_k(k)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_batch < 1:
