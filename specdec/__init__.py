@@ -22,6 +22,7 @@ from specdec.errors import (
 from specdec.exactness import Divergence, first_divergence
 from specdec.models.load import Model, check_same_tokenizer, load_model
 from specdec.models.weights import pull
+from specdec.options import GenerationOptions
 from specdec.sampling import Penalties, SamplingParams, TokenLogprob
 from specdec.stats import RunStats
 
@@ -34,6 +35,7 @@ __all__ = [
     "Draft",
     "Drafter",
     "Generation",
+    "GenerationOptions",
     "Model",
     "ModelNotFoundError",
     "Penalties",

@@ -199,10 +199,10 @@ def generate_batch(
 ) -> list[Generation]:
     """specdec.engine.generate of several prompts at once, batched (see the module's docstring):
     each Generation's tokens are those generate(target, prompt, ...) gives for its prompt alone.
-    drafter: a registry name (or None), forked per prompt; or drafters=[...], one Drafter per
+    drafter: a registry name (or None), built for each prompt; or drafters=[...], one Drafter per
     prompt (a drafter's state is its sequence's). options or option_fields: generate's.
-    prefill_chunk: Batch's. With k="auto" each sequence has its own policy over one verify-cost
-    curve. Raises what generate raises, before any forward runs."""
+    prefill_chunk: Batch's. With k="auto" each sequence has its own policy over a fork of one
+    verify-cost curve (VerifyCosts.fork). Raises what generate raises, before any forward runs."""
     options = options_from(options, option_fields)
     if drafters is not None and len(drafters) != len(prompts):
         raise ValueError(f"drafters: one per prompt, got {len(drafters)} for {len(prompts)} prompts")
@@ -213,7 +213,7 @@ def generate_batch(
     out: dict[int, Generation] = {}
     seqs = []
     for i, prompt in enumerate(prompts):
-        policy = AdaptiveK(costs, k_max=options.k_max) if costs is not None else None
+        policy = AdaptiveK(costs.fork(), k_max=options.k_max) if costs is not None else None
         seqs.append(Decoding(target, prompt, drafters[i] if drafters is not None else drafter, options, policy))
     for i, seq in enumerate(seqs):
         batch.add(seq, on_finish=lambda _s, g, i=i: out.__setitem__(i, g))

@@ -434,7 +434,7 @@ def test_verify_curve_is_timed_once_per_target_at_first_use():
     again = generate(target, prompt, "prompt-lookup", k="auto", max_new_tokens=4, policy=policy)
     assert again.tokens == first.tokens  # the calibration left the cache as it found it
     assert costs.shape[6] == 6000.0  # not re-timed
-    assert costs.ms[6] == pytest.approx(6000.0 * costs.ms[1] / 1000.0)  # rounds moved the level, not the shape
+    assert costs(6) == pytest.approx(6000.0 * costs(1) / 1000.0)  # rounds moved the level, not the shape
     assert generate(target, prompt, None, k=0, max_new_tokens=4).tokens == first.tokens
 
 

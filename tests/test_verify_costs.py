@@ -211,3 +211,21 @@ def test_forget_deletes_every_curve_of_a_model_and_no_other(verify_cost_cache):
     assert sorted(costs_module.forget(lean.name)) == sorted(mine)
     assert [p.name for p in verify_cost_cache.iterdir()] == ["tiny-llama-3-b-0123456789abcdef.json"]
     assert costs_module.forget(lean.name) == []
+
+
+def test_forks_keep_their_own_context_and_share_the_level_and_the_shapes():
+    """The server's sequences plan over forks of one curve: a sequence at a long context must not
+    move a short one's curve (it used to: one shared `shape`, rewritten by at()), while what a timed
+    round or a calibration teaches is every fork's."""
+    parent = VerifyCosts(ms={1: 10.0}, shapes={100: {1: 1.0, 4: 1.2}, 2000: {1: 1.0, 4: 2.0}})
+    short, long = parent.fork(), parent.fork()
+    short.at(100)
+    long.at(2000)
+    assert short(4) == pytest.approx(12.0) and long(4) == pytest.approx(20.0)
+    short.at(110)  # the other fork's context changed nothing here
+    assert short(4) == pytest.approx(12.0)
+    long.observe(4, 30.0)  # a timed round at the long context moves the shared level
+    level = 0.7 * 10.0 + 0.3 * 30.0 / 2.0
+    assert parent.ms[1] == short.ms[1] == pytest.approx(level) and short(4) == pytest.approx(1.2 * level)
+    parent.shapes[600] = {1: 1.0, 4: 1.5}  # a calibration through any fork lands in the shared shapes
+    assert not short.needs(600) and not long.needs(600)

@@ -24,7 +24,7 @@ import platform
 import re
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -131,6 +131,9 @@ class VerifyCosts:
     `drift_rounds` times), that shape is dropped from the curve and its file, and the next
     calibrate() times it again. A uniform slow-down only moves the level.
 
+    Several sequences decoded at once (specdec.batch, the server) each plan over a fork(): the
+    level and the timed shapes are shared, the current shape (their context's) is each one's own.
+
     path: the cache file (for_model); None keeps the curve in memory only.
     """
 
@@ -138,7 +141,7 @@ class VerifyCosts:
     optimistic_slope: float = 0.25  # beyond the tried n: V(n + 1) - V(n) = slope * V(1)
     spacing: float = math.sqrt(2)  # a context within this factor of a timed one needs no timing
     ahead_max: int = 256  # calibrate() fills at most this many tokens to time the context ahead
-    ms: dict[int, float] = field(default_factory=dict)
+    ms: dict[int, float] = field(default_factory=dict)  # V(1), the level; V(n) for n outside the shape
     shape: dict[int, float] = field(default_factory=dict)  # V(n) / V(1) at the current context
     shapes: dict[int, dict[int, float]] = field(default_factory=dict)  # context -> shape there
     step: int = 16  # at() redoes the interpolation after the context moved this many tokens
@@ -148,6 +151,8 @@ class VerifyCosts:
     _at: tuple[int, int] = (-1 << 30, 0)  # (context, number of shapes) of the last interpolation
     _off: dict[int, tuple[float, int]] = field(default_factory=dict, repr=False)  # n -> (mean log ratio, rounds)
     _key: dict | None = field(default=None, repr=False, compare=False)
+    _version: list[int] = field(default_factory=lambda: [0], repr=False, compare=False)  # of ms; shared by forks
+    _cached: tuple = field(default=(None, None, {}), repr=False, compare=False)  # (version, shape, points)
 
     @classmethod
     def for_model(cls, model, cache: str | Path | None = None) -> VerifyCosts:
@@ -158,6 +163,13 @@ class VerifyCosts:
         costs = cls(path=cache_file(key, cache), _key=key)
         costs.load()
         return costs
+
+    def fork(self) -> VerifyCosts:
+        """The same curve for another sequence decoded at the same time: it shares the level, the
+        running averages and the timed shapes (a calibration or a timed round through one is
+        every fork's, saved to the same file), and keeps its own current shape, context and drift
+        statistics, so that one sequence's context never moves another's curve."""
+        return replace(self, shape={}, _at=(-1 << 30, 0), _off={}, _cached=(None, None, {}))
 
     def load(self) -> bool:
         """Read the cached curve from `path`; False (nothing changed) when there is none or it
@@ -177,7 +189,12 @@ class VerifyCosts:
             return False
         if not all(math.isfinite(v) and v > 0 for v in values):
             return False
-        self.ms, self.shapes, self.shape, self._at = ms, shapes, {}, (-1 << 30, 0)
+        self.ms.clear()
+        self.ms.update(ms)
+        self.shapes.clear()
+        self.shapes.update(shapes)
+        self.shape, self._at = {}, (-1 << 30, 0)
+        self._version[0] += 1
         return True
 
     def save(self) -> None:
@@ -188,7 +205,7 @@ class VerifyCosts:
         data = {
             "schema": SCHEMA,
             "key": self._key,
-            "ms": {str(n): v for n, v in sorted(self.ms.items())},
+            "ms": {str(n): v for n, v in sorted(self._points().items())},
             "shapes": {
                 str(c): {str(n): r for n, r in sorted(shape.items())} for c, shape in sorted(self.shapes.items())
             },
@@ -205,14 +222,15 @@ class VerifyCosts:
         if n in self.shape:
             if ms > 0:
                 mean, rounds = self._off.get(n, (0.0, 0))
-                off = math.log(ms / self.ms[n])
+                off = math.log(ms / (self.ms[1] * self.shape[n]))
                 self._off[n] = (off if not rounds else (1 - self.ema) * mean + self.ema * off, rounds + 1)
-            level = (1 - self.ema) * self.ms[1] + self.ema * ms / self.shape[n]
-            self.ms.update({m: level * ratio for m, ratio in self.shape.items()})
+            self.ms[1] = (1 - self.ema) * self.ms[1] + self.ema * ms / self.shape[n]
+            self._version[0] += 1
             self._check_drift()
             return
         old = self.ms.get(n)
         self.ms[n] = ms if old is None else (1 - self.ema) * old + self.ema * ms
+        self._version[0] += 1
 
     def _check_drift(self) -> None:
         """Drop the shapes the current one comes from when the rounds drift off it (see the class)."""
@@ -271,6 +289,7 @@ class VerifyCosts:
                 kv.rollback(here)
         if not self.shapes:  # the first calibration also sets the level
             self.ms.update(best)
+            self._version[0] += 1
         self.shapes[here] = {n: best[n] / best[1] for n in best}
 
     def at(self, context: int) -> None:
@@ -292,20 +311,32 @@ class VerifyCosts:
         if shape != self.shape:
             self.shape = shape
             self._off.clear()
-            self.ms.update({m: self.ms[1] * ratio for m, ratio in shape.items()})
+
+    def _points(self) -> dict[int, float]:
+        """The curve's measured points in ms: the level through the current shape, and the running
+        averages of the lengths outside it (kept until ms or the shape changes: read every round)."""
+        if not self.shape:
+            return self.ms
+        version, shape, points = self._cached
+        if version != self._version[0] or shape is not self.shape:
+            level = self.ms[1]
+            points = {**self.ms, **{m: level * ratio for m, ratio in self.shape.items()}}
+            self._cached = (self._version[0], self.shape, points)
+        return points
 
     def __call__(self, n: int) -> float:
         """Estimated V(n) in ms (0 when nothing has been timed yet)."""
-        if not self.ms:
+        points = self._points()
+        if not points:
             return 0.0
-        inside = interpolate(self.ms, n)
+        inside = interpolate(points, n)
         if inside is not None:
             return inside
-        first, last = min(self.ms), max(self.ms)
-        v1 = self.ms.get(1, self.ms[first] / (1 + self.optimistic_slope * (first - 1)))
+        first, last = min(points), max(points)
+        v1 = points.get(1, points[first] / (1 + self.optimistic_slope * (first - 1)))
         if n < first:
-            return max(0.0, self.ms[first] - self.optimistic_slope * v1 * (first - n))
-        return self.ms[last] + self.optimistic_slope * v1 * (n - last)
+            return max(0.0, points[first] - self.optimistic_slope * v1 * (first - n))
+        return points[last] + self.optimistic_slope * v1 * (n - last)
 
 
 def _repeated(tokens: list[int], n: int) -> list[int]:

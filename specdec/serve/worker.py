@@ -202,7 +202,8 @@ class Worker:
         if options.seed is not None:
             options = options.replace(seed=(options.seed + index) % 2**64)
         drafter = job.drafter.fork() if job.drafter is not None else None
-        policy = AdaptiveK(self.costs, k_max=AUTO_K_MAX) if options.k == "auto" and drafter is not None else None
+        auto = options.k == "auto" and drafter is not None
+        policy = AdaptiveK(self.costs.fork(), k_max=AUTO_K_MAX) if auto else None  # its context's curve
         return Decoding(self.target, job.ids, drafter, options, policy)
 
     def _drop_cancelled(self) -> None:
