@@ -98,6 +98,9 @@ class Decoding:
             raise TypeError(
                 f"drafter must be a specdec Drafter (subclass specdec.Drafter) or a name, got {type(drafter).__name__}"
             )
+        bad = [t for t, _ in options.logit_bias if t >= target.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside {target.name}'s {target.vocab_size} ids")
         if drafter is None:
             k = 0
         if k == "auto":
@@ -124,8 +127,10 @@ class Decoding:
         if drafter is not None:
             drafter.prepare(target)
         self.kv = new_cache(target)
-        # greedy without penalties or logprobs reads only the argmax: the lean output layer is screened in bf16
-        self.kv.argmax_only = params.greedy and self.penalties.neutral and logprobs is None
+        # greedy reading the raw logits' argmax only (no bias, penalties or logprobs): the lean
+        # output layer is screened in bf16
+        plain = self.penalties.neutral and not options.logit_bias and logprobs is None
+        self.kv.argmax_only = params.greedy and plain
         if drafter is not None and drafter.reads_target_cache:
             drafter.attach(self.kv)
 
@@ -136,7 +141,9 @@ class Decoding:
         self.spec = Speculation(
             drafter, 0 if policy else k, policy.k_max if policy else 0, policy, self.sampler, target.vocab_size, clock
         )
-        self.verifier = TargetVerifier(self.kv, self.sampler, self.penalties, len(prompt), logprobs)
+        self.verifier = TargetVerifier(self.kv, self.sampler, self.penalties, len(prompt), logprobs, options.logit_bias)
+        self.eos = frozenset() if options.ignore_eos else target.eos_token_ids
+        self.stop_ids = frozenset(options.stop_token_ids)
 
     @property
     def verify_costs(self) -> VerifyCosts | None:
@@ -203,11 +210,13 @@ class Decoding:
         seconds; timed as in specdec.round.conclude) and commit its tokens up to an EOS, a stop
         string or the budget. Returns the tokens committed."""
         rnd: Round = conclude(self.spec, proposal, scores, verify_s, self.verifier, self.stats, timed)
-        eos, committed = self.target.eos_token_ids, []
+        committed = []
         for t in rnd.committed:
             committed.append(t)
-            if t in eos:
+            if t in self.eos:
                 self.stats.stop_reason = "eos"
+            elif t in self.stop_ids:
+                self.stats.stop_reason = "stop"
             elif self.text is not None and stop_at(self.text.peek(committed), self.stop) >= 0:
                 self.stats.stop_reason = "stop"
             if self.stats.stop_reason:

@@ -6,6 +6,7 @@ and builds one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 from specdec.sampling import Penalties, SamplingParams
@@ -34,14 +35,18 @@ class GenerationOptions:
     """One generation's options, checked when made.
 
     k: the draft length per round, an int >= 0 (0 = plain decoding) or "auto" (chosen every round
-    up to k_max, >= 1). max_new_tokens: the budget (>= 0). temperature, top_k, top_p: the sampling
-    (specdec.sampling.SamplingParams; temperature 0 is greedy). seed: of the run's one
+    up to k_max, >= 1). max_new_tokens: the budget (>= 0). temperature, top_k, top_p, min_p: the
+    sampling (specdec.sampling.SamplingParams; temperature 0 is greedy). seed: of the run's one
     torch.Generator (None: a random seed). stop: strings that end the text. penalties: a Penalties
     (None: none). logprobs: None, or how many most likely tokens (0..20) to report beside each new
-    token's log-probability.
+    token's log-probability. logit_bias: {token id: bias}, added to the target's logits before
+    the penalties (OpenAI's semantics, each in [-100, 100]); stored as sorted (id, bias) pairs.
+    stop_token_ids: ids that end the generation, besides the model's end tokens; ignore_eos: do not
+    stop on the model's end tokens (vLLM's two extensions).
 
     Raises ValueError naming the first bad field (what parse_k, SamplingParams and Penalties raise,
-    a k_max < 1, a negative budget, logprobs out of range, a stop that is not strings).
+    a k_max < 1, a negative budget, logprobs out of range, a stop that is not strings, a bias out
+    of range or on a negative id, a negative stop token id).
     """
 
     k: int | str = "auto"
@@ -54,6 +59,10 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     penalties: Penalties = field(default_factory=Penalties)
     logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if parse_k(self.k) != self.k:  # text such as "4": parse_k turns it into the int first
@@ -70,16 +79,35 @@ class GenerationOptions:
         object.__setattr__(self, "stop", stop)
         if self.penalties is None:
             object.__setattr__(self, "penalties", Penalties())
-        self.sampling  # noqa: B018 -- checks temperature, top_k and top_p
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        stop_ids = tuple(self.stop_token_ids or ())
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        self.sampling  # noqa: B018 -- checks temperature, top_k, top_p and min_p
 
     @property
     def sampling(self) -> SamplingParams:
-        """The sampling parameters (temperature, top_k, top_p)."""
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+        """The sampling parameters (temperature, top_k, top_p, min_p)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
 
     def replace(self, **changes) -> GenerationOptions:
         """A copy with these fields changed (checked again). Raises TypeError for an unknown field."""
         return replace(self, **changes)
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (id, bias) pairs, from a mapping or pairs. Raises ValueError for an id
+    that is not an integer >= 0 or a bias that is not a number in [-100, 100]."""
+    pairs = bias.items() if isinstance(bias, Mapping) else (bias or ())
+    out = {}
+    for token, value in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 OPTION_NAMES = tuple(f.name for f in fields(GenerationOptions))

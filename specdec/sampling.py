@@ -1,6 +1,6 @@
 """Turning logits into the distribution a token is drawn from.
 
-The same transformation (temperature, then top-k, then top-p) is applied to the draft's and the
+The same transformation (temperature, then min-p, top-k and top-p) is applied to the draft's and the
 target's logits, so that speculative sampling reproduces the distribution plain sampling of the
 target draws from (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
 Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
@@ -22,13 +22,17 @@ class SamplingParams:
     temperature: 0 means greedy (argmax, ties to the lowest id); > 0 divides the logits.
     top_k: keep the k most likely tokens (0 keeps all).
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1.0 keeps all).
+    min_p: keep the tokens whose probability is at least min_p times the most likely one's (0 keeps
+    all; Nguyen et al. 2024, "Turning Up the Heat: Min-p Sampling"; as vLLM, after temperature).
 
-    Raises ValueError on a negative temperature or top_k, or a top_p outside (0, 1].
+    Raises ValueError on a negative temperature or top_k, or a top_p outside (0, 1], or a min_p
+    outside [0, 1].
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -37,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 turns it off), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -44,7 +50,8 @@ class SamplingParams:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p.
+    """Probabilities after temperature, then min-p, top-k and top-p (each over what the previous
+    left; min-p's threshold is read from the tempered distribution, as vLLM does).
 
     logits: (n, V) any float dtype, on any device. Returns (n, V) float32 rows on the CPU (where the
     run's generator draws, so a seed gives the same draws on every device) that sum to 1. Tokens removed by
@@ -54,6 +61,10 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         raise ValueError("processed_probs needs temperature > 0; greedy decoding uses argmax")
     logits = logits.float().cpu() / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(dim=-1)
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values  # (n, 1)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (n, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -38,16 +38,26 @@ class TargetVerifier:
     """The engine's Verifier: the target's forward over its KV cache (kv, a specdec.cache cache).
 
     A token tree is verified in the same one forward under a tree attention mask where the cache
-    can keep a path of it (the lean backend) and decoding is greedy, without penalties or
-    logprobs; elsewhere its main chain is. Penalties (a Penalties) apply to each row of a verified
-    block with that row's history, so that every drafter and k gives what plain decoding with them
-    gives. With top_logprobs (not None) each round's committed tokens' TokenLogprobs are left in
-    last_logprobs."""
+    can keep a path of it (the lean backend) and decoding is greedy, without penalties, bias or
+    logprobs; elsewhere its main chain is. logit_bias ((id, bias) pairs) is added to each row of a
+    verified block, then the penalties (a Penalties) apply to it with that row's history, so that
+    every drafter and k gives what plain decoding with them gives. With top_logprobs (not None)
+    each round's committed tokens' TokenLogprobs are left in last_logprobs."""
 
-    def __init__(self, kv, sampler: Sampler, penalties: Penalties, prompt_len: int, top_logprobs: int | None = None):
+    def __init__(
+        self,
+        kv,
+        sampler: Sampler,
+        penalties: Penalties,
+        prompt_len: int,
+        top_logprobs: int | None = None,
+        logit_bias: tuple[tuple[int, float], ...] = (),
+    ):
         self.kv, self.sampler, self.penalties, self.prompt_len = kv, sampler, penalties, prompt_len
         self.top_logprobs = top_logprobs
-        plain = penalties.neutral and top_logprobs is None
+        self.bias_ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.long)
+        self.bias = torch.tensor([[b for _, b in logit_bias]], dtype=torch.float32)  # (1, len(logit_bias))
+        plain = penalties.neutral and top_logprobs is None and not logit_bias
         self.verifies_trees = sampler.params.greedy and plain and hasattr(kv, "keep_path")
         self.last_logprobs: list[TokenLogprob] = []
 
@@ -70,6 +80,8 @@ class TargetVerifier:
             self.kv.keep_path(len(tokens) - 1, path)
             return [nodes[i] for i in path[1:]], verdict.token
         raw = logits
+        if self.bias_ids.numel():  # OpenAI's logit_bias, before the penalties (as vLLM)
+            logits = logits.float().cpu().index_add(1, self.bias_ids, self.bias.expand(logits.shape[0], -1))
         if not self.penalties.neutral:
             logits = self.penalties.apply(logits, tokens[: self.prompt_len], tokens[self.prompt_len :], draft.tokens)
         if self.sampler.params.greedy:

@@ -151,6 +151,7 @@ SETTINGS = {
     "T0.7-topk3": (SamplingParams(temperature=0.7, top_k=3), 3, False, 2),
     "T1.3-topp0.8": (SamplingParams(temperature=1.3, top_p=0.8), 2, False, 3),
     "fixed-draft-T0.8-topk4": (SamplingParams(temperature=0.8, top_k=4), 2, True, 4),
+    "T1.0-minp0.3": (SamplingParams(temperature=1.0, min_p=0.3), 2, False, 5),
 }
 
 
