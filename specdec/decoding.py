@@ -22,6 +22,7 @@ from specdec.cache import new_cache
 from specdec.drafters.base import Drafter
 from specdec.drafters.factory import make_drafter
 from specdec.errors import ContextLengthError
+from specdec.grammar import Constraint
 from specdec.models.load import Model, synchronize
 from specdec.options import GenerationOptions
 from specdec.round import Proposal, Round, Speculation, conclude, propose
@@ -129,7 +130,8 @@ class Decoding:
         self.kv = new_cache(target)
         # greedy reading the raw logits' argmax only (no bias, penalties or logprobs): the lean
         # output layer is screened in bf16
-        plain = self.penalties.neutral and not options.logit_bias and logprobs is None
+        self.constraint = Constraint(options.grammar, target) if options.grammar is not None else None
+        plain = self.penalties.neutral and not options.logit_bias and logprobs is None and not self.constraint
         self.kv.argmax_only = params.greedy and plain
         if drafter is not None and drafter.reads_target_cache:
             drafter.attach(self.kv)
@@ -141,7 +143,9 @@ class Decoding:
         self.spec = Speculation(
             drafter, 0 if policy else k, policy.k_max if policy else 0, policy, self.sampler, target.vocab_size, clock
         )
-        self.verifier = TargetVerifier(self.kv, self.sampler, self.penalties, len(prompt), logprobs, options.logit_bias)
+        self.verifier = TargetVerifier(
+            self.kv, self.sampler, self.penalties, len(prompt), logprobs, options.logit_bias, self.constraint
+        )
         self.eos = frozenset() if options.ignore_eos else target.eos_token_ids
         self.stop_ids = frozenset(options.stop_token_ids)
 
@@ -189,7 +193,9 @@ class Decoding:
         """Plan and draft the next round (specdec.round.propose); share: in a batch, its part in
         the round's costs, for the policy. Only while not finished."""
         budget, room = self.max_new_tokens - len(self.out), self.target.n_ctx - len(self.tokens)
-        return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees, share)
+        speculating = self.constraint is not None and self.drafter is not None  # k = 0 stays plain decoding
+        forced = self.constraint.forced() if speculating else ()
+        return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees, share, forced)
 
     def verify_rows(self, proposal: Proposal) -> Rows:
         """What the target scores for a proposal, as rows of a forward: the last committed token

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
+from specdec.grammar import Grammar
 from specdec.sampling import Penalties, SamplingParams
 
 AUTO_K_MAX = 8  # the longest draft k = "auto" chooses by default
@@ -42,7 +43,8 @@ class GenerationOptions:
     token's log-probability. logit_bias: {token id: bias}, added to the target's logits before
     the penalties (OpenAI's semantics, each in [-100, 100]); stored as sorted (id, bias) pairs.
     stop_token_ids: ids that end the generation, besides the model's end tokens; ignore_eos: do not
-    stop on the model's end tokens (vLLM's two extensions).
+    stop on the model's end tokens (vLLM's two extensions). grammar: a specdec.grammar.Grammar the
+    output must follow (a JSON schema, a regex, ...), or None.
 
     Raises ValueError naming the first bad field (what parse_k, SamplingParams and Penalties raise,
     a k_max < 1, a negative budget, logprobs out of range, a stop that is not strings, a bias out
@@ -63,6 +65,7 @@ class GenerationOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if parse_k(self.k) != self.k:  # text such as "4": parse_k turns it into the int first
@@ -84,6 +87,8 @@ class GenerationOptions:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a specdec Grammar (Grammar.json_schema(...), ...), got {self.grammar!r}")
         self.sampling  # noqa: B018 -- checks temperature, top_k, top_p and min_p
 
     @property

@@ -20,9 +20,11 @@ advances a simulated clock by measured costs. Everything else is this one functi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
+
+import torch
 
 from specdec.adaptive import AdaptiveK, Outcome, RoundPlan, Share
 from specdec.drafters.base import Drafter
@@ -59,7 +61,8 @@ class Speculation:
 @dataclass
 class Round:
     """A finished round: `committed`, the accepted tokens plus the target's (before any stop rule);
-    n_verified drafted tokens were scored, n_accepted kept; depth: the draft's (a chain's: n_verified)."""
+    n_verified drafted tokens were scored, n_accepted kept (a grammar's forced tokens counted in
+    neither); depth: the draft's (a chain's: n_verified)."""
 
     committed: list[int]
     n_verified: int
@@ -72,7 +75,8 @@ class Proposal:
     """A round up to its verify: `checked`, the draft the target scores after the last committed
     token (a chain, or a tree where the verifier takes one); kk, the draft length planned;
     n_verified drafted tokens to score, depth the draft's; times from spec.clock; plan: the
-    policy's RoundPlan (None without a policy)."""
+    policy's RoundPlan (None without a policy); n_forced: the tokens a grammar forced, first in
+    `checked` and not counted in n_verified."""
 
     tokens: list[int]
     checked: Draft
@@ -83,6 +87,7 @@ class Proposal:
     t_round: float  # when planning began
     draft_s: float  # seconds drafting
     plan: RoundPlan | None = None
+    n_forced: int = 0
 
 
 def speculative_round(
@@ -103,12 +108,24 @@ def speculative_round(
 
 
 def propose(
-    spec: Speculation, tokens: list[int], budget: int, room: int, trees: bool, share: Share | None = None
+    spec: Speculation,
+    tokens: list[int],
+    budget: int,
+    room: int,
+    trees: bool,
+    share: Share | None = None,
+    forced: list[int] = (),
 ) -> Proposal:
     """A round's plan and draft (steps 1-2): what the target is to score after `tokens`.
     trees: whether the verifier takes a token tree (else a tree's main chain is verified).
     share: in a batch, its part in the round's costs (specdec.adaptive.policy.Share), for the
-    policy. Other arguments as speculative_round."""
+    policy. forced: tokens a grammar allows only one way from here (specdec.grammar): they lead
+    the draft for free, the drafter drafting after them, and the policy plans the rest as if they
+    were committed. Other arguments as speculative_round."""
+    forced = list(forced)[: max(0, min(budget, room) - 1)]
+    if forced:
+        proposal = propose(spec, tokens + forced, budget - len(forced), room - len(forced), False, share)
+        return _after_forced(proposal, tokens, forced)
     policy, drafter, clock = spec.policy, spec.drafter, spec.clock
     t_round = clock()
     kk = min(spec.k_max if policy else spec.k, budget - 1, room - 1)
@@ -146,6 +163,19 @@ def propose(
     return Proposal(tokens, checked, kk, n_verified, depth, draft.match_length, t_round, t1 - t0, plan)
 
 
+def _after_forced(proposal: Proposal, tokens: list[int], forced: list[int]) -> Proposal:
+    """A proposal drafted after `forced` tokens, as one after `tokens`: the forced tokens lead its
+    chain, with one-hot draft probabilities where the draft has probabilities."""
+    draft = proposal.checked
+    probs = draft.probs
+    if probs is not None:
+        onehot = torch.zeros(len(forced), probs.shape[1], dtype=probs.dtype)
+        onehot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
+        probs = torch.cat([onehot, probs])
+    checked = Draft(forced + draft.tokens, probs)
+    return replace(proposal, tokens=tokens, checked=checked, n_forced=len(forced))
+
+
 def conclude(
     spec: Speculation,
     proposal: Proposal,
@@ -165,12 +195,15 @@ def conclude(
     stats.verify_s += verify_s
     accepted, token = verifier.judge(scores, tokens, proposal.checked)
     verifier.rollback(len(tokens) + len(accepted))
-    stats.record_round(proposal.n_verified, len(accepted), proposal.depth)
+    forced = min(len(accepted), proposal.n_forced)  # forced tokens stay out of the drafter's counts
+    n_accepted = len(accepted) - forced
+    stats.record_round(proposal.n_verified, n_accepted, proposal.depth)
+    stats.forced += forced
     if policy:
         other_ms = (clock() - proposal.t_round - draft_s - verify_s) * 1e3
         outcome = Outcome(
             proposal.n_verified,
-            len(accepted),
+            n_accepted,
             verify_s * 1e3,
             draft_s * 1e3,
             other_ms,
@@ -178,9 +211,10 @@ def conclude(
             depth=proposal.depth,
             match_length=proposal.match_length,
             timed=timed,
+            forced=proposal.n_forced,
         )
         policy.observe(proposal.plan, outcome)
-    return Round(accepted + [token], proposal.n_verified, len(accepted), proposal.depth)
+    return Round(accepted + [token], proposal.n_verified, n_accepted, proposal.depth)
 
 
 def usable(tokens: list[int], vocab: int) -> list[int]:

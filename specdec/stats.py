@@ -26,6 +26,7 @@ class RunStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft position
     accepted_at: list[int] = field(default_factory=list)
     k_per_round: list[int] = field(default_factory=list)  # tokens drafted and verified in each round
+    forced: int = 0  # tokens a grammar forced (specdec.grammar): verified as free drafts, not in drafted/accepted
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0

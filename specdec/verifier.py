@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from specdec.drafters.draft import Draft
+from specdec.grammar import Constraint
 from specdec.sampling import Penalties, Sampler, TokenLogprob, logprobs_of, processed_probs
 from specdec.verify import verify_greedy, verify_sampling, verify_tree_greedy
 
@@ -41,7 +42,8 @@ class TargetVerifier:
     can keep a path of it (the lean backend) and decoding is greedy, without penalties, bias or
     logprobs; elsewhere its main chain is. logit_bias ((id, bias) pairs) is added to each row of a
     verified block, then the penalties (a Penalties) apply to it with that row's history, so that
-    every drafter and k gives what plain decoding with them gives. With top_logprobs (not None)
+    every drafter and k gives what plain decoding with them gives; last, a grammar's Constraint masks
+    each row by its state after that row's prefix. With top_logprobs (not None)
     each round's committed tokens' TokenLogprobs are left in last_logprobs."""
 
     def __init__(
@@ -52,12 +54,14 @@ class TargetVerifier:
         prompt_len: int,
         top_logprobs: int | None = None,
         logit_bias: tuple[tuple[int, float], ...] = (),
+        constraint: Constraint | None = None,
     ):
         self.kv, self.sampler, self.penalties, self.prompt_len = kv, sampler, penalties, prompt_len
         self.top_logprobs = top_logprobs
         self.bias_ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.long)
         self.bias = torch.tensor([[b for _, b in logit_bias]], dtype=torch.float32)  # (1, len(logit_bias))
-        plain = penalties.neutral and top_logprobs is None and not logit_bias
+        self.constraint = constraint
+        plain = penalties.neutral and top_logprobs is None and not logit_bias and constraint is None
         self.verifies_trees = sampler.params.greedy and plain and hasattr(kv, "keep_path")
         self.last_logprobs: list[TokenLogprob] = []
 
@@ -84,6 +88,8 @@ class TargetVerifier:
             logits = logits.float().cpu().index_add(1, self.bias_ids, self.bias.expand(logits.shape[0], -1))
         if not self.penalties.neutral:
             logits = self.penalties.apply(logits, tokens[: self.prompt_len], tokens[self.prompt_len :], draft.tokens)
+        if self.constraint is not None:  # each row under the grammar's state after its prefix
+            logits = self.constraint.mask(logits, draft.tokens, self.sampler.params.greedy)
         if self.sampler.params.greedy:
             verdict = verify_greedy(draft.tokens, logits)
         else:
@@ -92,6 +98,8 @@ class TargetVerifier:
                 draft.tokens, q, processed_probs(logits, self.sampler.params), self.sampler.generator
             )
         accepted = draft.tokens[: verdict.n_accepted]
+        if self.constraint is not None:
+            self.constraint.settle(verdict.n_accepted, verdict.token)
         if self.top_logprobs is not None:
             self.last_logprobs = logprobs_of(raw, accepted + [verdict.token], self.top_logprobs)
         return accepted, verdict.token

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -27,6 +27,20 @@ def make_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+BYTE_CHARS = [*"abcdefghijklmnopqrstuvwxyz0123456789", *'{}":,Ġ[]-._!?()=+*/;<>#@%']  # 61 characters
+
+
+def make_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A 64-token character-level tokenizer (a BPE with no merges: every text has one tokenization)
+    in the byte-level alphabet (Ġ is a space), with a byte-level decoder, as grammar libraries need;
+    ids 0..2 are <unk> <s> </s>, then BYTE_CHARS."""
+    vocab = {tok: i for i, tok in enumerate(["<unk>", "<s>", "</s>"] + BYTE_CHARS)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 

@@ -110,7 +110,9 @@ class Outcome:
     forward of verify_ms and the first n_accepted kept; draft_ms went to drafting `requested`
     tokens and other_ms to the rest of the round. depth: a token tree's (None: n_verified, a
     chain). match_length: the draft's (Draft.match_length). timed: whether that forward scored
-    this round alone (a batched forward is put on the cost curves by the batch, once)."""
+    this round alone (a batched forward is put on the cost curves by the batch, once). forced:
+    tokens a grammar forced ahead of the draft (specdec.grammar), verified in the same forward
+    but no part of the drafter's acceptance."""
 
     n_verified: int
     n_accepted: int
@@ -121,6 +123,7 @@ class Outcome:
     depth: int | None = None
     match_length: int | None = None
     timed: bool = True
+    forced: int = 0
 
 
 @dataclass
@@ -362,7 +365,7 @@ class AdaptiveK:
         o, learned = outcome, self.learned
         depth = o.n_verified if o.depth is None else o.depth
         if o.timed:
-            self.costs.observe(o.n_verified + 1, o.verify_ms)
+            self.costs.observe(o.forced + o.n_verified + 1, o.verify_ms)
         if o.n_verified and depth:
             learned.nodes_per_depth = self._ema(learned.nodes_per_depth, o.n_verified / depth)
         learned.overhead_ms = self._ema(learned.overhead_ms, o.other_ms)
