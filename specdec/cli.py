@@ -4,6 +4,7 @@ specdec.commands (one module per command, each with run(args) -> int)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ from specdec.commands.common import DTYPES, k_arg
 from specdec.commands.generate import TextStreamer, compare_lines, workload_prompt
 from specdec.drafters.factory import DRAFTERS
 from specdec.errors import SpecdecError
+from specdec.grammar import Grammar, GrammarError
 from specdec.models.load import BACKENDS, DEVICES
 from specdec.models.quantize import QUANTIZE
 from specdec.models.registry import REGISTRY
@@ -440,6 +442,66 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, help="seed of the run's random generator (sampling only)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens at least this times as likely as the most likely one, in [0, 1] (0 = off, default)",
+    )
+    p.add_argument(
+        "--logit-bias",
+        type=_logit_bias,
+        action="extend",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable or comma-separated: 17=-100,42=5)",
+    )
+    p.add_argument(
+        "--stop-token-ids",
+        type=_token_ids,
+        action="extend",
+        default=[],
+        metavar="ID,ID",
+        help="token ids that end the generation besides the model's end tokens (comma-separated, repeatable)",
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at the model's end tokens (run to the budget or a stop)"
+    )
+    _grammar_options(p)
+
+
+def _grammar_options(p: argparse.ArgumentParser) -> None:
+    """generate's structured output: at most one grammar (specdec.grammar), built while parsing into
+    args.grammar (None: unconstrained); a file that cannot be read or a schema that is not JSON is the
+    parser's error. llguidance compiles it against the target when the generation starts."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--json-schema",
+        dest="grammar",
+        type=_json_schema,
+        metavar="FILE",
+        help="output JSON valid under the JSON schema in FILE",
+    )
+    g.add_argument(
+        "--json-object",
+        dest="grammar",
+        action="store_const",
+        const=Grammar.json_object(),
+        help="output any JSON object",
+    )
+    g.add_argument(
+        "--regex", dest="grammar", type=Grammar.regex, metavar="PATTERN", help="output text matching the whole PATTERN"
+    )
+    g.add_argument(
+        "--choice",
+        dest="grammar",
+        action=_ChoiceAction,
+        metavar="A,B,...",
+        help="output exactly one of these strings (comma-separated, taken as written; repeatable to add more)",
+    )
+    g.add_argument(
+        "--grammar", dest="grammar", type=_lark, metavar="FILE", help="output text of the Lark grammar in FILE"
+    )
 
 
 def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: bool = True) -> None:
@@ -562,6 +624,63 @@ def _at_least(minimum: int):
         return n
 
     return whole_number
+
+
+def _read(path: str) -> str:
+    """The text of a file a flag names; argparse shows why it cannot be read."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _json_schema(path: str) -> Grammar:
+    """--json-schema's type: the JSON schema in a file, as a Grammar."""
+    try:
+        return Grammar.json_schema(_read(path))
+    except GrammarError as e:
+        raise argparse.ArgumentTypeError(f"{path}: {e}") from None
+
+
+def _lark(path: str) -> Grammar:
+    """--grammar's type: the Lark grammar in a file, as a Grammar."""
+    return Grammar.lark(_read(path))
+
+
+class _ChoiceAction(argparse.Action):
+    """--choice: comma-separated strings, taken as written; a repeated --choice adds its strings to
+    the earlier ones. Stores Grammar.choice of them all."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        choices = values.split(",")
+        if "" in choices:
+            raise argparse.ArgumentError(self, f"an empty choice in {values!r}")
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None and earlier.kind == "choice":
+            choices = [*json.loads(earlier.source), *choices]
+        setattr(namespace, self.dest, Grammar.choice(choices))
+
+
+def _logit_bias(text: str) -> list[tuple[int, float]]:
+    """--logit-bias's type: comma-separated ID=BIAS pairs, ID a token id >= 0, BIAS in [-100, 100]."""
+    pairs = []
+    for item in text.split(","):
+        token, sep, bias = item.partition("=")
+        try:
+            pair = (int(token), float(bias)) if sep else None
+        except ValueError:
+            pair = None
+        if pair is None or pair[0] < 0 or not -100 <= pair[1] <= 100:
+            raise argparse.ArgumentTypeError(
+                f"must be ID=BIAS pairs, a token id >= 0 and a bias in [-100, 100], got {item!r}"
+            )
+        pairs.append(pair)
+    return pairs
+
+
+def _token_ids(text: str) -> list[int]:
+    """--stop-token-ids's type: comma-separated token ids >= 0."""
+    return [_at_least(0)(t) for t in text.split(",")]
 
 
 def _workload(name_or_path: str) -> Path:

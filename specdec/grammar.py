@@ -138,11 +138,20 @@ class Constraint:
         if self.matcher.is_error():
             raise GrammarError(f"grammar error: {self.matcher.get_error()}")
 
-    def _allowed(self) -> np.ndarray:
-        """(vocab,) bool: the tokens the grammar allows next."""
+    def _fill(self) -> None:
+        """The next position's mask into self.words (bit t of the words: token t allowed)."""
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self.words, 0)
+
+    def _allows(self, token: int) -> bool:
+        """Whether the filled mask allows `token` (one bit read)."""
+        return bool((int(self.words[0, token >> 5]) >> (token & 31)) & 1)
+
+    def _allowed(self, fill: bool = True) -> np.ndarray:
+        """(vocab,) bool: the tokens the grammar allows next (the mask filled first unless fill=False)."""
+        if fill:
+            self._fill()
         return np.unpackbits(self.words[0].view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
 
     def forced(self) -> list[int]:
@@ -159,13 +168,12 @@ class Constraint:
         rows = logits.float().cpu()
         out = None
         for i in range(rows.shape[0]):
-            allowed = self._allowed()
-            row = rows[i]
-            if not (greedy and allowed[int(row.argmax())]):
+            self._fill()
+            if not (greedy and self._allows(int(rows[i].numpy().argmax()))):
                 if out is None:
                     out = rows.clone()
-                out[i, torch.from_numpy(~allowed)] = float("-inf")
-            if i >= len(draft) or not allowed[draft[i]] or not self.matcher.consume_token(draft[i]):
+                out[i, torch.from_numpy(~self._allowed(fill=False))] = float("-inf")
+            if i >= len(draft) or not self._allows(draft[i]) or not self.matcher.consume_token(draft[i]):
                 break  # the rows after a forbidden draft token are never read
             self.pending += 1
         self._check()

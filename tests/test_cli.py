@@ -236,3 +236,102 @@ def test_recalibrate_times_the_verify_cost_curve_again(model_dir, verify_cost_ca
     assert main([*run, "--recalibrate"]) == 0
     assert f"{model_dir}: 1 cached verify-cost curve(s) dropped" in capsys.readouterr().err
     assert [p.name for p in verify_cost_cache.iterdir()] == first and stale.read_text() != marked  # timed anew
+
+
+# ---- structured output and the logit controls of `specdec generate` ----------------------------
+
+
+BAD_BIAS = "--logit-bias: must be ID=BIAS pairs, a token id >= 0 and a bias in [-100, 100], got "
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--json-schema", "MISSING"], "--json-schema: cannot read MISSING: No such file or directory"),
+        (["--json-schema", "NOT_JSON"], "--json-schema: NOT_JSON: the JSON schema is not valid JSON"),
+        (["--json-schema", "NOT_OBJECT"], "--json-schema: NOT_OBJECT: a JSON schema is an object, got list"),
+        (["--grammar", "MISSING"], "--grammar: cannot read MISSING"),
+        (["--regex", "(yes|no)", "--choice", "yes,no"], "--choice: not allowed with argument --regex"),
+        (["--json-object", "--grammar", "LARK"], "--grammar: not allowed with argument --json-object"),
+        (["--choice", "yes,,no"], "--choice: an empty choice in 'yes,,no'"),
+        (["--logit-bias", "17"], BAD_BIAS + "'17'"),
+        (["--logit-bias", "1=2,x=1"], BAD_BIAS + "'x=1'"),
+        (["--logit-bias", "17=101"], BAD_BIAS + "'17=101'"),
+        (["--logit-bias=-1=5"], BAD_BIAS + "'-1=5'"),
+        (["--stop-token-ids", "1,x"], "--stop-token-ids: must be a whole number >= 0, got 'x'"),
+    ],
+)
+def test_bad_grammar_and_logit_flags_are_refused_by_the_parser(flags, message, tmp_path, capsys):
+    """A grammar file that cannot be read, a schema that is not JSON (or not an object), two
+    grammars at once, a bad --logit-bias or stop token id: the parser's error (exit 2), before
+    any model loads (the target does not exist)."""
+    files = {
+        "MISSING": tmp_path / "missing.json",
+        "NOT_JSON": tmp_path / "schema.json",
+        "NOT_OBJECT": tmp_path / "list.json",
+        "LARK": tmp_path / "g.lark",
+    }
+    files["NOT_JSON"].write_text("{type: object")
+    files["NOT_OBJECT"].write_text("[1, 2]")
+    files["LARK"].write_text('start: "yes" | "no"\n')
+    argv = [*GENERATE, *[str(files[f]) if f in files else f for f in flags]]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    for name, path in files.items():
+        message = message.replace(name, str(path))
+    assert e.value.code == 2 and err.startswith("usage: specdec generate ") and "Traceback" not in err
+    assert f"specdec generate: error: argument {message}" in err
+
+
+def test_grammar_and_logit_flags_parse(tmp_path):
+    """Each grammar flag parses into its Grammar (--choice comma-separated and repeatable);
+    --logit-bias and --stop-token-ids are comma-separated and repeatable."""
+    from specdec.grammar import Grammar
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "a"\n')
+    parse = specdec.cli._parser().parse_args
+    args = parse([*GENERATE, "--choice", "yes,no", "--choice", "maybe"])
+    assert args.grammar == Grammar.choice(["yes", "no", "maybe"])
+    assert parse([*GENERATE, "--json-schema", str(schema)]).grammar == Grammar.json_schema({"type": "object"})
+    assert parse([*GENERATE, "--json-object"]).grammar == Grammar.json_object()
+    assert parse([*GENERATE, "--regex", "a+"]).grammar == Grammar.regex("a+")
+    assert parse([*GENERATE, "--grammar", str(lark)]).grammar == Grammar.lark('start: "a"\n')
+    assert parse(GENERATE).grammar is None
+    args = parse(
+        [*GENERATE, "--logit-bias", "5=1.5,6=-100", "--logit-bias", "7=0", "--stop-token-ids", "3,4"]
+        + ["--stop-token-ids", "9", "--min-p", "0.1", "--ignore-eos"]
+    )
+    assert args.logit_bias == [(5, 1.5), (6, -100.0), (7, 0.0)] and args.stop_token_ids == [3, 4, 9]
+    assert args.min_p == 0.1 and args.ignore_eos
+
+
+def _smollm2() -> str:
+    from specdec.models.weights import cache_dir, is_pulled
+
+    if not is_pulled("smollm2-135m", cache_dir()):
+        pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
+    return "smollm2-135m"
+
+
+@pytest.mark.parametrize("grammar", [["--choice", "yes,no"], ["--regex", "(yes|no)"]])
+def test_a_grammar_constrains_real_smollm2(grammar, capsys):
+    """On the real model, the printed text is exactly one of the choices; the forced tokens are
+    reported after the stats, and --compare's plain run follows the same grammar."""
+    argv = ["generate", "Is the sky blue? Answer yes or no.", "--target", _smollm2(), "--chat", *grammar]
+    assert main([*argv, "--max-new-tokens", "8", "-k", "2", "--compare"]) == 0
+    out = capsys.readouterr().out
+    text, stats = out.split("\n\n--- speculative\n")
+    assert text in ("yes", "no")
+    assert re.search(r"^grammar \((choice|regex)\): \d+ tokens forced, verified as free drafts$", stats, re.M)
+    assert "identical to plain greedy: yes" in stats
+
+
+def test_a_grammar_llguidance_refuses_is_one_clear_line(capsys):
+    assert main(["generate", "hi", "--target", _smollm2(), "--regex", "(", "--max-new-tokens", "4", "-k", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error: --regex: grammar error: ") and "unclosed group" in err[-1]
+    assert "Traceback" not in "\n".join(err)

@@ -13,12 +13,14 @@ class Prompt:
     category: str
     text: str
     chat: bool  # conversational (Spec-Bench): wrap in the chat template where the model has one
+    schema: dict | None = None  # a JSON schema the answer must follow (the json-schema workload)
 
 
 def load_workload(path: str | Path, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
     """The rows of a workload .jsonl, in file order, at most `limit` per category (a stratified
     subset). Spec-Bench rows give their first turn (category from the row); HumanEval rows give
-    their `prompt` (category "humaneval"). Raises ValueError for a missing file, an unknown
+    their `prompt` (category "humaneval"); JSON-schema rows their `prompt` (a chat turn) and
+    `schema`. Raises ValueError for a missing file, an unknown
     category or an unknown row format."""
     path = Path(path)
     if not path.is_file():
@@ -28,7 +30,11 @@ def load_workload(path: str | Path, categories: list[str] | None = None, limit: 
         if not line.strip():
             continue
         row = json.loads(line)
-        if "turns" in row:
+        if "schema" in row:  # an instruction answered in JSON under the schema (structured output)
+            p = Prompt(
+                str(row.get("task_id", len(prompts))), row.get("category", "json"), row["prompt"], True, row["schema"]
+            )
+        elif "turns" in row:
             p = Prompt(str(row.get("question_id", len(prompts))), row.get("category", "none"), row["turns"][0], True)
         elif "prompt" in row:
             p = Prompt(str(row.get("task_id", len(prompts))), row.get("category", "humaneval"), row["prompt"], False)
@@ -53,7 +59,11 @@ def load_workload(path: str | Path, categories: list[str] | None = None, limit: 
 
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")  # Spec-Bench's
-PACKAGED = {"spec-bench": "spec_bench_dev.jsonl", "humaneval": "humaneval_dev.jsonl"}  # specdec/data/workloads
+PACKAGED = {  # specdec/data/workloads
+    "spec-bench": "spec_bench_dev.jsonl",
+    "humaneval": "humaneval_dev.jsonl",
+    "json-schema": "json_schema_dev.jsonl",
+}
 WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "data" / "workloads"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
@@ -13,16 +14,39 @@ from specdec.commands.common import load_kwargs, recalibrate
 from specdec.drafters.factory import check_options, drafter_from_options, options_for
 from specdec.engine import generate
 from specdec.exactness import first_divergence
+from specdec.grammar import Grammar, GrammarError
 from specdec.models.load import load_model
-from specdec.sampling import SamplingParams
+from specdec.options import GenerationOptions
 from specdec.textstream import TextDeltas
+
+# the flag of each grammar kind (specdec.cli's _grammar_options)
+GRAMMAR_FLAGS = {
+    "json_schema": "--json-schema",
+    "json_object": "--json-object",
+    "regex": "--regex",
+    "choice": "--choice",
+    "lark": "--grammar",
+}
 
 
 def run(args) -> int:
     """Generate from the prompt (or the --workload row) and print the text, the stats and, with
     --compare, the comparison with plain decoding. -k, --k-max and --max-new-tokens come checked
     by the parser; the rest of the cheap checks run before any model loads."""
-    SamplingParams(args.temperature, args.top_k, args.top_p)
+    run = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        logit_bias=tuple(args.logit_bias),
+        stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
+        grammar=args.grammar,
+    )
+    GenerationOptions(k=args.k, k_max=args.k_max, **run)  # checks the sampling and the rest, loading nothing
     options = _drafter_options(args)
     if args.workload:
         prompt = workload_prompt(args.workload, args.category, args.row)
@@ -39,14 +63,13 @@ def run(args) -> int:
         options["draft"] = load_model(args.draft, **load_kwargs(args, draft=True))
     drafter = drafter_from_options(args.drafter, **options)
     ids = target.encode(prompt, chat=args.chat)
-    run = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop,
-    )
+    with _one_line_grammar_errors(args.grammar):
+        return _generate(args, target, drafter, ids, run)
+
+
+def _generate(args, target, drafter, ids: list[int], run: dict) -> int:
+    """The runs of `specdec generate` once the models are loaded: run holds the generation options
+    that the speculative run and --compare's plain one share (like with like)."""
     policy = None
     if args.k == "auto" and drafter is not None:  # -k auto: over this machine's cached verify-cost curve
         policy = AdaptiveK(VerifyCosts.for_model(target, args.cache_dir), k_max=args.k_max)
@@ -60,6 +83,8 @@ def run(args) -> int:
     streamer.finish(spec.text)
     print("\n--- speculative" if args.k else "\n--- plain")
     print(spec.stats.summary())
+    if args.grammar is not None:  # RunStats.summary() leaves the grammar's forced tokens out
+        print(f"grammar ({args.grammar.kind}): {spec.stats.forced} tokens forced, verified as free drafts")
     if args.compare:  # like with like: the plain run streams its text too (to nowhere)
         quiet = TextStreamer(target.tokenizer, args.stop, out=io.StringIO())
         plain = generate(target, ids, None, stream=quiet, **run)
@@ -68,6 +93,17 @@ def run(args) -> int:
         print("\n".join(compare_lines(plain.stats, spec.stats)))
         print(_identical_line(target, ids, plain.tokens, spec.tokens, args.temperature))
     return 0
+
+
+@contextmanager
+def _one_line_grammar_errors(grammar: Grammar | None):
+    """A GrammarError (llguidance refusing the grammar against the target's tokenizer) as one line
+    naming the flag, for main()'s `error:` line."""
+    try:
+        yield
+    except GrammarError as e:
+        flag = GRAMMAR_FLAGS[grammar.kind] if grammar is not None else "grammar"
+        raise GrammarError(f"{flag}: {' '.join(str(e).split())}") from None
 
 
 def _identical_line(target, ids, plain_tokens, spec_tokens, temperature: float) -> str:
