@@ -49,6 +49,7 @@ from specdec.drafters import Drafter
 from specdec.drafters.factory import REGISTERED, drafter_from_options, options_for
 from specdec.engine import AUTO_K_MAX, Generation, generate, stepwise
 from specdec.exactness import first_divergence
+from specdec.grammar import Grammar
 from specdec.models.load import Model, load_model, resolve_device, synchronize
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, gguf_path
@@ -263,8 +264,9 @@ def bench_pair(
     per-round overhead; the replay (_replay); the fit (_pair_record).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
     bandwidth_gbs (measured memory bandwidth, GB/s) adds the roofline of the target's forward.
-    replay: when greedy and the drafter allows it (specdec.bench.replay), also replay every config on
-    each prompt's plain output under the measured costs: speeds without the machine's noise.
+    replay: when greedy, the drafter allows it (specdec.bench.replay) and no prompt has a grammar,
+    replay every config on each prompt's plain output under the measured costs: speeds without the
+    machine's noise.
     interleave: run a repeat's configs together, round by round (run_all), each with a drafter of its
     own; else one after another. Raises ValueError when the record does not fit the schema."""
     greedy = temperature == 0
@@ -293,18 +295,23 @@ def bench_pair(
         disable=not progress,
     )
     for prompt, ids in zip(prompts, encoded):
-        timed = _run_configs(target, ids, ks, own, policy, run, repeats, interleave)
+        # a prompt with a JSON schema: every config under its grammar (plain constrained decoding
+        # the baseline); the peers run no grammar here, so they are left out of such prompts
+        constrained = {**run, "grammar": Grammar.json_schema(prompt.schema)} if prompt.schema else run
+        timed = _run_configs(target, ids, ks, own, policy, constrained, repeats, interleave)
         record, plain = _prompt_record(target, prompt, ids, ks, timed, greedy)
         bar.update(1 + len(ks))
         for name in peers:
-            peer_rows.append(peer_run(name, prompt.id, ids, plain))
+            if not prompt.schema:
+                peer_rows.append(peer_run(name, prompt.id, ids, plain))
             bar.update()
         records.append(record)
         outputs.append(plain)
     bar.close()
 
     costs["overhead_ms"] = _overhead_ms(records)
-    if replay and greedy and replayable(drafter):
+    grammars = any(p.schema for p in prompts)  # a replay has no grammar: its forced tokens would be drafts
+    if replay and greedy and replayable(drafter) and not grammars:
         desc = f"replay {pair.target} / {pair.drafter}"
         _replay(target, drafter, records, encoded, outputs, ks, costs, desc, progress)
     return _pair_record(pair, workload, ks, target, draft_model, memory, draft_memory, costs, records, peer_rows)
