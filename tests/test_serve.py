@@ -25,16 +25,20 @@ import uvicorn
 from openai import AsyncOpenAI, OpenAI
 
 from specdec import cli
+from specdec import grammar as grammar_module
 from specdec.cli import TextStreamer, main
 from specdec.drafters import Draft, PromptLookup
 from specdec.drafters.base import Drafter
 from specdec.engine import generate
 from specdec.errors import TokenizerMismatchError
+from specdec.grammar import Constraint, Grammar
 from specdec.models.load import load_model
+from specdec.models.quantize import quantize_model
 from specdec.sampling import Penalties
+from specdec.serve import app as serve_app
 from specdec.serve.app import create_app
 
-from .conftest import VOCAB, make_model, make_tokenizer
+from .conftest import VOCAB, make_byte_tokenizer, make_model, make_tokenizer, remake
 
 # A chat template for the tiny word-level tokenizer, whose words are w0..w60.
 CHAT_TEMPLATE = (
@@ -416,9 +420,22 @@ def test_client_disconnect_cancels_its_generation(stream):
         ({"frequency_penalty": 2.5}, "frequency_penalty", "less than or equal to 2"),
         ({"presence_penalty": -3}, "presence_penalty", "greater than or equal to -2"),
         ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
-        ({"logit_bias": {"5": 10}}, "logit_bias", "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "not a field this server honours"),
-        ({"min_p": 0.1}, "min_p", "the fields it reads: model, max_tokens"),
+        ({"logit_bias": {"5": 150}}, "logit_bias", "must be between -100 and 100, got 150"),
+        ({"logit_bias": {"5": -100.5}}, "logit_bias", "must be between -100 and 100"),
+        ({"logit_bias": {"w5": 1}}, "logit_bias", "'w5' is not a token id of tiny"),
+        ({"logit_bias": {"5.0": 1}}, "logit_bias", "is not a token id"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", "is not a token id"),
+        ({"logit_bias": {str(VOCAB): 1}}, "logit_bias", f"a whole number 0..{VOCAB - 1}"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias", "valid number"),
+        ({"logit_bias": [5]}, "logit_bias", "valid dictionary"),
+        ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ({"min_p": "0.1"}, "min_p", "valid number"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "greater than or equal to 0"),
+        ({"stop_token_ids": ["5"]}, "stop_token_ids", "valid integer"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "valid boolean"),
+        # the word-level toy tokenizer is one llguidance cannot read: structured output says so
+        ({"response_format": {"type": "json_object"}}, "response_format", "llguidance cannot read its tokenizer"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "the fields it reads: model, max_tokens"),
     ],
 )
 def test_bad_parameters_get_400_with_a_clear_message(served, body, param, needle):
@@ -434,7 +451,10 @@ def test_bad_parameters_get_400_with_a_clear_message(served, body, param, needle
 
 def test_neutral_penalties_are_accepted(served):
     body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 3, "temperature": 0}
-    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}}
+    neutral = {
+        **{"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}},
+        **{"min_p": 0, "stop_token_ids": [], "ignore_eos": False, "response_format": {"type": "text"}},
+    }
     status, plain = raw_post(served, "/v1/completions", json.dumps(body).encode())
     status_n, with_neutral = raw_post(served, "/v1/completions", json.dumps({**body, **neutral}).encode())
     assert status == status_n == 200
@@ -491,6 +511,231 @@ def test_n_choices_are_independent_sequences(served, tiny):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in r.choices]
+
+
+# ---- logit_bias, min_p, stop_token_ids, ignore_eos, structured output ---------------------------
+
+
+def test_logit_bias_minus_100_never_produces_the_token(served, tiny):
+    prompt = words(11)
+    ids = tiny.encode(prompt)
+    free = generate(tiny, ids, None, k=0, max_new_tokens=16, temperature=1.0, seed=4).tokens
+    banned = sorted(set(free))[:4]
+    bias = {str(t): -100 for t in banned}
+    for extra in ({}, {"drafter": "none"}):
+        r = client(served).completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=1.0, seed=4, n=4, logit_bias=bias, extra_body=extra
+        )
+        for choice in r.choices:
+            out = tiny.encode(choice.text)
+            assert out and not set(out) & set(banned), (out, banned)
+
+
+@pytest.mark.parametrize("drafter, k", [("prompt-lookup", 3), ("none", 0)])
+def test_logit_bias_and_min_p_equal_generates(served, tiny, drafter, k):
+    """A greedy biased request and a seeded min-p one are specdec.generate's runs, speculative or not."""
+    prompt = "w1 w2 w3 w4 w5 w1 w2 w3 w4"
+    ids = tiny.encode(prompt)
+    spec = (PromptLookup(3) if drafter != "none" else None, k)
+    plain = generate(tiny, ids, *spec[:1], k=k, max_new_tokens=12, temperature=0)
+    boost = plain.tokens[1]  # a token the model likes, pushed further: the output changes
+    want = generate(tiny, ids, *spec[:1], k=k, max_new_tokens=12, temperature=0, logit_bias={boost: 5.0, 7: -100})
+    assert want.tokens != plain.tokens and 7 not in want.tokens
+    c = client(served)
+    extra = {"drafter": drafter, "k": k}
+    r = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, logit_bias={str(boost): 5, "7": -100},
+        extra_body=extra,
+    )  # fmt: skip
+    assert r.choices[0].text == want.text
+    # min_p with sampling and a seed: the library's run with the same settings
+    sample = dict(max_new_tokens=12, temperature=1.5, seed=2)
+    want = generate(tiny, ids, *spec[:1], k=k, min_p=0.2, **sample)
+    assert want.tokens != generate(tiny, ids, *spec[:1], k=k, **sample).tokens  # min-p bites
+    r = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=1.5, seed=2, extra_body={**extra, "min_p": 0.2}
+    )
+    assert r.choices[0].text == want.text
+
+
+def test_stop_token_ids_and_ignore_eos(served, tiny):
+    prompt = "w1 w2 w3 w4 w5 w1 w2 w3 w4"
+    ids = tiny.encode(prompt)
+    full = greedy(tiny, ids, 12)
+    stop_id = full.tokens[4]
+    want = generate(tiny, ids, PromptLookup(3), k=3, max_new_tokens=12, temperature=0, stop_token_ids=[stop_id])
+    assert len(want.tokens) < 12 and want.stats.stop_reason == "stop" and want.tokens[-1] == stop_id
+    c = client(served)
+    r = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop_id]}
+    )
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(want.tokens)
+    # the end token pushed to the top ends the output at once, unless ignore_eos
+    eos = sorted(tiny.eos_token_ids)[0]
+    body = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logit_bias={str(eos): 100})
+    ended = c.completions.create(**body)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens <= 1
+    kept = c.completions.create(**body, extra_body={"ignore_eos": True})
+    want = generate(
+        tiny, ids, PromptLookup(3), k=3, max_new_tokens=6, temperature=0, logit_bias={eos: 100}, ignore_eos=True
+    )
+    assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 6 == len(want.tokens)
+    assert kept.choices[0].text == want.text
+
+
+BYTE_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}answer: "
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no", "maybe"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+LARK = 'start: "a" ("b" | "c")+ "!"'
+
+
+def byte_model():
+    """A quantized (batch-invariant) toy model over the byte-level toy tokenizer llguidance reads
+    (the word-level one it cannot), ending on </s>, with a chat template."""
+    fp32 = make_model("llama", seed=3, tokenizer=make_byte_tokenizer())
+    gguf = quantize_model(fp32.hf, "q8_0", "tiny")
+    model = remake(fp32, hf=None, lean=None, gguf=gguf, config=fp32.hf.config, eos_token_ids=frozenset({2}))
+    model.tokenizer.chat_template = BYTE_TEMPLATE
+    return model
+
+
+@pytest.fixture(scope="module")
+def bytes_model():
+    return byte_model()
+
+
+@pytest.fixture(scope="module")
+def bytes_served(bytes_model):
+    app = create_app(bytes_model, "prompt-lookup", 3, model_name="bytes", max_tokens=40)
+    with running(app) as url:
+        yield url
+
+
+def test_the_grammar_tokenizer_is_built_at_startup():
+    model = byte_model()
+    assert model.tokenizer not in grammar_module._TOKENIZERS
+    with running(create_app(model, model_name="bytes")):
+        assert model.tokenizer in grammar_module._TOKENIZERS  # the first grammar request does not build it
+
+
+@pytest.mark.parametrize("drafter, k", [("prompt-lookup", 3), ("none", 0)])
+def test_response_format_json_schema_gives_valid_json(bytes_served, bytes_model, drafter, k):
+    c = client(bytes_served)
+    before = metrics(bytes_served)["specdec_forced_tokens_total"]
+    messages = [{"role": "user", "content": "yes or no? answer: yes or no?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    r = c.chat.completions.create(
+        model="bytes", messages=messages, max_tokens=40, temperature=0, response_format=fmt,
+        extra_body={"drafter": drafter, "k": k},
+    )  # fmt: skip
+    text = r.choices[0].message.content
+    assert json.loads(text)["answer"] in ("yes", "no", "maybe") and set(json.loads(text)) == {"answer"}
+    assert r.choices[0].finish_reason == "stop"
+    ids = chat_ids(bytes_model, messages)
+    spec = (PromptLookup(3),) if drafter != "none" else (None,)
+    want = generate(bytes_model, ids, *spec, k=k, max_new_tokens=40, temperature=0, grammar=Grammar.json_schema(ANSWER))
+    free = generate(bytes_model, ids, *spec, k=k, max_new_tokens=40, temperature=0)
+    assert text == want.text != free.text  # the grammar bites, and the server's run is the library's
+    forced = r.usage.model_extra["speculative"]["forced"]
+    assert forced == want.stats.forced and (forced > 0) == (drafter != "none")  # keys and separators, free
+    assert metrics(bytes_served)["specdec_forced_tokens_total"] == before + forced
+    # a sampled, streamed one keeps to the schema too
+    chunks = c.chat.completions.create(
+        model="bytes", messages=messages, max_tokens=40, temperature=1.0, seed=3, response_format=fmt, stream=True
+    )
+    assert json.loads("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices))["answer"] in (
+        "yes", "no", "maybe",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body, grammar",
+    [
+        ({"response_format": {"type": "json_object"}}, Grammar.json_object()),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, Grammar.choice(["yes", "no"])),
+        ({"structured_outputs": {"json": json.dumps(ANSWER)}}, Grammar.json_schema(ANSWER)),
+        ({"structured_outputs": {"regex": "(ab|cd)+x"}}, Grammar.regex("(ab|cd)+x")),
+        ({"structured_outputs": {"grammar": LARK}}, Grammar.lark(LARK)),
+        ({"structured_outputs": {"json_object": True}}, Grammar.json_object()),
+        ({"guided_json": ANSWER}, Grammar.json_schema(ANSWER)),
+        ({"guided_regex": "(ab|cd)+x"}, Grammar.regex("(ab|cd)+x")),
+        ({"guided_choice": ["yes", "no"]}, Grammar.choice(["yes", "no"])),
+        ({"guided_grammar": LARK}, Grammar.lark(LARK)),
+    ],
+)
+def test_structured_output_aliases_equal_generates(bytes_served, bytes_model, body, grammar):
+    prompt = "yes or no? answer: yes or no? answer: "
+    r = client(bytes_served).completions.create(
+        model="bytes", prompt=prompt, max_tokens=20, temperature=0, extra_body=body
+    )
+    ids = bytes_model.encode(prompt)
+    want = generate(bytes_model, ids, PromptLookup(3), k=3, max_new_tokens=20, temperature=0, grammar=grammar)
+    assert r.choices[0].text == want.text
+
+
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}},
+         "response_format", "Invalid type: foo"),
+        ({"guided_json": {"enum": []}}, "guided_json", "guided_json: "),
+        ({"guided_regex": "("}, "guided_regex", "unclosed group"),
+        ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs", "unknown name"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format",
+         "response_format and guided_regex each ask for structured output"),
+        ({"guided_json": ANSWER, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+         "structured_outputs and guided_json"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "got regex, choice"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs", "got none"),
+        ({"response_format": {"type": "json_object", "schema": ANSWER}}, "response_format",
+         "response_format.schema: not a key this server reads"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "extra": 1}}},
+         "response_format", "response_format.json_schema.extra: not a key"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": ANSWER}}}, "response_format",
+         "response_format.json_schema.name: Field required"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", 'comes with "type": "json_schema"'),
+        ({"response_format": {"type": "xml"}}, "response_format", "'text', 'json_object' or 'json_schema'"),
+        ({"structured_outputs": {"json": ANSWER, "disable_any_whitespace": True}}, "structured_outputs",
+         "structured_outputs.disable_any_whitespace: not a key"),
+    ],
+)  # fmt: skip
+def test_bad_structured_output_gets_400_naming_the_field(bytes_served, body, param, needle):
+    before = metrics(bytes_served)
+    for path, base in [
+        ("/v1/completions", {"prompt": "ab"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}]}),
+    ]:
+        status, err = raw_post(bytes_served, path, json.dumps({**base, "max_tokens": 4, **body}).encode())
+        assert status == 400 and needle in err["error"]["message"], err
+        assert err["error"]["param"] == param and err["error"]["type"] == "invalid_request_error"
+    after = metrics(bytes_served)  # refused before the batch: nothing ran
+    assert after['specdec_requests_total{outcome="invalid"}'] == before['specdec_requests_total{outcome="invalid"}'] + 2
+    assert after["specdec_rounds_total"] == before["specdec_rounds_total"]
+
+
+def test_a_grammar_is_compiled_once_per_server(bytes_model, monkeypatch):
+    app = create_app(bytes_model, model_name="bytes", max_tokens=20)
+    built = []
+    monkeypatch.setattr(serve_app, "Constraint", lambda g, m: built.append(g) or Constraint(g, m))
+    with running(app) as url:
+        body = dict(model="bytes", prompt="ab", max_tokens=20, temperature=0)
+        texts = [
+            client(url).completions.create(**body, extra_body={"guided_choice": ["yes", "no"]}).choices[0].text
+            for _ in range(2)
+        ]
+        for _ in range(2):
+            status, err = raw_post(url, "/v1/completions", json.dumps({**body, "guided_regex": "("}).encode())
+            assert status == 400 and err["error"]["param"] == "guided_regex"
+    assert texts[0] == texts[1] in ("yes", "no")
+    assert built == [Grammar.choice(["yes", "no"]), Grammar.regex("(")]
 
 
 def test_steps_are_reported_per_step(tiny):
@@ -699,6 +944,7 @@ METRIC_FAMILIES = {  # what users scrape: each metric's name and type
     "specdec_generation_tokens_total": "counter",
     "specdec_draft_tokens_by_position_total": "counter",
     "specdec_accepted_tokens_by_position_total": "counter",
+    "specdec_forced_tokens_total": "counter",
     "specdec_acceptance_rate": "gauge",
     "specdec_acceptance_rate_by_position": "gauge",
     "specdec_request_latency_seconds": "histogram",

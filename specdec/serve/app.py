@@ -13,9 +13,12 @@ before it is queued, and every error is a JSON body `{"error": {"message", "type
 "param"}}` with a 4xx status (5xx only for a bug).
 
 OpenAI's fields are honoured or refused, never dropped: n choices, stop, logprobs (completions:
-0..20; chat: logprobs with top_logprobs), frequency and presence penalties, seed. Beyond them a
-request may carry `drafter` (a drafter this server has, or "none"), `k` (draft length), `top_k`
-and `repetition_penalty`; its `usage` carries each choice's speculative statistics.
+0..20; chat: logprobs with top_logprobs), frequency and presence penalties, seed, logit_bias, and
+response_format (structured output, specdec.grammar: each grammar compiled against the target in
+the handler, off the event loop, before its request joins the batch). Beyond them a request may
+carry `drafter` (a drafter this server has, or "none"), `k` (draft length), `top_k`,
+`repetition_penalty`, and vLLM's `min_p`, `stop_token_ids`, `ignore_eos`, `structured_outputs`
+and `guided_*`; its `usage` carries each choice's speculative statistics.
 """
 
 from __future__ import annotations
@@ -25,17 +28,18 @@ import hmac
 import json
 import logging
 import math
+import re
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -44,6 +48,7 @@ from specdec.batch import PREFILL_CHUNK
 from specdec.decoding import Generation
 from specdec.drafters import Drafter
 from specdec.drafters.factory import REGISTERED, drafter_from_options, options_for
+from specdec.grammar import Constraint, Grammar, GrammarError, tokenizer_info
 from specdec.models.load import Model, check_same_tokenizer
 from specdec.options import MAX_TOP_LOGPROBS, GenerationOptions, parse_k
 from specdec.sampling import Penalties, SamplingParams, TokenLogprob
@@ -59,6 +64,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send "temperature": 0 for greedy 
 MAX_N = 16  # choices per request
 MAX_BATCH = 64  # sequences decoded at once
 MAX_STOP = 16  # stop strings per request
+GRAMMAR_CACHE = 256  # grammars whose compile check a server remembers
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -69,10 +75,52 @@ class _StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class _Strict(BaseModel):
+    """An object inside a request: a key the server does not know is refused (400), never dropped."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _SchemaSpec(_Strict):
+    """OpenAI's response_format.json_schema: the schema the output must follow (name, description
+    and strict are read and kept to OpenAI's shape; the schema is always enforced)."""
+
+    name: str
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: StrictBool | None = None
+
+
+class _ResponseFormat(_Strict):
+    """OpenAI's response_format: {"type": "text"} (free text), {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {...}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _SchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema comes with "type": "json_schema", and only with it')
+        return self
+
+
+class _StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of json (a schema, or its JSON text), regex, choice,
+    grammar (Lark, llguidance's dialect) or json_object = true."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+
+
 class _Params(BaseModel):
     """The fields both endpoints share. A field the server does not know is refused (400), never
-    silently dropped; logit_bias is accepted empty only. Numbers and booleans must come as JSON
-    numbers and booleans (as OpenAI's API requires), not strings."""
+    silently dropped, and so is an unknown key inside response_format or structured_outputs.
+    Numbers and booleans must come as JSON numbers and booleans (as OpenAI's API requires), not
+    strings."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
@@ -90,7 +138,16 @@ class _Params(BaseModel):
     frequency_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
     presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
     repetition_penalty: StrictFloat | None = Field(None, gt=0)  # extension (vLLM's); 1 = off
-    logit_bias: dict | None = None  # only empty
+    logit_bias: dict[str, StrictFloat] | None = None  # {"token id": bias in [-100, 100]}
+    min_p: StrictFloat | None = Field(None, ge=0, le=1)  # extension (vLLM's); 0 = off
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # extension (vLLM's)
+    ignore_eos: StrictBool = False  # extension (vLLM's)
+    response_format: _ResponseFormat | None = None
+    structured_outputs: _StructuredOutputs | None = None  # vLLM's
+    guided_json: dict | str | None = None  # vLLM's older fields, one each
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     drafter: str | None = None  # extension: a drafter this server has, or "none"
     k: StrictInt | str | None = None  # extension: draft length (a string goes to the engine as it is)
 
@@ -191,6 +248,9 @@ def _invalid(errors: Iterable[Mapping[str, Any]], cls: type[BaseModel], content_
         if pattern in _ONE_OF and isinstance(loc[-1], str):  # a union's branch failed: say what is expected
             where = ".".join(str(x) for x in loc[:-1])
             parts.setdefault(where, f"{where}: expected {_ONE_OF[pattern]}{got}")
+        elif err["type"] == "extra_forbidden":  # a key inside an object (response_format, ...)
+            where = ".".join(str(x) for x in loc)
+            parts.setdefault(where, f"{where}: not a key this server reads; leave it out")
         else:
             where = ".".join(str(x) for x in loc)
             parts.setdefault(where, f"{where}: {err['msg']}{got}")
@@ -222,9 +282,19 @@ class Server:
         self.model_name, self.max_queue, self.max_tokens, self.max_batch = model_name, max_queue, max_tokens, max_batch
         self.created = int(time.time())
         self.metrics = Metrics()
+        self._grammars: dict[Grammar, tuple[str, str] | None] = {}  # check_grammar's verdicts: (message, code)
+        self._grammar_lock = threading.Lock()
         # k = "auto": every sequence's policy plans over one verify-cost curve
         costs = VerifyCosts.for_model(target, cache)
-        self.worker = Worker(target, costs, self.metrics, max_batch, max_queue, prefill_chunk, self.metrics.step)
+        forced = Counter(
+            "specdec_forced_tokens_total",
+            "Tokens a grammar forced (structured output), verified as free drafts; not in the draft counters.",
+            registry=self.metrics.registry,
+        )
+        self.worker = Worker(
+            target, costs, self.metrics, max_batch, max_queue, prefill_chunk, self.metrics.step,
+            on_done=lambda stats: forced.inc(stats.forced),
+        )  # fmt: skip
         self.inline = False  # run_server steps the batch in the calling thread
         for name, help_, read in [
             ("specdec_queue_depth", "Requests waiting in the queue.", self.worker.queue.qsize),
@@ -269,14 +339,8 @@ class Server:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise ApiError(400, f"n must be between 1 and {MAX_N}, got {n}", code="invalid_parameter", param="n")
-        if req.logit_bias:
-            raise ApiError(
-                400,
-                f"logit_bias = {json.dumps(req.logit_bias)[:80]} is not supported by this server: it would change the "
-                "distribution at every position; leave the field out (or send {})",
-                code="unsupported_parameter",
-                param="logit_bias",
-            )
+        logit_bias = self._logit_bias(req.logit_bias or {})
+        grammar, _ = _grammar(req)
         try:
             penalties = Penalties(
                 req.frequency_penalty or 0.0,
@@ -306,8 +370,9 @@ class Server:
         temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         top_k = req.top_k or 0
+        min_p = req.min_p or 0.0
         try:
-            SamplingParams(temperature, top_k, top_p)
+            SamplingParams(temperature, top_k, top_p, min_p)
         except ValueError as e:
             raise ApiError(400, str(e), code="invalid_parameter") from None
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -339,10 +404,77 @@ class Server:
                 stop=tuple(stop),
                 penalties=penalties,
                 logprobs=logprobs,
+                min_p=min_p,
+                logit_bias=logit_bias,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                grammar=grammar,
             )
         except ValueError as e:
             raise ApiError(400, str(e), code="invalid_parameter") from None
         return Job(ids, drafter, name, options, n, req.stream, asyncio.get_running_loop(), arrived)
+
+    def _logit_bias(self, bias: Mapping[str, float]) -> dict[int, float]:
+        """OpenAI's logit_bias ({"token id": bias}) as {id: bias}; ApiError 400 naming logit_bias
+        for a key that is not a token id of the model or a bias outside [-100, 100]."""
+        out = {}
+        vocab = self.target.vocab_size
+        for key, value in bias.items():
+            if not re.fullmatch(r"[0-9]+", key) or int(key) >= vocab:
+                raise ApiError(
+                    400,
+                    f"logit_bias: {key!r} is not a token id of {self.model_name} (a whole number 0..{vocab - 1}, "
+                    'sent as a string key: {"50": -100})',
+                    code="invalid_parameter",
+                    param="logit_bias",
+                )
+            if not -100 <= value <= 100:
+                raise ApiError(
+                    400,
+                    f"logit_bias: the bias of token {key} must be between -100 and 100, got {value}",
+                    code="invalid_parameter",
+                    param="logit_bias",
+                )
+            out[int(key)] = float(value)
+        return out
+
+    def warm_grammar(self) -> None:
+        """Build llguidance's view of the target's tokenizer now (1-3 s on a real vocabulary, then
+        cached), so that the first structured-output request does not pay for it. A tokenizer
+        llguidance cannot read is left for those requests to report."""
+        try:
+            tokenizer_info(self.target)
+        except Exception as e:  # noqa: BLE001 -- any failure: structured output is unavailable
+            log.info("structured output is unavailable for %s: %s", self.model_name, e)
+
+    def check_grammar(self, grammar: Grammar, param: str) -> None:
+        """Compile `grammar` against the target before its request joins the batch (the result
+        cached per grammar). ApiError 400 naming `param` for a grammar llguidance cannot compile, one
+        that admits no text, or a tokenizer it cannot read. Runs in a thread, off the event loop."""
+        with self._grammar_lock:
+            error = self._grammars.get(grammar, _UNCHECKED)
+        if error is _UNCHECKED:
+            try:
+                tokenizer_info(self.target)
+            except Exception as e:  # noqa: BLE001
+                error = (
+                    f"structured output is not available for {self.model_name}: llguidance cannot read its "
+                    f"tokenizer ({e})",
+                    "unsupported_parameter",
+                )
+            else:
+                try:
+                    Constraint(grammar, self.target)
+                    error = None
+                except ValueError as e:  # GrammarError and llguidance's own
+                    error = (str(e), "invalid_parameter")
+            with self._grammar_lock:
+                if len(self._grammars) >= GRAMMAR_CACHE:
+                    self._grammars.pop(next(iter(self._grammars)))
+                self._grammars[grammar] = error
+        if error is not None:
+            message, code = error
+            raise ApiError(400, f"{param}: {message}", code=code, param=param)
 
     @staticmethod
     def _logprobs(req: _Params, chat: bool) -> int | None:
@@ -494,6 +626,7 @@ class Server:
             "acceptance_rate": _finite(stats.alpha),
             "mean_accepted_length": _finite(stats.tau),
             "acceptance_per_position": stats.acceptance_per_position,
+            "forced": stats.forced,
             "tokens_per_s": _finite(stats.tokens_per_s),
             "prefill_s": stats.prefill_s,
             "draft_s": stats.draft_s,
@@ -539,6 +672,74 @@ class Server:
             "top_logprobs": [dict(top) for top in tops],
             "text_offset": offsets,
         }
+
+
+_UNCHECKED = object()
+STRUCTURED_FIELDS = (
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
+)  # fmt: skip
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' keys
+
+
+def _structured_fields(req: _Params) -> list[str]:
+    """The fields of a request that ask for structured output (response_format "text" asks for none)."""
+    return [
+        name
+        for name in STRUCTURED_FIELDS
+        if getattr(req, name) is not None and not (name == "response_format" and req.response_format.type == "text")
+    ]
+
+
+def _grammar(req: _Params) -> tuple[Grammar | None, str | None]:
+    """The grammar a request's output must follow, and the field that asked for it (None, None:
+    free text). ApiError 400 for two such fields at once (response_format {"type": "text"} asks for
+    none), structured_outputs without exactly one kind, or a grammar that is malformed on its face
+    (llguidance's compile is Server.check_grammar's)."""
+    given = _structured_fields(req)
+    if len(given) > 1:
+        raise ApiError(
+            400,
+            f"{' and '.join(given)} each ask for structured output: send only one of them",
+            code="invalid_parameter",
+            param=given[0],
+        )
+    if not given:
+        return None, None
+    field_ = given[0]
+    try:
+        if field_ == "response_format":
+            fmt = req.response_format
+            json_object = fmt.type == "json_object"
+            grammar = Grammar.json_object() if json_object else Grammar.json_schema(fmt.json_schema.schema_)
+        elif field_ == "structured_outputs":
+            so = req.structured_outputs
+            values = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+            values["json_object"] = so.json_object or None  # false asks for nothing
+            kinds = [kind for kind in _STRUCTURED_KINDS if values[kind] is not None]
+            if len(kinds) != 1:
+                raise ApiError(
+                    400,
+                    f"structured_outputs takes exactly one of {', '.join(_STRUCTURED_KINDS)} (json_object: true); "
+                    f"got {', '.join(kinds) if kinds else 'none'}",
+                    code="invalid_parameter",
+                    param=field_,
+                )
+            kind, value = kinds[0], values[kinds[0]]
+            grammar = {
+                "json": Grammar.json_schema, "regex": Grammar.regex, "choice": Grammar.choice, "grammar": Grammar.lark,
+                "json_object": lambda _: Grammar.json_object(),
+            }[kind](value)  # fmt: skip
+        elif field_ == "guided_json":
+            grammar = Grammar.json_schema(req.guided_json)
+        elif field_ == "guided_regex":
+            grammar = Grammar.regex(req.guided_regex)
+        elif field_ == "guided_choice":
+            grammar = Grammar.choice(req.guided_choice)
+        else:
+            grammar = Grammar.lark(req.guided_grammar)
+    except GrammarError as e:
+        raise ApiError(400, f"{field_}: {e}", code="invalid_parameter", param=field_) from None
+    return grammar, field_
 
 
 def _finite(x: float) -> float | None:
@@ -748,6 +949,8 @@ async def _generate(request: Request, req: _Params, chat: bool) -> Response:
             ids = server.encode_completion(req)
             max_new = req.max_tokens
         job = server.job(req, ids, request.state.arrived, max_new, chat)
+        if job.options.grammar is not None:  # compiled here, in a thread off the event loop, before the batch
+            await asyncio.to_thread(server.check_grammar, job.options.grammar, _structured_fields(req)[0])
         server.submit(job)
     except ApiError as e:
         server.metrics.count("rejected" if e.status == 429 else "invalid")
@@ -765,6 +968,7 @@ async def _generate(request: Request, req: _Params, chat: bool) -> Response:
 @asynccontextmanager
 async def _lifespan(app: FastAPI):
     server: Server = app.state.server
+    await asyncio.to_thread(server.warm_grammar)
     server.start()
     try:
         yield

@@ -27,6 +27,7 @@ from specdec.models.load import Model
 from specdec.options import AUTO_K_MAX, GenerationOptions
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
+from specdec.stats import RunStats
 from specdec.textstream import TextDeltas
 
 log = logging.getLogger("specdec.serve.worker")
@@ -70,7 +71,7 @@ class Worker:
     """The queue, the batch and the thread that steps it. costs: the target's verify-cost curve,
     shared by every k="auto" sequence's policy. max_batch: sequences decoded at once; max_queue:
     requests that may wait beyond them (past it, submit raises a 429). on_step: called with each
-    Step (the metrics)."""
+    Step (the metrics); on_done: with each completed generation's RunStats (after the metrics')."""
 
     def __init__(
         self,
@@ -81,10 +82,11 @@ class Worker:
         max_queue: int,
         prefill_chunk: int,
         on_step: Callable[[Step], None] | None = None,
+        on_done: Callable[[RunStats], None] | None = None,
     ):
         self.target, self.costs, self.metrics = target, costs, metrics
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
-        self.on_step = on_step
+        self.on_step, self.on_done = on_step, on_done
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.live: dict[int, _Live] = {}  # id(job) -> its state, for the jobs in the batch
         self.owner: dict[int, tuple[_Live, int]] = {}  # id(sequence) -> (its job, its choice index)
@@ -235,6 +237,8 @@ class Worker:
             latency = time.perf_counter() - live.job.arrived
             for g in live.done.values():
                 self.metrics.record(g.stats, latency)
+                if self.on_done is not None:
+                    self.on_done(g.stats)
             live.job.push("done", [live.done[j] for j in range(len(live.seqs))])
 
     def _fail_all(self, error: ApiError) -> None:
