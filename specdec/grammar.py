@@ -172,7 +172,7 @@ class Constraint:
             if not (greedy and self._allows(int(rows[i].numpy().argmax()))):
                 if out is None:
                     out = rows.clone()
-                out[i, torch.from_numpy(~self._allowed(fill=False))] = float("-inf")
+                out[i] = _masked(rows[i], self._allowed(fill=False))
             if i >= len(draft) or not self._allows(draft[i]) or not self.matcher.consume_token(draft[i]):
                 break  # the rows after a forbidden draft token are never read
             self.pending += 1
@@ -194,3 +194,14 @@ class Constraint:
     def done(self) -> bool:
         """Whether the grammar has ended (only an end token may follow, and it came)."""
         return self.matcher.is_stopped()
+
+
+def _masked(row: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
+    """row (V,) with -inf where `allowed` (V,) is False: the cheaper of writing the few allowed
+    values into a row of -inf and selecting with numpy (a boolean index costs ~4x either, at 49k)."""
+    if int(allowed.sum()) * 8 < allowed.size:
+        keep = torch.from_numpy(np.flatnonzero(allowed))
+        out = torch.full_like(row, float("-inf"))
+        out[keep] = row[keep]
+        return out
+    return torch.from_numpy(np.where(allowed, row.numpy(), np.float32(-np.inf)))

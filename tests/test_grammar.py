@@ -198,3 +198,29 @@ def test_bad_grammars_are_clear_errors():
         Grammar.choice([])
     with pytest.raises(ValueError, match="grammar must be a specdec Grammar"):
         generate(target, prompt_ids(), k=0, max_new_tokens=2, grammar='{"type": "object"}')
+
+
+def test_real_smollm2_json_schema_tasks_are_exact_and_valid_under_speculation():
+    """SmolLM2's byte-level BPE has many tokenizations of the same text: the mask (llguidance's
+    canonical tokens) is what plain constrained decoding follows, and what speculation must follow."""
+    from specdec.bench.workloads import load_workload, workload_path
+    from specdec.models.load import load_model
+    from specdec.models.registry import REGISTRY
+    from specdec.models.weights import cache_dir, is_pulled
+
+    if not is_pulled("smollm2-135m", cache_dir()):
+        pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
+    assert REGISTRY["smollm2-135m"]
+    target = load_model("smollm2-135m")
+    for task in load_workload(workload_path("json-schema"))[:3]:
+        ids = target.encode(task.text, chat=True)
+        grammar = Grammar.json_schema(task.schema)
+        plain = generate(target, ids, None, k=0, max_new_tokens=200, grammar=grammar)
+        spec = generate(target, ids, "prompt-lookup", k="auto", max_new_tokens=200, grammar=grammar)
+        assert spec.tokens == plain.tokens, task.id
+        assert plain.stats.stop_reason == "eos" and isinstance(json.loads(plain.text), dict), task.id
+        walk = Constraint(grammar, target)  # every token is one the mask allowed there, EOS included
+        for t in plain.tokens:
+            assert walk._allowed()[t], (task.id, t)
+            assert walk.matcher.consume_token(t)
+        assert spec.stats.forced > 0
