@@ -37,7 +37,11 @@ from specdec.bench import results
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
 
-WORKLOADS = {"spec_bench_dev.jsonl": "Spec-Bench dev", "humaneval_dev.jsonl": "HumanEval dev"}
+WORKLOADS = {
+    "spec_bench_dev.jsonl": "Spec-Bench dev",
+    "humaneval_dev.jsonl": "HumanEval dev",
+    "json_schema_dev.jsonl": "JSON-schema dev (constrained)",
+}
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 HEADER = (
