@@ -69,8 +69,8 @@ WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "data" / "workloads"
 
 def workload_path(name_or_path: str | Path) -> Path:
     """A packaged workload by name (`spec-bench`: Spec-Bench dev rows, `humaneval`: HumanEval dev
-    rows, `json-schema`: structured-output tasks; licences in specdec/data/workloads/README.md) or a .jsonl file by path. Raises ValueError
-    when it is neither, naming the packaged ones."""
+    rows, `json-schema`: structured-output tasks; licences in specdec/data/workloads/README.md) or a
+    .jsonl file by path. Raises ValueError when it is neither, naming the packaged ones."""
     if str(name_or_path) in PACKAGED:
         return WORKLOADS_DIR / PACKAGED[str(name_or_path)]
     path = Path(name_or_path)
