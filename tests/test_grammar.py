@@ -224,3 +224,14 @@ def test_real_smollm2_json_schema_tasks_are_exact_and_valid_under_speculation():
             assert walk._allowed()[t], (task.id, t)
             assert walk.matcher.consume_token(t)
         assert spec.stats.forced > 0
+
+
+def test_a_batch_keeps_one_grammar_state_per_sequence():
+    from specdec.batch import generate_batch
+
+    target = _target()
+    prompts = [prompt_ids(16, seed=s) for s in range(3)]
+    grammar = Grammar.json_schema(SCHEMA)
+    got = generate_batch(target, prompts, "prompt-lookup", k="auto", max_new_tokens=40, grammar=grammar)
+    for prompt, g in zip(prompts, got):
+        assert g.tokens == generate(target, prompt, k=0, max_new_tokens=40, grammar=grammar).tokens
