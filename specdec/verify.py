@@ -38,11 +38,12 @@ def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> Verdi
     """
     if target_logits.shape[0] != len(draft_tokens) + 1:
         raise ValueError(f"need k+1 = {len(draft_tokens) + 1} target rows, got {target_logits.shape[0]}")
-    choice = argmax_rows(target_logits)  # (k+1,)
     n = 0
-    while n < len(draft_tokens) and draft_tokens[n] == choice[n]:
+    while True:  # a row's argmax only up to the first rejection: the rows after it are never read
+        choice = argmax_rows(target_logits[n])[0]
+        if n == len(draft_tokens) or draft_tokens[n] != choice:
+            return Verdict(n, choice, n == len(draft_tokens))
         n += 1
-    return Verdict(n, choice[n], n == len(draft_tokens))
 
 
 def verify_sampling(

@@ -90,7 +90,8 @@ class RoundPlan:
     cut(), and learned from by shadow verification. probing: one depth of the usual draft after
     plain rounds. share: the batch's part (None alone). confidence: the drafter's probability of
     each token drafted so far (keep_going appends). t_last: when the last draft step ended (the
-    policy's clock, seconds).
+    policy's clock, seconds). extra_ms: what verifying m = 0..cap drafted tokens adds, computed once
+    by plan() (the costs do not change within a round).
     """
 
     k: int = 0
@@ -102,6 +103,7 @@ class RoundPlan:
     share: Share | None = None
     confidence: list[float] = field(default_factory=list)
     t_last: float = 0.0
+    extra_ms: list[float] = field(default_factory=list)  # extra_verify_ms for m = 0..cap, set by plan()
 
 
 @dataclass
@@ -230,24 +232,26 @@ class AdaptiveK:
             return cost(base + self.nodes(plan, m) + 1) - cost(base + 1) + margin
         return self.costs(self.nodes(plan, m) + 1) - self.costs(1) + margin
 
+    def _extra(self, plan: RoundPlan, n: int) -> list[float]:
+        """extra_verify_ms(plan, m) for m = 0..n-1, from the plan's cache where it reaches."""
+        if n <= len(plan.extra_ms):
+            return plan.extra_ms[:n]
+        return [self.extra_verify_ms(plan, m) for m in range(n)]
+
     def _best_rate(self, plan: RoundPlan) -> float:
         """rho: the best tokens per ms of a fixed draft length 0..cap under the estimates."""
         cap = plan.cap
         tokens = values(self.acceptances(cap), [0.0] * (cap + 1), 0.0, tokens=1.0)  # per round
-        best = 0.0
+        best, extra, v1 = 0.0, self._extra(plan, cap + 1), self.costs(1)
         for m in range(cap + 1):
-            ms = (
-                self.draft_ms(m, plan.incremental)
-                + self.costs(1)
-                + self.extra_verify_ms(plan, m)
-                + self.learned.overhead_ms
-            )
+            ms = self.draft_ms(m, plan.incremental) + v1 + extra[m] + self.learned.overhead_ms
             best = max(best, tokens[m] / ms if ms > 0 else 0.0)
         return best
 
     def _best_depth(self, plan: RoundPlan, accept: list[float], incremental: bool) -> int:
         """The draft length worth most under these acceptances, drafting and verifying it paid."""
-        cost = [self.draft_ms(m, incremental) + self.extra_verify_ms(plan, m) for m in range(len(accept) + 1)]
+        extra = self._extra(plan, len(accept) + 1)
+        cost = [self.draft_ms(m, incremental) + extra[m] for m in range(len(accept) + 1)]
         return best_length(values(accept, cost, plan.rho))
 
     def _given(self, confidence: list[float], accept: list[float]) -> list[float]:
@@ -272,6 +276,7 @@ class AdaptiveK:
             return plan
         learned = self.learned
         shared_rate = share.rate if share is not None else 0.0
+        plan.extra_ms = [self.extra_verify_ms(plan, m) for m in range(cap + 1)]
         cheap = learned.draft_token_ms is None or learned.draft_token_ms * cap < CHEAP * self.costs(1)
         plan.shadowing = not incremental and cheap
         if plan.shadowing:  # free: always draft fully, then cut() decides what to verify
@@ -323,7 +328,7 @@ class AdaptiveK:
         step_ms = next(known, 0.0)  # unknown: free
         ahead = self.acceptances(plan.cap, optimistic=True, shadowed=plan.shadowing)
         accept = self._given(plan.confidence[:n_drafted], ahead)
-        worth = values(accept, [self.extra_verify_ms(plan, m) for m in range(plan.cap + 1)], plan.rho)
+        worth = values(accept, self._extra(plan, plan.cap + 1), plan.rho)
         stop = max(worth[: n_drafted + 1])
         return any(worth[m] - plan.rho * (m - n_drafted) * step_ms > stop for m in range(n_drafted + 1, plan.cap + 1))
 
@@ -348,7 +353,7 @@ class AdaptiveK:
         if not deterministic:
             return n
         accept = self._given(plan.confidence[:n], self.acceptances(n, cls, shadowed=plan.shadowing))
-        worth = values(accept, [self.extra_verify_ms(plan, m) for m in range(n + 1)], plan.rho)
+        worth = values(accept, self._extra(plan, n + 1), plan.rho)
         best_m = best_length(worth)
         learned = self.learned
         if best_m == 0 and not plan.shadowing:  # not worth verifying: a plain round, maybe a probe
