@@ -88,7 +88,7 @@ def test_auto_drafts_nothing_for_a_never_right_drafter_and_everything_for_a_perf
 
 def test_replay_refuses_what_it_cannot_run(run):
     target, prompt, plain = run
-    with pytest.raises(ValueError, match="integer >= 0 or 'auto'"):
+    with pytest.raises(ValueError, match=r"k \(draft length\) must be >= 0"):
         replay(target, prompt, plain, make_drafter("prompt-lookup"), -1, COSTS)
     with pytest.raises(ValueError, match="reads the target's KV cache"):
         replay(target, prompt, plain, make_drafter("eagle", head="no-such-head.safetensors"), 2, COSTS)

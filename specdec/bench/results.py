@@ -151,6 +151,7 @@ class Run(_Record):
     drafted_at: list[int]  # by draft position
     accepted_at: list[int]
     k_per_round: list[int] | None  # v1: None
+    forced: int = 0  # tokens a grammar forced, verified as free drafts (not in drafted / accepted)
     prefill_s: float
     draft_s: float
     verify_s: float
@@ -415,9 +416,10 @@ def _from_v1(data: dict) -> dict:
     """A version-1 file (its JSON as read) in version 2: the one place that fills in what older files
     lack. Absent fields become None (not recorded), except where the older runs' value is known:
     backend "hf" and device "cpu" (before either was recorded, the bench ran transformers on the CPU),
-    replay False, repeats 1, screened_output_layer False, D2 = D1 where D2 was not measured (as the cost
-    model took it), no peer summaries. "dtype" and "draft_dtype" become "precision" and "draft_precision"
-    (kept where a file has both). Anything malformed is left for validation to name."""
+    replay False, repeats 1, screened_output_layer False, D2 = D1 where D2 was not measured (as the
+    cost model took it), no peer summaries, no forced tokens (no grammars then). "dtype" and
+    "draft_dtype" become "precision" and "draft_precision" (kept where a file has both). Anything
+    malformed is left for validation to name."""
     out = copy.deepcopy(data)
     out.update(schema=SCHEMA, schema_version=SCHEMA_VERSION)
     _fill(out.get("environment"), memory_bandwidth_gbs=None)
@@ -437,7 +439,7 @@ def _from_v1(data: dict) -> dict:
             _fill(prompt, replay=None)
             runs = prompt.get("runs")
             for run in [prompt.get("plain"), *(runs.values() if isinstance(runs, dict) else [])]:
-                _fill(run, k_per_round=None, mean_k=None, decode_tokens_per_s_repeats=None)
+                _fill(run, k_per_round=None, mean_k=None, decode_tokens_per_s_repeats=None, forced=0)
                 if isinstance(run, dict):
                     _fill(run.get("divergence"), logit_ulp=None)
         for peer in _dicts(pair.get("peers")):
