@@ -193,7 +193,7 @@ class Decoding:
         """Plan and draft the next round (specdec.round.propose); share: in a batch, its part in
         the round's costs, for the policy. Only while not finished."""
         budget, room = self.max_new_tokens - len(self.out), self.target.n_ctx - len(self.tokens)
-        speculating = self.constraint is not None and self.drafter is not None  # k = 0 stays plain decoding
+        speculating = self.constraint is not None and self.drafter is not None and self.k != 0  # k = 0: plain
         forced = self.constraint.forced() if speculating else ()
         return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees, share, forced)
 

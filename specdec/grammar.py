@@ -165,7 +165,7 @@ class Constraint:
         changes). Consumes draft tokens while the grammar allows them (settle() rolls them back).
         greedy: only each row's argmax is read, so a row whose argmax the grammar allows is left as
         it is (its masked argmax is the same token)."""
-        rows = logits.float().cpu()
+        rows = logits.detach().float().cpu()
         out = None
         for i in range(rows.shape[0]):
             self._fill()
