@@ -122,17 +122,21 @@ def test_report_contents(data):
     for config in pair["configs"]:
         cells = _row(report, config["k"])
         speedup = config["speedup"]
-        assert cells[4].startswith(f"{speedup['median']:.2f}x ")
-        assert f"[{speedup['min']:.2f}..{speedup['max']:.2f}]" in cells[4]
+        assert cells[5].startswith(f"{speedup['median']:.2f}x ")
+        assert f"[{speedup['min']:.2f}..{speedup['max']:.2f}]" in cells[5]
         assert cells[1] == f"{config['alpha']:.2f}"
-        assert cells[5] == f"{config['identical'][0]}/{config['identical'][1]}"
-        assert cells[6] == f"{config['predicted']['textbook']:.2f}x"
-        assert cells[7] == f"{round(config['error']['textbook'] * 100):+d}%"
-        assert cells[9] == f"{round(config['error']['ours'] * 100):+d}%"
-        assert len(cells[3].split()) == len(config["acceptance_per_position"])  # acceptance at each draft position
+        k = config["k"] if config["k"] != "auto" else max(1, round(config["mean_k"]))
+        draft_ms = pair["costs"]["draft_ms"]
+        if str(k) in draft_ms:  # c: a drafted token's ms over V(1), at that k
+            assert cells[3] == f"{draft_ms[str(k)] / k / pair['costs']['verify_ms']['1']:.3g}"
+        assert cells[6] == f"{config['identical'][0]}/{config['identical'][1]}"
+        assert cells[7] == f"{config['predicted']['textbook']:.2f}x"
+        assert cells[8] == f"{round(config['error']['textbook'] * 100):+d}%"
+        assert cells[10] == f"{round(config['error']['ours'] * 100):+d}%"
+        assert len(cells[4].split()) == len(config["acceptance_per_position"])  # acceptance at each draft position
         if config["k"] != "auto":
-            assert len(cells[3].split()) == config["k"]
-    assert _row(report, 4)[5] == "3/4"
+            assert len(cells[4].split()) == config["k"]
+    assert _row(report, 4)[6] == "3/4"
     assert _row(report, "auto")[0] == f"auto (mean {pair['configs'][-1]['mean_k']:.2f})"
     best = pair["best_k"]
     assert f"Best fixed k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}." in report
@@ -154,7 +158,7 @@ def test_report_prints_dash_for_nan(data, tmp_path):
     reloaded = results_mod.load(results_mod.save(data, tmp_path / "nan.json"))  # NaN survives the file
     assert math.isnan(reloaded["pairs"][0]["configs"][0]["alpha"])
     cells = _row(markdown_report(reloaded), 1)
-    assert cells[1] == "-" and cells[9] == "-"
+    assert cells[1] == "-" and cells[10] == "-"
     assert "nan" not in markdown_report(reloaded).lower()
 
 

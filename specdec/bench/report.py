@@ -171,12 +171,11 @@ def _costs(pair: dict) -> list[str]:
     v1 = dict(curve).get(1)
     out = [f"### Costs (ms, medians, at a context of {costs['context_tokens']} tokens)", ""]
     out += _table(["n", "V(n) ms", "V(n)/V(1)"], [[n, _ms(v), _f(v / v1 if v1 else float("nan"))] for n, v in curve])
-    model = bool(pair.get("draft"))
-    header = ["k", "draft ms per proposal", "draft ms per drafted token"] + (["c = per token / V(1)"] if model else [])
+    header = ["k", "draft ms per proposal", "draft ms per drafted token", "c = per token / V(1)"]
     rows = []
     for k, ms in sorted((int(k), v) for k, v in costs["draft_ms"].items()):
         per_token = ms / k if k else float("nan")
-        rows.append([k, _ms(ms), _ms(per_token)] + ([_f(per_token / v1, ".3g") if v1 else "-"] if model else []))
+        rows.append([k, _ms(ms), _ms(per_token), _f(per_token / v1, ".3g") if v1 else "-"])
     if rows:
         out += [""] + _table(header, rows)
     out += ["", f"Overhead per round (outside draft and verify): {_ms(costs['overhead_ms'])} ms."]
@@ -231,6 +230,7 @@ def _configs(pair: dict) -> list[str]:
                 f"auto (mean {_f(c.get('mean_k'))})" if c["k"] == "auto" else c["k"],
                 _f(c["alpha"]),
                 _f(c["tau"]),
+                _f(cost_ratio(pair["costs"], c), ".3g"),
                 " ".join(_f(a) for a in c["acceptance_per_position"]) or "-",
                 f"{_x(s['median'])} [{_f(s['min'])}..{_f(s['max'])}]",
                 _count(c["identical"]),
@@ -245,6 +245,7 @@ def _configs(pair: dict) -> list[str]:
             "k",
             "α",
             "τ",
+            "c",
             "acceptance by position",
             "speed-up median [min..max]",
             "identical",
@@ -254,10 +255,15 @@ def _configs(pair: dict) -> list[str]:
             "ours error",
         ],
         rows,
-        "rrrlrrrrrr",
+        "rrrrlrrrrrr",
     )
     best = pair["best_k"]
     out += ["", f"Best fixed k: measured {best['measured']}, textbook {best['textbook']}, ours {best['ours']}."]
+    out += [
+        "",
+        "c: a drafted token's cost over the target's one-row forward V(1) (the measured draft costs at "
+        "that k; auto: at its mean draft length), the cost ratio the textbook speed-up takes.",
+    ]
     if pair.get("ratio_noise") is not None:
         out += [
             "",
@@ -456,3 +462,16 @@ def markdown_report(results: dict) -> str:
             if section:
                 out += section + [""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def cost_ratio(costs: dict, config: dict) -> float:
+    """c, the cost ratio of a config: a drafted token's ms over the target's one-row forward V(1),
+    from the measured draft costs at its k (k = "auto": at its mean draft length, rounded, at least 1;
+    NaN where nothing was measured)."""
+    v1 = costs["verify_ms"].get("1") or costs["verify_ms"].get(1)
+    draft = {int(n): ms for n, ms in costs["draft_ms"].items()}
+    k = config["k"] if config["k"] != "auto" else max(1, round(config.get("mean_k") or 1))
+    if not v1 or not draft:
+        return float("nan")
+    n = min(draft, key=lambda m: abs(m - k))  # the nearest length measured
+    return draft[n] / n / v1 if n else float("nan")
