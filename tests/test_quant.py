@@ -678,3 +678,16 @@ def test_quantize_refuses_what_it_cannot_run(model_dir):
         quantize_model(make_model("gemma3", seed=3).hf, "q8_0", "tiny")
     with pytest.raises(ValueError, match="--device cpu"):
         load_model(str(model_dir), quantize="q8_0", dtype=torch.bfloat16)
+
+
+def test_a_gguf_draft_requantized_at_load_drafts_exactly(smol):
+    """--draft-quantize: a GGUF model requantized from its dequantized weights (here Q4_1 -> Q4_0)
+    is another precision of the same model, cheaper to run as a draft; the output stays the target's."""
+    draft = load_model(SMOL.name, quantize="q4_0")
+    assert draft.precision.startswith("gguf Q4_0") and draft.precision != smol.precision
+    ids = _ids(smol)
+    plain = generate(smol, ids, k=0, max_new_tokens=32)
+    from specdec.drafters.model import ModelDrafter
+
+    got = generate(smol, ids, ModelDrafter(draft), k=3, max_new_tokens=32)
+    assert got.tokens == plain.tokens and got.stats.accepted > 0

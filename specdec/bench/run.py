@@ -250,6 +250,7 @@ def bench_pair(
     progress: bool = True,
     bandwidth_gbs: float | None = None,
     draft_dtype: torch.dtype | None = None,
+    draft_quantize: str | None = None,
     repeats: int = 1,
     replay: bool = True,
     interleave: bool = True,
@@ -262,7 +263,8 @@ def bench_pair(
     roofline and an added row's cost (_roofline_and_row_cost); per prompt, plain decoding and every k
     (_run_configs), checked against plain decoding (_prompt_record), then the peers (_peer_run); the
     per-round overhead; the replay (_replay); the fit (_pair_record).
-    load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model;
+    load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model, draft_quantize
+    their quantize (a GGUF type the draft is requantized to at load; None: its own precision);
     bandwidth_gbs (measured memory bandwidth, GB/s) adds the roofline of the target's forward.
     replay: when greedy, the drafter allows it (specdec.bench.replay) and no prompt has a grammar,
     replay every config on each prompt's plain output under the measured costs: speeds without the
@@ -273,7 +275,8 @@ def bench_pair(
     cache = load_kwargs.get("cache")
     target, memory = load_measured(pair.target, greedy=greedy, **load_kwargs)
     encoded = [encode_prompt(target, p) for p in prompts]
-    new_drafter, draft_model, draft_memory = _drafters(pair, greedy, draft_dtype, load_kwargs)
+    draft_kwargs = {**load_kwargs, "quantize": draft_quantize}
+    new_drafter, draft_model, draft_memory = _drafters(pair, greedy, draft_dtype, draft_kwargs)
     drafter = new_drafter()
     run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
     # The costs are measured for every fixed k, and for k = "auto" over the lengths it chooses from.

@@ -60,6 +60,7 @@ def run(args) -> int:
         replay=args.replay,
         interleave=args.interleave,
         draft_dtype=DTYPES[args.draft_dtype or args.dtype],
+        draft_quantize=args.draft_quantize,
         **load_kwargs(args),
     )
     path = results.save(res, args.out / "results.json")

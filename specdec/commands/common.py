@@ -21,7 +21,8 @@ def k_arg(text: str) -> int | str:
 
 
 def load_kwargs(args, draft: bool = False) -> dict:
-    """load_model's keyword arguments from the loading options; draft=True: the draft's dtype."""
+    """load_model's keyword arguments from the loading options; draft=True: the draft's dtype and
+    quantization."""
     dtype = (getattr(args, "draft_dtype", None) if draft else None) or args.dtype
     return dict(
         dtype=DTYPES[dtype],
@@ -29,7 +30,7 @@ def load_kwargs(args, draft: bool = False) -> dict:
         cache=args.cache_dir,
         backend=args.backend,
         device=getattr(args, "device", "cpu"),
-        quantize=None if draft else getattr(args, "quantize", None),
+        quantize=getattr(args, "draft_quantize", None) if draft else getattr(args, "quantize", None),
         kv_dtype=getattr(torch, args.kv_cache) if getattr(args, "kv_cache", None) else None,
     )
 

@@ -194,11 +194,12 @@ def load_model(
     loads the weights in that dtype, a GGUF model's dequantized once to safetensors in the cache
     (keyed by its sha256). pull_missing: pull a registry model that is not in the cache yet instead
     of raising. device: "cpu" (default), "cuda", "cuda:N" or "auto" (a CUDA GPU when torch sees one),
-    see resolve_device; the CLI's --device defaults to auto. quantize: for a Hugging Face Llama/Qwen2
-    model, quantize its matrices at load to this GGUF type (specdec.models.quantize.QUANTIZE, e.g.
-    "q8_0") and run them on the quantized backend. kv_dtype: the KV cache's dtype on the quantized
-    backend, torch.float16 (default: half the bytes attention reads) or torch.float32; the other
-    backends keep their cache in the model's dtype.
+    see resolve_device; the CLI's --device defaults to auto. quantize: quantize a Llama/Qwen2 model's
+    matrices at load to this GGUF type (specdec.models.quantize.QUANTIZE, e.g. "q8_0") and run them
+    on the quantized backend; a GGUF model is requantized from its dequantized weights (for a draft
+    model: `--draft-quantize q4_0` makes its step cheaper, never the output different). kv_dtype:
+    the KV cache's dtype on the quantized backend, torch.float16 (default: half the bytes attention
+    reads) or torch.float32; the other backends keep their cache in the model's dtype.
 
     Raises ValueError for a device torch cannot use or a kv_dtype the backend cannot keep;
     ModelNotFoundError with the command that fixes it: a registry model not pulled, a path that
@@ -227,14 +228,12 @@ def load_model(
             "file, or a hub id of the form org/name"
         )
     if quantize is not None:
-        if gguf_file is not None:
-            raise ValueError(f"{spec} is a GGUF model, already quantized: --quantize is for Hugging Face models")
         if dev.type != "cpu" or backend == "hf" or dtype not in (None, torch.float32):
             raise ValueError(
                 "--quantize runs on the CPU's quantized backend: use it with --device cpu, without --backend hf "
                 "or another --dtype"
             )
-        return _quantize_at_load(spec, root, quantize, backend, kv_dtype)
+        return _quantize_at_load(spec, gguf_file, root, quantize, backend, kv_dtype)
     if gguf_file is not None and dtype is None and dev.type == "cpu" and backend != "hf":
         from specdec.backends.qkernel import kernels
         from specdec.errors import KernelBuildError
@@ -278,14 +277,18 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str, kv_dty
     return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader, kv_dtype=kv_dtype)
 
 
-def _quantize_at_load(spec: str, root: Path, qtype: str, backend: str, kv_dtype: torch.dtype | None) -> Model:
-    """A Hugging Face model with its matrices quantized to `qtype` (specdec.models.quantize); the fp32
-    model is dropped after quantizing and reloaded only if asked for."""
+def _quantize_at_load(
+    spec: str, gguf_file: Path | None, root: Path, qtype: str, backend: str, kv_dtype: torch.dtype | None
+) -> Model:
+    """A model with its matrices quantized to `qtype` (specdec.models.quantize): a Hugging Face model's
+    fp32 weights, or a GGUF model's dequantized ones (requantized: meant for a draft model, whose
+    precision changes only the speed); the fp32 model is dropped after quantizing and reloaded only
+    if asked for."""
     from specdec.models.quantize import quantize_model
 
-    fp32 = _load_transformers(spec, None, root, torch.float32, "hf", torch.device("cpu"))
+    fp32 = _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu"))
     gguf = quantize_model(fp32.hf, qtype, spec)
-    loader = lambda: _load_transformers(spec, None, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
+    loader = lambda: _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
     return Model(
         None,
         fp32.tokenizer,
