@@ -64,7 +64,8 @@ class Decoding:
     one over the target's verify-cost curve.
 
     Raises ContextLengthError when the prompt leaves no room in the target's context, ValueError
-    for an empty prompt, TypeError for a drafter that is not a specdec Drafter.
+    for an empty prompt or a logit_bias id outside the vocabulary, GrammarError (a ValueError) for
+    a grammar llguidance cannot follow, TypeError for a drafter that is not a specdec Drafter.
 
     The steps, for a driver (specdec.engine, specdec.batch): `prefill_blocks()` (the prompt but its
     last token), each fed with `feed(block)` or, batched, as `prefill_rows(block)`; `ready()` after
@@ -84,24 +85,12 @@ class Decoding:
         options = options or GenerationOptions()
         k, max_new_tokens, seed, logprobs = options.k, options.max_new_tokens, options.seed, options.logprobs
         params = options.sampling
-        prompt = [int(t) for t in (input_ids.flatten().tolist() if torch.is_tensor(input_ids) else input_ids)]
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
-        n_ctx = target.n_ctx
-        if len(prompt) >= n_ctx:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens but {target.name}'s context holds {n_ctx}: "
-                f"shorten it to at most {n_ctx - 1} tokens so that at least one can be generated"
-            )
-        if isinstance(drafter, str):
-            drafter = make_drafter(drafter)
-        if drafter is not None and not isinstance(drafter, Drafter):
-            raise TypeError(
-                f"drafter must be a specdec Drafter (subclass specdec.Drafter) or a name, got {type(drafter).__name__}"
-            )
+        prompt = _checked_prompt(target, input_ids)
+        drafter = _checked_drafter(drafter)
         bad = [t for t, _ in options.logit_bias if t >= target.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token id {bad[0]} is outside {target.name}'s {target.vocab_size} ids")
+        self.constraint = Constraint(options.grammar, target) if options.grammar is not None else None
         if drafter is None:
             k = 0
         if k == "auto":
@@ -128,9 +117,8 @@ class Decoding:
         if drafter is not None:
             drafter.prepare(target)
         self.kv = new_cache(target)
-        # greedy reading the raw logits' argmax only (no bias, penalties or logprobs): the lean
-        # output layer is screened in bf16
-        self.constraint = Constraint(options.grammar, target) if options.grammar is not None else None
+        # greedy reading the raw logits' argmax only (no bias, penalties, grammar or logprobs): the
+        # lean output layer is screened in bf16
         plain = self.penalties.neutral and not options.logit_bias and logprobs is None and not self.constraint
         self.kv.argmax_only = params.greedy and plain
         if drafter is not None and drafter.reads_target_cache:
@@ -246,6 +234,32 @@ class Decoding:
         text = self.target.tokenizer.decode(self.out, skip_special_tokens=True)
         cut = stop_at(text, self.stop)
         return Generation(self.out, text if cut < 0 else text[:cut], self.stats, self.logprobs)
+
+
+def _checked_prompt(target: Model, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """The prompt's ids as a list. Raises ValueError when it is empty, ContextLengthError when it
+    leaves no room in the target's context."""
+    prompt = [int(t) for t in (input_ids.flatten().tolist() if torch.is_tensor(input_ids) else input_ids)]
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
+    n_ctx = target.n_ctx
+    if len(prompt) >= n_ctx:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt)} tokens but {target.name}'s context holds {n_ctx}: "
+            f"shorten it to at most {n_ctx - 1} tokens so that at least one can be generated"
+        )
+    return prompt
+
+
+def _checked_drafter(drafter: Drafter | str | None) -> Drafter | None:
+    """A registry name built, a Drafter as it is. Raises TypeError for anything else."""
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter)
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise TypeError(
+            f"drafter must be a specdec Drafter (subclass specdec.Drafter) or a name, got {type(drafter).__name__}"
+        )
+    return drafter
 
 
 def stop_at(text: str, stop: Sequence[str]) -> int:

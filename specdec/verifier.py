@@ -84,12 +84,7 @@ class TargetVerifier:
             self.kv.keep_path(len(tokens) - 1, path)
             return [nodes[i] for i in path[1:]], verdict.token
         raw = logits
-        if self.bias_ids.numel():  # OpenAI's logit_bias, before the penalties (as vLLM)
-            logits = logits.float().cpu().index_add(1, self.bias_ids, self.bias.expand(logits.shape[0], -1))
-        if not self.penalties.neutral:
-            logits = self.penalties.apply(logits, tokens[: self.prompt_len], tokens[self.prompt_len :], draft.tokens)
-        if self.constraint is not None:  # each row under the grammar's state after its prefix
-            logits = self.constraint.mask(logits, draft.tokens, self.sampler.params.greedy)
+        logits = self.processed(logits, tokens, draft)
         if self.sampler.params.greedy:
             verdict = verify_greedy(draft.tokens, logits)
         else:
@@ -103,6 +98,18 @@ class TargetVerifier:
         if self.top_logprobs is not None:
             self.last_logprobs = logprobs_of(raw, accepted + [verdict.token], self.top_logprobs)
         return accepted, verdict.token
+
+    def processed(self, logits: torch.Tensor, tokens: list[int], draft: Draft) -> torch.Tensor:
+        """The logits (n, V) of a verified chain as plain decoding reads them at each row: logit_bias
+        added (before the penalties, as vLLM), the penalties with each row's history, then the
+        grammar's mask by its state after each row's prefix (consuming the draft, settled by judge)."""
+        if self.bias_ids.numel():
+            logits = logits.float().cpu().index_add(1, self.bias_ids, self.bias.expand(logits.shape[0], -1))
+        if not self.penalties.neutral:
+            logits = self.penalties.apply(logits, tokens[: self.prompt_len], tokens[self.prompt_len :], draft.tokens)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, draft.tokens, self.sampler.params.greedy)
+        return logits
 
     def rollback(self, n: int) -> None:
         """The cache keeps the first n tokens."""

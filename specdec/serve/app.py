@@ -8,7 +8,7 @@ One worker thread (specdec.serve.worker) decodes every admitted request in one c
 (specdec.batch): each step is one target forward over all of them, and each request's output is
 what it would be alone. Requests beyond the batch wait in a bounded queue; a full queue answers
 429. The HTTP event loop never waits on the model. A client that disconnects frees its rows at the
-next step. Each request body is validated (the pydantic models below, FastAPI's request models)
+next step. Each request body is validated (specdec.serve.requests: FastAPI request models)
 before it is queued, and every error is a JSON body `{"error": {"message", "type", "code",
 "param"}}` with a 4xx status (5xx only for a bug).
 
@@ -32,15 +32,13 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adaptive import VerifyCosts
@@ -48,12 +46,22 @@ from specdec.batch import PREFILL_CHUNK
 from specdec.decoding import Generation
 from specdec.drafters import Drafter
 from specdec.drafters.factory import REGISTERED, drafter_from_options, options_for
-from specdec.grammar import Constraint, Grammar, GrammarError, tokenizer_info
+from specdec.grammar import Constraint, Grammar, tokenizer_info
 from specdec.models.load import Model, check_same_tokenizer
 from specdec.options import MAX_TOP_LOGPROBS, GenerationOptions, parse_k
 from specdec.sampling import Penalties, SamplingParams, TokenLogprob
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
+from specdec.serve.requests import (
+    BODIES,
+    SEND_JSON,
+    ChatRequest,
+    CompletionRequest,
+    Params,
+    grammar_of,
+    invalid,
+    structured_fields,
+)
 from specdec.serve.worker import Job, Worker
 from specdec.stats import RunStats
 
@@ -63,199 +71,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send "temperature": 0 for greedy decoding
 MAX_N = 16  # choices per request
 MAX_BATCH = 64  # sequences decoded at once
-MAX_STOP = 16  # stop strings per request
 GRAMMAR_CACHE = 256  # grammars whose compile check a server remembers
-
-
-# ---- requests ---------------------------------------------------------------------------------
-
-
-class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
-
-
-class _Strict(BaseModel):
-    """An object inside a request: a key the server does not know is refused (400), never dropped."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class _SchemaSpec(_Strict):
-    """OpenAI's response_format.json_schema: the schema the output must follow (name, description
-    and strict are read and kept to OpenAI's shape; the schema is always enforced)."""
-
-    name: str
-    schema_: dict = Field(alias="schema")
-    description: str | None = None
-    strict: StrictBool | None = None
-
-
-class _ResponseFormat(_Strict):
-    """OpenAI's response_format: {"type": "text"} (free text), {"type": "json_object"} or
-    {"type": "json_schema", "json_schema": {...}}."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: _SchemaSpec | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError('json_schema comes with "type": "json_schema", and only with it')
-        return self
-
-
-class _StructuredOutputs(_Strict):
-    """vLLM's structured_outputs: exactly one of json (a schema, or its JSON text), regex, choice,
-    grammar (Lark, llguidance's dialect) or json_object = true."""
-
-    json_: dict | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: StrictBool | None = None
-
-
-class _Params(BaseModel):
-    """The fields both endpoints share. A field the server does not know is refused (400), never
-    silently dropped, and so is an unknown key inside response_format or structured_outputs.
-    Numbers and booleans must come as JSON numbers and booleans (as OpenAI's API requires), not
-    strings."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    model: str | None = None
-    max_tokens: StrictInt | None = Field(None, ge=0)
-    temperature: StrictFloat | None = Field(None, ge=0)
-    top_p: StrictFloat | None = Field(None, gt=0, le=1)
-    top_k: StrictInt | None = Field(None, ge=0)  # extension (vLLM has it too); 0 = off
-    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
-    stop: str | list[str] | None = None
-    stream: StrictBool = False
-    stream_options: _StreamOptions | None = None
-    n: StrictInt | None = None
-    logprobs: StrictBool | StrictInt | None = None  # chat: true/false; completions: 0..20 alternatives
-    top_logprobs: StrictInt | None = None  # chat: 0..20 alternatives
-    frequency_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
-    presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2)
-    repetition_penalty: StrictFloat | None = Field(None, gt=0)  # extension (vLLM's); 1 = off
-    logit_bias: dict[str, StrictFloat] | None = None  # {"token id": bias in [-100, 100]}
-    min_p: StrictFloat | None = Field(None, ge=0, le=1)  # extension (vLLM's); 0 = off
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # extension (vLLM's)
-    ignore_eos: StrictBool = False  # extension (vLLM's)
-    response_format: _ResponseFormat | None = None
-    structured_outputs: _StructuredOutputs | None = None  # vLLM's
-    guided_json: dict | str | None = None  # vLLM's older fields, one each
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    drafter: str | None = None  # extension: a drafter this server has, or "none"
-    k: StrictInt | str | None = None  # extension: draft length (a string goes to the engine as it is)
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stop_strings(cls, v):
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(v)}")
-        return v
-
-    @field_validator("k")
-    @classmethod
-    def _k_not_negative(cls, v):
-        if isinstance(v, int) and v < 0:
-            raise ValueError("k (draft length) must be >= 0 (0 = plain decoding)")
-        return v
-
-
-class CompletionRequest(_Params):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: StrictBool = False
-    suffix: str | None = None
-    best_of: StrictInt | None = None
-
-
-class _ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[_ContentPart] | None = None
-
-    @model_validator(mode="after")
-    def _content_unless_assistant(self):
-        if self.content is None and self.role != "assistant":  # an assistant's may be null (tool calls)
-            raise ValueError(f"a {self.role} message needs content (a string or a list of text parts)")
-        return self
-
-
-class ChatRequest(_Params):
-    messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=0)
-    tools: Any = None
-
-
-_ONE_OF = {  # fields that take one of several types, and how to say so
-    "prompt": "a string or a list of token ids (or a list holding one of these)",
-    "stop": "a string or a list of strings",
-    "k": 'an integer >= 0 (0 = plain decoding) or "auto"',
-    "messages.*.content": 'a string or a list of text parts ({"type": "text", "text": ...})',
-}
-_BODIES: dict[str, type[_Params]] = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatRequest}
-_SEND_JSON = "send a JSON object with Content-Type: application/json"
-
-
-def _invalid(errors: Iterable[Mapping[str, Any]], cls: type[BaseModel], content_type: str | None) -> ApiError:
-    """The ApiError 400 for a request body FastAPI could not validate as `cls` (errors: its
-    RequestValidationError's, each located under "body"): a body that is not JSON, not an object,
-    or sent without a JSON Content-Type (code invalid_json); a field the server does not honour
-    (unsupported_parameter, naming it); else every bad field with what it expects
-    (invalid_parameter, param: the first one)."""
-    errors = [{**err, "loc": tuple(err["loc"])[1:]} for err in errors]  # drop "body"
-    for err in errors:
-        if err["type"] == "json_invalid":
-            where = f" at character {err['loc'][0]}" if err["loc"] else ""
-            reason = err.get("ctx", {}).get("error", err["msg"])
-            return ApiError(
-                400, f"the request body is not valid JSON ({reason}{where}); {_SEND_JSON}", code="invalid_json"
-            )
-        if not err["loc"]:  # the body as a whole: none, not an object, or not read as JSON
-            body = err.get("input")
-            if err["type"] == "missing":
-                message = f"the request body is empty; {_SEND_JSON}"
-            elif isinstance(body, bytes):  # FastAPI reads a body as JSON only with a JSON Content-Type
-                sent_as = f"with Content-Type: {content_type}" if content_type else "without a Content-Type"
-                message = f"the request body came {sent_as}, not JSON; {_SEND_JSON}"
-            else:
-                message = f"the request body must be a JSON object, got {type(body).__name__}; {_SEND_JSON}"
-            return ApiError(400, message, code="invalid_json")
-    extra = [err["loc"][0] for err in errors if err["type"] == "extra_forbidden" and len(err["loc"]) == 1]
-    if extra:
-        honoured = ", ".join(cls.model_fields)
-        return ApiError(
-            400,
-            f"{extra[0]!r} is not a field this server honours; leave it out (the fields it reads: {honoured})",
-            code="unsupported_parameter",
-            param=str(extra[0]),
-        )
-    parts: dict[str, str] = {}
-    for err in errors:
-        loc = err["loc"]
-        got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:80]})"
-        pattern = ".".join("*" if isinstance(x, int) else str(x) for x in loc[:-1])
-        if pattern in _ONE_OF and isinstance(loc[-1], str):  # a union's branch failed: say what is expected
-            where = ".".join(str(x) for x in loc[:-1])
-            parts.setdefault(where, f"{where}: expected {_ONE_OF[pattern]}{got}")
-        elif err["type"] == "extra_forbidden":  # a key inside an object (response_format, ...)
-            where = ".".join(str(x) for x in loc)
-            parts.setdefault(where, f"{where}: not a key this server reads; leave it out")
-        else:
-            where = ".".join(str(x) for x in loc)
-            parts.setdefault(where, f"{where}: {err['msg']}{got}")
-    param = next(iter(parts)).split(".")[0] if parts else None
-    return ApiError(400, "invalid request: " + "; ".join(parts.values()), code="invalid_parameter", param=param)
 
 
 # ---- the server -------------------------------------------------------------------------------
@@ -326,7 +142,7 @@ class Server:
         self.worker.submit(job)
 
     # -- requests --
-    def job(self, req: _Params, ids: list[int], arrived: float, max_tokens: int | None, chat: bool) -> Job:
+    def job(self, req: Params, ids: list[int], arrived: float, max_tokens: int | None, chat: bool) -> Job:
         """Check a request's parameters and build its job; ApiError 4xx naming the bad field."""
         if req.model is not None and req.model != self.model_name:
             raise ApiError(
@@ -340,7 +156,7 @@ class Server:
         if not 1 <= n <= MAX_N:
             raise ApiError(400, f"n must be between 1 and {MAX_N}, got {n}", code="invalid_parameter", param="n")
         logit_bias = self._logit_bias(req.logit_bias or {})
-        grammar, _ = _grammar(req)
+        grammar, _ = grammar_of(req)
         try:
             penalties = Penalties(
                 req.frequency_penalty or 0.0,
@@ -477,7 +293,7 @@ class Server:
             raise ApiError(400, f"{param}: {message}", code=code, param=param)
 
     @staticmethod
-    def _logprobs(req: _Params, chat: bool) -> int | None:
+    def _logprobs(req: Params, chat: bool) -> int | None:
         """How many top logprobs a request asks for beside each token's (None: no logprobs).
         Completions: logprobs = 0..20; chat: logprobs = true, with top_logprobs = 0..20."""
         if chat:
@@ -675,71 +491,6 @@ class Server:
 
 
 _UNCHECKED = object()
-STRUCTURED_FIELDS = (
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"
-)  # fmt: skip
-_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' keys
-
-
-def _structured_fields(req: _Params) -> list[str]:
-    """The fields of a request that ask for structured output (response_format "text" asks for none)."""
-    return [
-        name
-        for name in STRUCTURED_FIELDS
-        if getattr(req, name) is not None and not (name == "response_format" and req.response_format.type == "text")
-    ]
-
-
-def _grammar(req: _Params) -> tuple[Grammar | None, str | None]:
-    """The grammar a request's output must follow, and the field that asked for it (None, None:
-    free text). ApiError 400 for two such fields at once (response_format {"type": "text"} asks for
-    none), structured_outputs without exactly one kind, or a grammar that is malformed on its face
-    (llguidance's compile is Server.check_grammar's)."""
-    given = _structured_fields(req)
-    if len(given) > 1:
-        raise ApiError(
-            400,
-            f"{' and '.join(given)} each ask for structured output: send only one of them",
-            code="invalid_parameter",
-            param=given[0],
-        )
-    if not given:
-        return None, None
-    field_ = given[0]
-    try:
-        if field_ == "response_format":
-            fmt = req.response_format
-            json_object = fmt.type == "json_object"
-            grammar = Grammar.json_object() if json_object else Grammar.json_schema(fmt.json_schema.schema_)
-        elif field_ == "structured_outputs":
-            so = req.structured_outputs
-            values = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
-            values["json_object"] = so.json_object or None  # false asks for nothing
-            kinds = [kind for kind in _STRUCTURED_KINDS if values[kind] is not None]
-            if len(kinds) != 1:
-                raise ApiError(
-                    400,
-                    f"structured_outputs takes exactly one of {', '.join(_STRUCTURED_KINDS)} (json_object: true); "
-                    f"got {', '.join(kinds) if kinds else 'none'}",
-                    code="invalid_parameter",
-                    param=field_,
-                )
-            kind, value = kinds[0], values[kinds[0]]
-            grammar = {
-                "json": Grammar.json_schema, "regex": Grammar.regex, "choice": Grammar.choice, "grammar": Grammar.lark,
-                "json_object": lambda _: Grammar.json_object(),
-            }[kind](value)  # fmt: skip
-        elif field_ == "guided_json":
-            grammar = Grammar.json_schema(req.guided_json)
-        elif field_ == "guided_regex":
-            grammar = Grammar.regex(req.guided_regex)
-        elif field_ == "guided_choice":
-            grammar = Grammar.choice(req.guided_choice)
-        else:
-            grammar = Grammar.lark(req.guided_grammar)
-    except GrammarError as e:
-        raise ApiError(400, f"{field_}: {e}", code="invalid_parameter", param=field_) from None
-    return grammar, field_
 
 
 def _finite(x: float) -> float | None:
@@ -937,7 +688,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
     return await _generate(request, body, chat=True)
 
 
-async def _generate(request: Request, req: _Params, chat: bool) -> Response:
+async def _generate(request: Request, req: Params, chat: bool) -> Response:
     """Check a validated request, queue its job, and answer it (streamed or whole); a 4xx
     (429: the queue is full) counted in the metrics."""
     server = _server(request)
@@ -950,7 +701,7 @@ async def _generate(request: Request, req: _Params, chat: bool) -> Response:
             max_new = req.max_tokens
         job = server.job(req, ids, request.state.arrived, max_new, chat)
         if job.options.grammar is not None:  # compiled here, in a thread off the event loop, before the batch
-            await asyncio.to_thread(server.check_grammar, job.options.grammar, _structured_fields(req)[0])
+            await asyncio.to_thread(server.check_grammar, job.options.grammar, structured_fields(req)[0])
         server.submit(job)
     except ApiError as e:
         server.metrics.count("rejected" if e.status == 429 else "invalid")
@@ -991,7 +742,7 @@ async def _guard(request: Request, call_next) -> Response:
                 "server was started with (--api-key)",
                 code="invalid_api_key",
             ).response()
-    if request.url.path in _BODIES and await _too_large(request, state.max_body_bytes):
+    if request.url.path in BODIES and await _too_large(request, state.max_body_bytes):
         state.server.metrics.count("invalid")
         return ApiError(
             413,
@@ -1010,10 +761,10 @@ async def _too_large(request: Request, max_bytes: int) -> bool:
 
 
 async def _invalid_request(request: Request, exc: RequestValidationError) -> Response:
-    """A body the route's request model refused: a 400 naming the field (see _invalid)."""
+    """A body the route's request model refused: a 400 naming the field (see invalid)."""
     _server(request).metrics.count("invalid")
-    cls = _BODIES.get(request.url.path, _Params)
-    return _invalid(exc.errors(), cls, request.headers.get("content-type")).response()
+    cls = BODIES.get(request.url.path, Params)
+    return invalid(exc.errors(), cls, request.headers.get("content-type")).response()
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -1025,9 +776,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> Response
             "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
         )
         return ApiError(404, message, code="404").response()
-    if exc.status_code == 400 and request.url.path in _BODIES:  # FastAPI could not decode it (not UTF-8, ...)
+    if exc.status_code == 400 and request.url.path in BODIES:  # FastAPI could not decode it (not UTF-8, ...)
         _server(request).metrics.count("invalid")
-        message = f"the request body could not be read as JSON ({exc.detail}); {_SEND_JSON}, in UTF-8"
+        message = f"the request body could not be read as JSON ({exc.detail}); {SEND_JSON}, in UTF-8"
         return ApiError(400, message, code="invalid_json").response()
     message = f"{request.method} {request.url.path}: {exc.detail}"
     return ApiError(exc.status_code, message, code=str(exc.status_code)).response()
