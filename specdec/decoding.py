@@ -104,7 +104,6 @@ class Decoding:
         else:
             generator.manual_seed(seed)
         self.target, self.prompt, self.max_new_tokens, self.stop = target, prompt, max_new_tokens, options.stop
-        self.options = options
         self.sampler = Sampler(params, generator)
         self.penalties = options.penalties
         self.drafter, self.policy = drafter, policy

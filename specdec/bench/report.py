@@ -174,8 +174,7 @@ def _costs(pair: dict) -> list[str]:
     header = ["k", "draft ms per proposal", "draft ms per drafted token", "c = per token / V(1)"]
     rows = []
     for k, ms in sorted((int(k), v) for k, v in costs["draft_ms"].items()):
-        per_token = ms / k if k else float("nan")
-        rows.append([k, _ms(ms), _ms(per_token), _f(per_token / v1, ".3g") if v1 else "-"])
+        rows.append([k, _ms(ms), _ms(ms / k if k else float("nan")), _f(_ratio_at(costs, k), ".3g")])
     if rows:
         out += [""] + _table(header, rows)
     out += ["", f"Overhead per round (outside draft and verify): {_ms(costs['overhead_ms'])} ms."]
@@ -468,10 +467,13 @@ def cost_ratio(costs: dict, config: dict) -> float:
     """c, the cost ratio of a config: a drafted token's ms over the target's one-row forward V(1),
     from the measured draft costs at its k (k = "auto": at its mean draft length, rounded, at least 1;
     NaN where nothing was measured)."""
-    v1 = costs["verify_ms"].get("1") or costs["verify_ms"].get(1)
-    draft = {int(n): ms for n, ms in costs["draft_ms"].items()}
     k = config["k"] if config["k"] != "auto" else max(1, round(config.get("mean_k") or 1))
-    if not v1 or not draft:
-        return float("nan")
-    n = min(draft, key=lambda m: abs(m - k))  # the nearest length measured
-    return draft[n] / n / v1 if n else float("nan")
+    measured = [int(n) for n in costs["draft_ms"]]
+    return _ratio_at(costs, min(measured, key=lambda m: abs(m - k))) if measured else float("nan")
+
+
+def _ratio_at(costs: dict, n: int) -> float:
+    """A drafted token's ms over V(1) when drafting n tokens (costs as in the results file)."""
+    v1 = costs["verify_ms"].get("1") or costs["verify_ms"].get(1)
+    ms = costs["draft_ms"].get(str(n), costs["draft_ms"].get(n))
+    return ms / n / v1 if n and v1 and ms is not None else float("nan")

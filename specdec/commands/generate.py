@@ -33,7 +33,9 @@ def run(args) -> int:
     """Generate from the prompt (or the --workload row) and print the text, the stats and, with
     --compare, the comparison with plain decoding. -k, --k-max and --max-new-tokens come checked
     by the parser; the rest of the cheap checks run before any model loads."""
-    run = dict(
+    run = GenerationOptions(  # checked here, before any model loads
+        k=args.k,
+        k_max=args.k_max,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -46,7 +48,6 @@ def run(args) -> int:
         ignore_eos=args.ignore_eos,
         grammar=args.grammar,
     )
-    GenerationOptions(k=args.k, k_max=args.k_max, **run)  # checks the sampling and the rest, loading nothing
     options = _drafter_options(args)
     if args.workload:
         prompt = workload_prompt(args.workload, args.category, args.row)
@@ -67,19 +68,19 @@ def run(args) -> int:
         return _generate(args, target, drafter, ids, run)
 
 
-def _generate(args, target, drafter, ids: list[int], run: dict) -> int:
+def _generate(args, target, drafter, ids: list[int], run: GenerationOptions) -> int:
     """The runs of `specdec generate` once the models are loaded: run holds the generation options
     that the speculative run and --compare's plain one share (like with like)."""
     policy = None
     if args.k == "auto" and drafter is not None:  # -k auto: over this machine's cached verify-cost curve
         policy = AdaptiveK(VerifyCosts.for_model(target, args.cache_dir), k_max=args.k_max)
     if args.compare:  # warm up both paths so neither pays first-call costs in the timing
-        generate(target, ids, drafter, k=args.k, policy=policy, **{**run, "max_new_tokens": 4})
-        generate(target, ids, None, **{**run, "max_new_tokens": 4})
+        generate(target, ids, drafter, run.replace(max_new_tokens=4), policy=policy)
+        generate(target, ids, None, run.replace(max_new_tokens=4))
 
     print(f"# target {args.target}, drafter {args.drafter}, k {args.k}, prompt {len(ids)} tokens", file=sys.stderr)
     streamer = TextStreamer(target.tokenizer, args.stop)
-    spec = generate(target, ids, drafter, k=args.k, policy=policy, stream=streamer, **run)
+    spec = generate(target, ids, drafter, run, policy=policy, stream=streamer)
     streamer.finish(spec.text)
     print("\n--- speculative" if args.k else "\n--- plain")
     print(spec.stats.summary())
@@ -87,7 +88,7 @@ def _generate(args, target, drafter, ids: list[int], run: dict) -> int:
         print(f"grammar ({args.grammar.kind}): {spec.stats.forced} tokens forced, verified as free drafts")
     if args.compare:  # like with like: the plain run streams its text too (to nowhere)
         quiet = TextStreamer(target.tokenizer, args.stop, out=io.StringIO())
-        plain = generate(target, ids, None, stream=quiet, **run)
+        plain = generate(target, ids, None, run, stream=quiet)
         quiet.finish(plain.text)
         print("--- compare")
         print("\n".join(compare_lines(plain.stats, spec.stats)))
