@@ -388,14 +388,14 @@ def _examples(draft_model, corpus_file, cache) -> dict:
         "suffix-tree": (dict(corpus=corpus_file, min_match=3), SuffixDrafter, dict(min_match=3, tree=True)),
         "layer-skip": (dict(layers="0-1", cache=cache), LayerSkipDrafter, dict(layers=[0, 1], cache=cache)),
         "eagle": (
-            dict(head="h.safetensors", cache=cache),
+            dict(head="h.safetensors", cache=cache, quantize="q4_0"),
             EagleDrafter,
-            dict(spec="h.safetensors", cache=cache, alternatives=0, lookup=None),
+            dict(spec="h.safetensors", cache=cache, alternatives=0, lookup=None, quantize="q4_0"),
         ),
         "eagle-tree": (
-            dict(head="h.safetensors", cache=cache),
+            dict(head="h.safetensors", cache=cache, quantize="q8_0"),
             EagleDrafter,
-            dict(spec="h.safetensors", alternatives=1),
+            dict(spec="h.safetensors", alternatives=1, quantize="q8_0"),
         ),
     }
 

@@ -335,7 +335,8 @@ def _drafters(
         dtype = draft_dtype or load_kwargs.get("dtype")  # None: the draft's own precision (load_model)
         source, draft_memory = load_measured(source, greedy, **{**load_kwargs, "dtype": dtype})
         draft_model = source
-    options = options_for(pair.drafter, {"cache": load_kwargs.get("cache"), **({main: source} if main else {})})
+    settings = {"cache": load_kwargs.get("cache"), "quantize": load_kwargs.get("quantize")}  # quantize: a head's
+    options = options_for(pair.drafter, {**settings, **({main: source} if main else {})})
     return functools.partial(drafter_from_options, pair.drafter, **options), draft_model, draft_memory
 
 

@@ -9,11 +9,14 @@ from collections.abc import Callable
 import torch
 
 from specdec.backends.linear import Linear
+from specdec.backends.quant import QuantModel
+from specdec.backends.quant_head import HEAD_QUANTIZE, QuantHead
 from specdec.cache import common_prefix
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.drafters.lookup import PromptLookup
 from specdec.models.load import Model
+from specdec.models.quantize import QUANTIZE
 from specdec.sampling import Sampler
 from specdec.train.head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
 
@@ -37,6 +40,12 @@ class EagleDrafter(Drafter):
     When lookup's match is at least LONG_MATCH tokens long, its draft alone is proposed (a long
     match is usually copied on: extraction, repeated code) and the head is not run.
 
+    quantize: against a target on the quantized backend the head runs on the target's kernels
+    (specdec.backends.quant_head.QuantHead: its matrices quantized at load to this GGUF type,
+    default q8_0; its output rows the target's own blocks; one call a step); against an fp32 or
+    bf16 target it runs in fp32 through torch and quantize is not used. Only the speed and the
+    acceptance depend on it, never the output.
+
     prepare() raises ValueError for a target on the transformers backend, HeadError for a missing
     head or one trained for another target.
     """
@@ -47,11 +56,18 @@ class EagleDrafter(Drafter):
     LONG_MATCH = 6  # lookup match length (tokens) from which lookup's draft is proposed alone
 
     def __init__(
-        self, head: DraftHead | str | os.PathLike | None = None, cache=None, alternatives: int = 0, lookup: bool = False
+        self,
+        head: DraftHead | str | os.PathLike | None = None,
+        cache=None,
+        alternatives: int = 0,
+        lookup: bool = False,
+        quantize: str | None = None,
     ):
         if alternatives < 0:
             raise ValueError(f"alternatives must be >= 0, got {alternatives}")
-        self.spec, self.cache, self.alternatives = head, cache, alternatives
+        if quantize is not None and quantize not in QUANTIZE:
+            raise ValueError(f"quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
+        self.spec, self.cache, self.alternatives, self.quantize = head, cache, alternatives, quantize
         self.lookup = PromptLookup() if lookup else None
         self.head: DraftHead | None = None
         self._target: Model | None = None
@@ -76,11 +92,15 @@ class EagleDrafter(Drafter):
                         f"{target.name}` (it writes {head_file(target.name, self.cache)}), or pass a head file"
                     )
                 head, _ = load_head(path, target.lean().hidden_size)
-            self.head = head.packed(target.device)  # projections reordered for oneDNN on CPU (DraftHead.packed)
-            self.ids = self.head.vocab_ids.cpu()  # (N,) the token id of each of the head's logits
-            weight = target.lean().output_rows(head.vocab_ids.cpu()).to(target.device)
-            self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
-            self.embed_rows = target.lean().embed_rows  # (n,) ids -> (n, d)
+            lean = target.lean()
+            if isinstance(lean, QuantModel):  # the target's kernels, one call a step (QuantHead)
+                self.head, self.quant = head, QuantHead(head.eval(), lean, self.quantize or HEAD_QUANTIZE)
+            else:
+                self.head, self.quant = head.packed(target.device), None  # projections reordered for oneDNN
+                weight = lean.output_rows(head.vocab_ids.cpu()).to(target.device)
+                self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
+            self.ids = head.vocab_ids.cpu()  # (N,) the token id of each of the head's logits
+            self.embed_rows = lean.embed_rows  # (n,) ids -> (n, d)
             self.vocab = target.vocab_size
             self._target = target
         self.hcache = HeadCache(self.head)
@@ -119,15 +139,13 @@ class EagleDrafter(Drafter):
                 return looked  # text the context repeats: its copy is the better guess, all k of it
         # head position t reads (f_t, e(x_{t+1})); it is valid while x_0..x_{t+1} are unchanged
         start = max(0, min(common_prefix(self.seen, context) - 1, n - 2))  # re-run at least the last position
-        feats = self.kv.features[start : n - 1].float()
-        embeds = self.embed_rows(torch.tensor(context[start + 1 : n], device=self.kv.features.device)).float()
-        pred = self.head(feats, embeds, start, self.hcache)[-1:]  # (1, d): the feature at n - 1
+        feats = self.head.fused(self.kv.features[start : n - 1].float())
+        pred, sub = self._step(feats, context[start + 1 : n], start)  # pred (1, d): the feature at n - 1
         self.seen = list(context)
         ids = self.ids
         tokens, probs, confidence, parents, main = [], [], [], [], -1
         for i in range(k):  # a depth per step; a tree reaches k tokens in about k / (1 + alternatives)
-            sub = self.out(pred)[0]  # (N,) logits over the head's vocabulary: the rest have probability 0
-            j, p = sampler.choose(sub)
+            j, p = sampler.choose(sub)  # sub (N,): logits over the head's vocabulary; the rest have probability 0
             token = int(ids[j])
             if tree:  # the main chain's token first (Draft.chain), then its siblings, best first
                 others = [int(ids[a]) for a in sub.topk(self.alternatives + 1).indices.tolist() if a != j]
@@ -145,8 +163,7 @@ class EagleDrafter(Drafter):
                     break
             if len(tokens) >= k:  # also ends the last depth: no head step whose output goes unused
                 break
-            embed = self.embed_rows(torch.tensor([token], device=self.kv.features.device)).float()  # (1, d)
-            pred = self.head(pred, embed, n - 1 + i, self.hcache)
+            pred, sub = self._step(pred, [token], n - 1 + i)
         draft = Draft(
             tokens,
             torch.stack(probs) if probs else None,
@@ -154,3 +171,14 @@ class EagleDrafter(Drafter):
             parents=parents if tree else None,
         )
         return draft.grafted(looked.tokens, k) if tree and self.lookup is not None else draft
+
+    def _step(self, features: torch.Tensor, tokens: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step over positions start..start+T-1: features (T, d), tokens the T tokens after
+        them -> (the predicted feature at the last position (1, d), its logits (N,) over the head's
+        vocabulary)."""
+        ids = torch.tensor(tokens, device=features.device)
+        if self.quant is not None:
+            pred, logits = self.quant.step(features, ids, start, self.hcache)
+            return pred[-1:], logits
+        pred = self.head(features, self.embed_rows(ids).float(), start, self.hcache)[-1:]
+        return pred, self.out(pred)[0]

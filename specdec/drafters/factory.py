@@ -36,8 +36,8 @@ REGISTERED: dict[str, Entry] = {
     "suffix": Entry(SuffixDrafter, ("corpus", "min_match"), main="corpus"),
     "suffix-tree": Entry(partial(SuffixDrafter, tree=True), ("corpus", "min_match"), main="corpus"),
     "layer-skip": Entry(LayerSkipDrafter, ("layers", "cache"), main="layers"),
-    "eagle": Entry(EagleDrafter, ("head", "cache"), main="head"),
-    "eagle-tree": Entry(partial(EagleDrafter, alternatives=1, lookup=True), ("head", "cache"), main="head"),
+    "eagle": Entry(EagleDrafter, ("head", "cache", "quantize"), main="head"),
+    "eagle-tree": Entry(partial(EagleDrafter, alternatives=1, lookup=True), ("head", "cache", "quantize"), main="head"),
 }
 DRAFTERS: dict[str, Callable[..., Drafter]] = {name: entry.make for name, entry in REGISTERED.items()}
 
@@ -48,6 +48,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "head": ("--head", "a draft head file"),
     "corpus": ("--corpus", "a corpus"),
     "cache": ("--cache-dir", "the specdec cache folder"),
+    "quantize": ("--draft-quantize", "the draft head's quantization type"),
     "max_ngram": ("--max-ngram", "the longest n-gram"),
     "min_ngram": ("--min-ngram", "the shortest n-gram"),
     "min_match": ("--min-match", "the shortest match"),
@@ -99,6 +100,7 @@ def drafter_from_options(
     head=None,
     corpus=None,
     cache=None,
+    quantize: str | None = None,
     max_ngram: int | None = None,
     min_ngram: int | None = None,
     min_match: int | None = None,
@@ -115,6 +117,9 @@ def drafter_from_options(
       list of token-id lists or a `specdec train` data.json) or a list of token-id lists.
     - cache (layer-skip, eagle, eagle-tree): the specdec cache folder where the stored
       calibration or head is looked up; default: the usual cache.
+    - quantize (eagle, eagle-tree): the GGUF type the head's matrices run in against a quantized
+      target (specdec.backends.quant_head; default q8_0). A draft model's is a load option
+      (load_model's quantize), not this one.
     - max_ngram, min_ngram (prompt-lookup): the longest and shortest n-gram to match (3, 1).
     - min_match (suffix, suffix-tree): propose nothing below this match length (1).
 
@@ -128,6 +133,7 @@ def drafter_from_options(
         head=head,
         corpus=corpus,
         cache=cache,
+        quantize=quantize,
         max_ngram=max_ngram,
         min_ngram=min_ngram,
         min_match=min_match,

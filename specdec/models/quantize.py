@@ -47,7 +47,6 @@ def quantize_model(hf: torch.nn.Module, qtype: str, name: str) -> GGUFModel:
     arch = hf.config.model_type
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"{name}: --quantize runs llama and qwen2 models, not {arch!r}; run it with --dtype float32")
-    kind = gguf.GGMLQuantizationType[qtype.upper()]
     tensors: dict[str, QTensor] = {}
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     for key, value in state.items():
@@ -57,20 +56,31 @@ def quantize_model(hf: torch.nn.Module, qtype: str, name: str) -> GGUFModel:
         if value.dim() == 1:
             tensors[target] = QTensor(target, "F32", tuple(value.shape), value.float().contiguous())
             continue
-        rows, cols = value.shape
-        if cols % 32:
-            raise ValueError(f"{name}: {key} has rows of {cols}, not a multiple of {qtype}'s block of 32")
-        weights = value.float().cpu().numpy()
-        if kind == gguf.GGMLQuantizationType.Q4_K and cols % 256 == 0:
-            tensors[target] = QTensor(target, "Q4_K", (rows, cols), torch.from_numpy(quantize_q4_k(weights)))
-            continue
-        this = gguf.GGMLQuantizationType.Q4_1 if kind == gguf.GGMLQuantizationType.Q4_K else kind
-        blocks = gguf.quants.quantize(weights, this)  # (rows, row_bytes) uint8
-        tensors[target] = QTensor(target, this.name, (rows, cols), torch.from_numpy(np.ascontiguousarray(blocks)))
+        if value.shape[1] % 32:
+            raise ValueError(f"{name}: {key} has rows of {value.shape[1]}, not a multiple of {qtype}'s block of 32")
+        tensors[target] = quantize_matrix(value, qtype, target)
     if "output.weight" in tensors and hf.config.tie_word_embeddings:
         del tensors["output.weight"]  # tied: the embedding's blocks serve as the output layer
     size = sum(t.data.numel() * t.data.element_size() for t in tensors.values())
     return GGUFModel(Path(name), arch, tensors, size)
+
+
+def quantize_matrix(weight: torch.Tensor, qtype: str, name: str) -> QTensor:
+    """A matrix (rows, cols) quantized to `qtype` (one of QUANTIZE; q4_k takes Q4_1 where cols is
+    not a multiple of 256) as a QTensor named `name`. Raises ValueError for another qtype or cols
+    not a multiple of the block size (32)."""
+    if qtype not in QUANTIZE:
+        raise ValueError(f"{qtype!r} is not a quantization type: choose one of {', '.join(QUANTIZE)}")
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"{name} has rows of {cols}, not a multiple of {qtype}'s block of 32")
+    kind = gguf.GGMLQuantizationType[qtype.upper()]
+    weights = weight.detach().float().cpu().numpy()
+    if kind == gguf.GGMLQuantizationType.Q4_K and cols % 256 == 0:
+        return QTensor(name, "Q4_K", (rows, cols), torch.from_numpy(quantize_q4_k(weights)))
+    this = gguf.GGMLQuantizationType.Q4_1 if kind == gguf.GGMLQuantizationType.Q4_K else kind
+    blocks = gguf.quants.quantize(weights, this)  # (rows, row_bytes) uint8
+    return QTensor(name, this.name, (rows, cols), torch.from_numpy(np.ascontiguousarray(blocks)))
 
 
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "quant/head.h"
 #include "quant/layers.h"
 #include "quant/peak.h"
 
@@ -82,4 +83,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("starts"), py::arg("counts"),
         py::arg("rope"), py::arg("masks"), py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"),
         py::arg("features"));
+  py::class_<Head, std::shared_ptr<Head>>(m, "Head", "an EAGLE draft head's weights: fc, one decoder layer, output rows")
+      .def(py::init([](std::vector<torch::Tensor> fc, std::vector<int64_t> fc_types, std::shared_ptr<Layer> layer,
+                       std::vector<torch::Tensor> out, std::vector<int64_t> out_types, torch::Tensor embed,
+                       int64_t embed_type) {
+             return std::make_shared<Head>(Head{fc, out, fc_types, out_types, layer, embed, embed_type});
+           }),
+           py::arg("fc"), py::arg("fc_types"), py::arg("layer"), py::arg("out"), py::arg("out_types"), py::arg("embed"),
+           py::arg("embed_type"));
+  m.def("head_step", &head_step, "one step of an EAGLE draft head: {predicted features (T, d), logits (1, N)}",
+        py::call_guard<py::gil_scoped_release>(), py::arg("head"), py::arg("features"), py::arg("ids"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("inv_freq"), py::arg("H"), py::arg("eps"),
+        py::arg("int8"));
 }

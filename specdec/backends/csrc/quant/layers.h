@@ -9,6 +9,7 @@ namespace {
 
 // whole stack in one call without converting its tensors again. Each projection is a list of parts
 // with their GGML types (q, k, v rows stacked, with their bias or None; gate rows then up rows).
+// An empty norm_in: the layer attends over its input unnormalised (an EAGLE-1 draft head's layer).
 struct Layer {
   torch::Tensor norm_in, norm_post;
   std::vector<torch::Tensor> qkv, o, gate_up, down;
@@ -33,7 +34,8 @@ void decoder_layer(torch::Tensor& h, const Layer& w, const std::vector<Segment>&
                    const std::vector<torch::Tensor*>& keys, const std::vector<torch::Tensor*>& values,
                    const torch::Tensor& rope, int64_t H, double eps, bool int8) {
   const int64_t rows = h.size(0);
-  auto t = matmul(rms_norm(h, w.norm_in, eps), w.qkv, w.qkv_types, w.qkv_bias, int8);  // (rows, (H + 2 KVH) D)
+  const torch::Tensor normed = w.norm_in.numel() ? rms_norm(h, w.norm_in, eps) : h;
+  auto t = matmul(normed, w.qkv, w.qkv_types, w.qkv_bias, int8);  // (rows, (H + 2 KVH) D)
   const int64_t KVH = keys[0]->size(0), D = keys[0]->size(2), stride = t.size(1);
   TORCH_CHECK(H % KVH == 0 && stride == (H + 2 * KVH) * D, "quant.layers: qkv rows do not match the heads");
   float* tp = t.data_ptr<float>();
