@@ -117,6 +117,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--category", help="with --workload: only rows of this category")
     g.add_argument("--row", type=int, default=0, help="with --workload: which (filtered) row, from 0")
     _loading_options(g)
+    _draft_vocab_option(g)
     _recalibrate_option(g)
 
 
@@ -178,6 +179,7 @@ def _add_bench(sub) -> None:
     )
     b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     _loading_options(b)
+    _draft_vocab_option(b)
     _recalibrate_option(b)
 
 
@@ -501,6 +503,17 @@ def _grammar_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--grammar", dest="grammar", type=_lark, metavar="FILE", help="output text of the Lark grammar in FILE"
+    )
+
+
+def _draft_vocab_option(p: argparse.ArgumentParser) -> None:
+    """--draft-vocab N (model and eagle drafters; generate and bench)."""
+    p.add_argument(
+        "--draft-vocab",
+        type=_at_least(1),
+        metavar="N",
+        help="draft over only the N most frequent tokens (ranked on ShareGPT's answers): a quantized draft "
+        "model's output layer, or a head's vocabulary, cut to those rows; a cheaper draft step, the same output",
     )
 
 

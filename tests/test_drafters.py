@@ -24,6 +24,7 @@ from specdec.drafters.factory import (
 )
 from specdec.drafters.layerskip import LayerSkipDrafter
 from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter, load_corpus
+from specdec.models.load import load_model
 from specdec.models.skip import parse_layers, skip_view
 from specdec.sampling import Sampler, SamplingParams
 from specdec.train.calibrate import (
@@ -379,31 +380,33 @@ def test_cli_suffix_layer_skip_and_calibrate(model_dir, tmp_path, capsys):
 
 
 # Every registered drafter with a value for each option it takes, and what it then is.
-def _examples(draft_model, corpus_file, cache) -> dict:
+def _examples(draft_model, corpus_file, cache, quantized_draft) -> dict:
     return {
         "prompt-lookup": (dict(max_ngram=4, min_ngram=2), PromptLookup, dict(max_ngram=4, min_ngram=2)),
-        "model": (dict(draft=draft_model), ModelDrafter, dict(draft=draft_model)),
+        "model": (dict(draft=quantized_draft, vocab=8), ModelDrafter, dict(checked=None)),
         "random": ({}, RandomDrafter, {}),
         "suffix": (dict(corpus=[[5, 6, 7]], min_match=2), SuffixDrafter, dict(min_match=2, tree=False)),
         "suffix-tree": (dict(corpus=corpus_file, min_match=3), SuffixDrafter, dict(min_match=3, tree=True)),
         "layer-skip": (dict(layers="0-1", cache=cache), LayerSkipDrafter, dict(layers=[0, 1], cache=cache)),
         "eagle": (
-            dict(head="h.safetensors", cache=cache, quantize="q4_0"),
+            dict(head="h.safetensors", cache=cache, quantize="q4_0", vocab=512),
             EagleDrafter,
-            dict(spec="h.safetensors", cache=cache, alternatives=0, lookup=None, quantize="q4_0"),
+            dict(spec="h.safetensors", cache=cache, alternatives=0, lookup=None, quantize="q4_0", vocab=512),
         ),
         "eagle-tree": (
-            dict(head="h.safetensors", cache=cache, quantize="q8_0"),
+            dict(head="h.safetensors", cache=cache, quantize="q8_0", vocab=None),
             EagleDrafter,
-            dict(spec="h.safetensors", alternatives=1, quantize="q8_0"),
+            dict(spec="h.safetensors", alternatives=1, quantize="q8_0", vocab=None),
         ),
     }
 
 
-def test_every_drafter_builds_from_its_options(draft_model, tmp_path):
+def test_every_drafter_builds_from_its_options(draft_model, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # the vocabulary's ranking is cached there
     corpus_file = tmp_path / "corpus.json"
     corpus_file.write_text(json.dumps([[5, 6, 7], [8, 9]]))
-    examples = _examples(draft_model, str(corpus_file), tmp_path)
+    quantized = load_model(str(model_dir), quantize="q8_0")
+    examples = _examples(draft_model, str(corpus_file), tmp_path, quantized)
     assert set(examples) == set(DRAFTERS) == set(REGISTERED)  # a new drafter needs a row here
     for name, (options, kind, expect) in examples.items():
         assert set(options) == set(REGISTERED[name].options), name  # every option it takes is exercised
@@ -418,6 +421,7 @@ def test_every_drafter_builds_from_its_options(draft_model, tmp_path):
         assert set(entry.required) <= set(entry.options), name
     assert len(drafter_from_options("suffix", corpus=corpus_file).corpus) > 0  # a path: load_corpus
     assert drafter_from_options("eagle-tree").lookup is not None
+    assert drafter_from_options("model", draft=quantized, vocab=8).draft.lean().lm_head.out_features == 8
 
 
 def test_wrong_or_missing_options_are_one_clear_error(draft_model):

@@ -88,6 +88,26 @@ class QuantLinear:
         return self.matmul(x, self.data, self.types, self.bias, self.int8)
 
 
+class OutputRows:
+    """The rows `ids` (n,) of an output layer (a QuantLinear), as an output layer of width V:
+    x (m, d) -> (m, V) logits, -inf outside ids. Reads n rows' blocks instead of V."""
+
+    def __init__(self, full: QuantLinear, ids: torch.Tensor, V: int):
+        from specdec.backends.qkernel import TYPES
+        from specdec.models.gguf import QTensor
+
+        names = {v: k for k, v in TYPES.items()}
+        self.ids, self.V = ids.long().cpu(), V
+        rows = full.raw[0].index_select(0, self.ids)
+        self.rows = QuantLinear([QTensor("output", names[full.raw_types[0]], (len(self.ids), full.in_features), rows)],
+                                int8=full.int8)  # fmt: skip
+        self.raw, self.raw_types = full.raw, full.raw_types  # dequantize_rows reads the whole layer's
+        self.in_features, self.out_features, self.nbytes = full.in_features, len(self.ids), self.rows.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_full((x.shape[0], self.V), float("-inf")).index_copy_(1, self.ids, self.rows(x))
+
+
 class _Layer:
     def __init__(self, t: dict, i: int, fallback: set[str], int8: bool, mapped):
         def get(name):
@@ -219,6 +239,14 @@ class QuantModel:
         every weight with this one."""
         view = copy.copy(self)
         view.layers = [self.layers[i] for i in kept]
+        return view
+
+    def with_output_rows(self, ids: torch.Tensor) -> QuantModel:
+        """The same model with an output layer of only the rows `ids` (n,) (a draft's vocabulary,
+        specdec.models.vocab): logits keep their width V, -inf outside ids; those rows' blocks are
+        copied, every other weight is shared."""
+        view = copy.copy(self)
+        view.lm_head = OutputRows(self.lm_head, ids, self.vocab_size)
         return view
 
     def forward(

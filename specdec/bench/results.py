@@ -303,7 +303,8 @@ class PairRecord(_Record):
     draft: str | None  # the pair's third part: a draft model, corpus, layers or head file
     workload: str
     precision: str  # the target's (Model.precision): "float32", "bfloat16", "gguf Q4_1+Q8_0"
-    draft_precision: str | None  # a draft model's
+    draft_precision: str | None  # a draft model's, or an EAGLE head's ("gguf Q8_0 head", "float32 head")
+    draft_vocab: int | None = None  # --draft-vocab: the tokens the drafter may propose (None: all, or a head's own)
     backend: Literal["lean", "hf"]  # how the forwards ran (v1 files without it: "hf")
     device: str  # "cpu", "cuda:0"
     kernel: str | None  # what ran the target's products (run.kernel); None: transformers', bf16, a GPU

@@ -251,6 +251,7 @@ def bench_pair(
     bandwidth_gbs: float | None = None,
     draft_dtype: torch.dtype | None = None,
     draft_quantize: str | None = None,
+    draft_vocab: int | None = None,
     repeats: int = 1,
     replay: bool = True,
     interleave: bool = True,
@@ -264,7 +265,8 @@ def bench_pair(
     (_run_configs), checked against plain decoding (_prompt_record), then the peers (_peer_run); the
     per-round overhead; the replay (_replay); the fit (_pair_record).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model, draft_quantize
-    their quantize (a GGUF type the draft is requantized to at load; None: its own precision);
+    their quantize (a GGUF type the draft is requantized to at load; None: its own precision; a
+    head's type); draft_vocab: the drafter's vocabulary size (specdec.models.vocab; None: its own);
     bandwidth_gbs (measured memory bandwidth, GB/s) adds the roofline of the target's forward.
     replay: when greedy, the drafter allows it (specdec.bench.replay) and no prompt has a grammar,
     replay every config on each prompt's plain output under the measured costs: speeds without the
@@ -276,7 +278,7 @@ def bench_pair(
     target, memory = load_measured(pair.target, greedy=greedy, **load_kwargs)
     encoded = [encode_prompt(target, p) for p in prompts]
     draft_kwargs = {**load_kwargs, "quantize": draft_quantize}
-    new_drafter, draft_model, draft_memory = _drafters(pair, greedy, draft_dtype, draft_kwargs)
+    new_drafter, draft_model, draft_memory = _drafters(pair, greedy, draft_dtype, draft_kwargs, draft_vocab)
     drafter = new_drafter()
     run = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0)
     # The costs are measured for every fixed k, and for k = "auto" over the lengths it chooses from.
@@ -317,11 +319,15 @@ def bench_pair(
     if replay and greedy and replayable(drafter) and not grammars:
         desc = f"replay {pair.target} / {pair.drafter}"
         _replay(target, drafter, records, encoded, outputs, ks, costs, desc, progress)
-    return _pair_record(pair, workload, ks, target, draft_model, memory, draft_memory, costs, records, peer_rows)
+    precision = draft_model.precision if draft_model else getattr(drafter, "precision", None)
+    record = _pair_record(
+        pair, workload, ks, target, precision, draft_model, memory, draft_memory, costs, records, peer_rows
+    )
+    return record.model_copy(update={"draft_vocab": draft_vocab})
 
 
 def _drafters(
-    pair: Pair, greedy: bool, draft_dtype: torch.dtype | None, load_kwargs: dict
+    pair: Pair, greedy: bool, draft_dtype: torch.dtype | None, load_kwargs: dict, vocab: int | None = None
 ) -> tuple[Callable[[], Drafter], Model | None, dict | None]:
     """A maker of the pair's drafters (one per config when interleaved: drafters keep per-generation
     state), and its draft model with its load's resident memory (None, None without one). The pair's
@@ -335,7 +341,7 @@ def _drafters(
         dtype = draft_dtype or load_kwargs.get("dtype")  # None: the draft's own precision (load_model)
         source, draft_memory = load_measured(source, greedy, **{**load_kwargs, "dtype": dtype})
         draft_model = source
-    settings = {"cache": load_kwargs.get("cache"), "quantize": load_kwargs.get("quantize")}  # quantize: a head's
+    settings = {"cache": load_kwargs.get("cache"), "quantize": load_kwargs.get("quantize"), "vocab": vocab}
     options = options_for(pair.drafter, {**settings, **({main: source} if main else {})})
     return functools.partial(drafter_from_options, pair.drafter, **options), draft_model, draft_memory
 
@@ -529,6 +535,7 @@ def _pair_record(
     workload: str,
     ks: list,
     target: Model,
+    draft_precision: str | None,
     draft_model: Model | None,
     memory: dict,
     draft_memory: dict | None,
@@ -544,7 +551,7 @@ def _pair_record(
         "draft": pair.draft,
         "workload": workload,
         "precision": target.precision,
-        "draft_precision": draft_model.precision if draft_model else None,
+        "draft_precision": draft_precision,
         "backend": target.backend,
         "device": str(target.device),
         "kernel": kernel(target),

@@ -61,6 +61,7 @@ def run(args) -> int:
         interleave=args.interleave,
         draft_dtype=DTYPES[args.draft_dtype or args.dtype],
         draft_quantize=args.draft_quantize,
+        draft_vocab=args.draft_vocab,
         **load_kwargs(args),
     )
     path = results.save(res, args.out / "results.json")

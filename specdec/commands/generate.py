@@ -133,6 +133,7 @@ def _drafter_options(args) -> dict:
         corpus=args.corpus,
         cache=args.cache_dir,
         quantize=args.draft_quantize if args.drafter != "model" else None,  # a draft model's: at its load
+        vocab=args.draft_vocab,
         max_ngram=args.max_ngram,
         min_ngram=args.min_ngram,
         min_match=args.min_match,

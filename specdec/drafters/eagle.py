@@ -3,6 +3,7 @@ the head is specdec.train.head.DraftHead, trained by `specdec train`."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from specdec.drafters.draft import Draft
 from specdec.drafters.lookup import PromptLookup
 from specdec.models.load import Model
 from specdec.models.quantize import QUANTIZE
+from specdec.models.vocab import draft_vocab
 from specdec.sampling import Sampler
 from specdec.train.head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
 
@@ -46,6 +48,9 @@ class EagleDrafter(Drafter):
     bf16 target it runs in fp32 through torch and quantize is not used. Only the speed and the
     acceptance depend on it, never the output.
 
+    vocab: draft over the `vocab` most frequent tokens (specdec.models.vocab) instead of the
+    vocabulary the head was trained with (its file's vocab_ids).
+
     prepare() raises ValueError for a target on the transformers backend, HeadError for a missing
     head or one trained for another target.
     """
@@ -62,12 +67,14 @@ class EagleDrafter(Drafter):
         alternatives: int = 0,
         lookup: bool = False,
         quantize: str | None = None,
+        vocab: int | None = None,
     ):
         if alternatives < 0:
             raise ValueError(f"alternatives must be >= 0, got {alternatives}")
         if quantize is not None and quantize not in QUANTIZE:
             raise ValueError(f"quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
         self.spec, self.cache, self.alternatives, self.quantize = head, cache, alternatives, quantize
+        self.vocab = vocab
         self.lookup = PromptLookup() if lookup else None
         self.head: DraftHead | None = None
         self._target: Model | None = None
@@ -92,6 +99,9 @@ class EagleDrafter(Drafter):
                         f"{target.name}` (it writes {head_file(target.name, self.cache)}), or pass a head file"
                     )
                 head, _ = load_head(path, target.lean().hidden_size)
+            if self.vocab is not None:  # the head drafts over the vocab most frequent tokens instead of its own
+                head = copy.deepcopy(head)
+                head.vocab_ids = draft_vocab(target, self.vocab, self.cache)
             lean = target.lean()
             if isinstance(lean, QuantModel):  # the target's kernels, one call a step (QuantHead)
                 self.head, self.quant = head, QuantHead(head.eval(), lean, self.quantize or HEAD_QUANTIZE)
@@ -105,6 +115,13 @@ class EagleDrafter(Drafter):
             self._target = target
         self.hcache = HeadCache(self.head)
         self.seen = []
+
+    @property
+    def precision(self) -> str | None:
+        """What the head's matrices run in once prepared ("gguf Q8_0 head", "float32 head"), else None."""
+        if self.head is None:
+            return None
+        return f"gguf {self.quant.qtype.upper()} head" if self.quant is not None else "float32 head"
 
     def attach(self, kv) -> None:
         """The target's KV cache of this generation (its `features` are read at each proposal); asks

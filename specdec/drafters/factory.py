@@ -31,13 +31,15 @@ class Entry:
 
 REGISTERED: dict[str, Entry] = {
     "prompt-lookup": Entry(PromptLookup, ("max_ngram", "min_ngram")),
-    "model": Entry(ModelDrafter, ("draft",), required=("draft",), main="draft"),
+    "model": Entry(ModelDrafter, ("draft", "vocab"), required=("draft",), main="draft"),
     "random": Entry(RandomDrafter),
     "suffix": Entry(SuffixDrafter, ("corpus", "min_match"), main="corpus"),
     "suffix-tree": Entry(partial(SuffixDrafter, tree=True), ("corpus", "min_match"), main="corpus"),
     "layer-skip": Entry(LayerSkipDrafter, ("layers", "cache"), main="layers"),
-    "eagle": Entry(EagleDrafter, ("head", "cache", "quantize"), main="head"),
-    "eagle-tree": Entry(partial(EagleDrafter, alternatives=1, lookup=True), ("head", "cache", "quantize"), main="head"),
+    "eagle": Entry(EagleDrafter, ("head", "cache", "quantize", "vocab"), main="head"),
+    "eagle-tree": Entry(
+        partial(EagleDrafter, alternatives=1, lookup=True), ("head", "cache", "quantize", "vocab"), main="head"
+    ),
 }
 DRAFTERS: dict[str, Callable[..., Drafter]] = {name: entry.make for name, entry in REGISTERED.items()}
 
@@ -49,6 +51,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "corpus": ("--corpus", "a corpus"),
     "cache": ("--cache-dir", "the specdec cache folder"),
     "quantize": ("--draft-quantize", "the draft head's quantization type"),
+    "vocab": ("--draft-vocab", "the draft's vocabulary size"),
     "max_ngram": ("--max-ngram", "the longest n-gram"),
     "min_ngram": ("--min-ngram", "the shortest n-gram"),
     "min_match": ("--min-match", "the shortest match"),
@@ -101,6 +104,7 @@ def drafter_from_options(
     corpus=None,
     cache=None,
     quantize: str | None = None,
+    vocab: int | None = None,
     max_ngram: int | None = None,
     min_ngram: int | None = None,
     min_match: int | None = None,
@@ -120,6 +124,8 @@ def drafter_from_options(
     - quantize (eagle, eagle-tree): the GGUF type the head's matrices run in against a quantized
       target (specdec.backends.quant_head; default q8_0). A draft model's is a load option
       (load_model's quantize), not this one.
+    - vocab (model, eagle, eagle-tree): draft over only the `vocab` most frequent tokens
+      (specdec.models.vocab); default: a draft model's whole vocabulary, a head's own.
     - max_ngram, min_ngram (prompt-lookup): the longest and shortest n-gram to match (3, 1).
     - min_match (suffix, suffix-tree): propose nothing below this match length (1).
 
@@ -134,6 +140,7 @@ def drafter_from_options(
         corpus=corpus,
         cache=cache,
         quantize=quantize,
+        vocab=vocab,
         max_ngram=max_ngram,
         min_ngram=min_ngram,
         min_match=min_match,

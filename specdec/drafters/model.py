@@ -11,6 +11,7 @@ from specdec.cache import new_cache
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.models.load import Model, check_same_tokenizer, load_model
+from specdec.models.vocab import draft_vocab, vocab_view
 from specdec.sampling import Sampler
 
 
@@ -21,12 +22,18 @@ class ModelDrafter(Drafter):
     rolled back to the longest prefix it shares with the committed context, so it always holds
     committed tokens only. prepare() raises TokenizerMismatchError when the draft's tokenizer
     differs from the target's.
+
+    vocab: draft over only the `vocab` most frequent tokens (specdec.models.vocab: a quantized
+    draft's output layer cut to those rows; a cheaper step, never another output). Raises
+    ValueError for a draft not on the quantized backend or a size outside 1..its vocabulary.
     """
 
     incremental = True
 
-    def __init__(self, draft: Model | str, **load_kwargs):
+    def __init__(self, draft: Model | str, vocab: int | None = None, **load_kwargs):
         self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
+        if vocab is not None:  # its output layer cut to the vocab most frequent tokens (specdec.models.vocab)
+            self.draft = vocab_view(self.draft, draft_vocab(self.draft, vocab, load_kwargs.get("cache")))
         self.kv = new_cache(self.draft)
         self.checked: Model | None = None  # the target whose tokenizer was last checked
 
