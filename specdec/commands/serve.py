@@ -41,6 +41,7 @@ def run(args) -> int:
         max_ngram=args.max_ngram,
         min_ngram=args.min_ngram,
         cache=args.cache_dir,
+        head_quantize=args.draft_quantize,  # a draft model's was applied at its load; this is the heads'
         api_key=args.api_key,
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,

@@ -789,12 +789,14 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
 
-def _registry_drafters(draft: Model | None, max_ngram: int, min_ngram: int, cache=None) -> dict[str, Drafter]:
+def _registry_drafters(
+    draft: Model | None, max_ngram: int, min_ngram: int, cache=None, head_quantize: str | None = None
+) -> dict[str, Drafter]:
     """One instance of every registered drafter whose required options the server has (all but the
     model drafter, which comes only with `draft`), each built with the server's settings it takes
-    (prompt lookup's n-gram sizes; the draft model) and its defaults otherwise.
+    (prompt lookup's n-gram sizes; the draft model; the heads' quantization) and its defaults otherwise.
     Each sequence of the batch runs a fork of one of these (Drafter.fork)."""
-    settings = dict(draft=draft, max_ngram=max_ngram, min_ngram=min_ngram, cache=cache)
+    settings = dict(draft=draft, max_ngram=max_ngram, min_ngram=min_ngram, cache=cache, quantize=head_quantize)
     out: dict[str, Drafter] = {}
     for name, entry in REGISTERED.items():
         options = options_for(name, settings)
@@ -818,6 +820,7 @@ def create_app(
     max_ngram: int = 3,
     min_ngram: int = 1,
     cache=None,
+    head_quantize: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = 4 * 2**20,
 ) -> FastAPI:
@@ -835,15 +838,16 @@ def create_app(
     holds gets a 400). api_key: when given, every /v1/ request must send `Authorization: Bearer
     <api_key>` (else 401), as vLLM's and llama.cpp's servers do. max_body_bytes: larger request
     bodies get a 413. cache: the specdec cache folder (layer-skip
-    calibrations, draft heads, the verify-cost curve; default: the usual one). The app starts its worker thread on
-    startup (its lifespan) and cancels what is left on shutdown.
+    calibrations, draft heads, the verify-cost curve; default: the usual one). head_quantize: the
+    GGUF type the eagle drafters' heads run in against a quantized target (default q8_0). The app
+    starts its worker thread on startup (its lifespan) and cancels what is left on shutdown.
 
     Raises ValueError on a bad default (unknown drafter, negative k, max_queue < 1, ...), and
     TokenizerMismatchError when `draft` does not share the target's tokenizer.
     """
     if draft is not None:
         check_same_tokenizer(target, draft)  # at start, rather than as every request's error
-    available = _registry_drafters(draft, max_ngram, min_ngram, cache)
+    available = _registry_drafters(draft, max_ngram, min_ngram, cache, head_quantize)
     available.update(drafters or {})
     drafter = drafter or "none"
     if drafter != "none" and drafter not in available:
