@@ -384,6 +384,7 @@ def _examples(draft_model, corpus_file, cache, quantized_draft) -> dict:
     return {
         "prompt-lookup": (dict(max_ngram=4, min_ngram=2), PromptLookup, dict(max_ngram=4, min_ngram=2)),
         "model": (dict(draft=quantized_draft, vocab=8), ModelDrafter, dict(checked=None)),
+        "model-lookup": (dict(draft=draft_model, vocab=None), ModelDrafter, dict(draft=draft_model)),
         "random": ({}, RandomDrafter, {}),
         "suffix": (dict(corpus=[[5, 6, 7]], min_match=2), SuffixDrafter, dict(min_match=2, tree=False)),
         "suffix-tree": (dict(corpus=corpus_file, min_match=3), SuffixDrafter, dict(min_match=3, tree=True)),
@@ -470,8 +471,26 @@ def test_serve_offers_every_drafter_it_has_options_for(draft_model):
     from specdec.serve.app import _registry_drafters
 
     plain = _registry_drafters(None, max_ngram=5, min_ngram=2)
-    assert set(plain) == set(DRAFTERS) - {"model"}  # the model drafter only with a draft model
+    assert set(plain) == set(DRAFTERS) - {"model", "model-lookup"}  # the model drafters only with a draft model
     assert (plain["prompt-lookup"].max_ngram, plain["prompt-lookup"].min_ngram) == (5, 2)
     assert type(plain["eagle-tree"]) is EagleDrafter and plain["suffix-tree"].tree
     with_draft = _registry_drafters(draft_model, max_ngram=3, min_ngram=1)
     assert set(with_draft) == set(DRAFTERS) and with_draft["model"].draft is draft_model
+
+
+def test_a_model_draft_with_lookup_proposes_a_long_match_for_free_and_stays_exact(target, draft_model):
+    drafter = ModelDrafter(draft_model, lookup=True)
+    drafter.prepare(target)
+    repeated = [5, 9, 13, 17, 21, 25, 29, 33]
+    context = [3, 4] + repeated + [7, 8] + repeated[:6]  # the last 6 tokens occurred before
+    calls = []
+    original = drafter.kv.extend
+    drafter.kv.extend = lambda *a, **kw: calls.append(a) or original(*a, **kw)
+    draft = drafter.propose(context, 4, GREEDY)
+    assert draft.tokens == [29, 33, 7, 8] and draft.match_length >= 6
+    assert calls == []  # the draft model did not run
+    assert drafter.long_match(context) == draft.match_length
+    assert drafter.long_match(context[:-3]) is None  # a 3-token match: the model drafts
+    ids = prompt_ids(12) * 2
+    plain = generate(target, ids, None, k=0, max_new_tokens=24)
+    assert generate(target, ids, ModelDrafter(draft_model, lookup=True), k=4, max_new_tokens=24).tokens == plain.tokens

@@ -15,7 +15,7 @@ from specdec.backends.quant_head import HEAD_QUANTIZE, QuantHead
 from specdec.cache import common_prefix
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
-from specdec.drafters.lookup import PromptLookup
+from specdec.drafters.lookup import LONG_MATCH, PromptLookup, long_lookup
 from specdec.models.load import Model
 from specdec.models.quantize import QUANTIZE
 from specdec.models.vocab import draft_vocab
@@ -58,7 +58,7 @@ class EagleDrafter(Drafter):
     incremental = True
     reads_target_cache = True
 
-    LONG_MATCH = 6  # lookup match length (tokens) from which lookup's draft is proposed alone
+    LONG_MATCH = LONG_MATCH  # lookup match length (tokens) from which lookup's draft is proposed alone
 
     def __init__(
         self,
@@ -134,10 +134,8 @@ class EagleDrafter(Drafter):
         """The length of lookup's match when propose() would propose it alone (at least
         LONG_MATCH tokens; greedy decoding), else None. Free (no model runs): k="auto" reads it
         before deciding to draft at all (AdaptiveK.plan)."""
-        if self.lookup is None:
-            return None
-        length = self.lookup.propose(context, 1, None).match_length or 0
-        return length if length >= self.LONG_MATCH else None
+        looked = long_lookup(self.lookup, context, 1)
+        return looked.match_length if looked is not None else None
 
     @torch.inference_mode()
     def propose(
@@ -152,7 +150,7 @@ class EagleDrafter(Drafter):
         tree = (self.alternatives > 0 or self.lookup is not None) and sampler.params.greedy
         if tree and self.lookup is not None:
             looked = self.lookup.propose(context, k, sampler)
-            if looked.tokens and (looked.match_length or 0) >= self.LONG_MATCH:
+            if looked.tokens and (looked.match_length or 0) >= LONG_MATCH:
                 return looked  # text the context repeats: its copy is the better guess, all k of it
         # head position t reads (f_t, e(x_{t+1})); it is valid while x_0..x_{t+1} are unchanged
         start = max(0, min(common_prefix(self.seen, context) - 1, n - 2))  # re-run at least the last position

@@ -32,6 +32,7 @@ class Entry:
 REGISTERED: dict[str, Entry] = {
     "prompt-lookup": Entry(PromptLookup, ("max_ngram", "min_ngram")),
     "model": Entry(ModelDrafter, ("draft", "vocab"), required=("draft",), main="draft"),
+    "model-lookup": Entry(partial(ModelDrafter, lookup=True), ("draft", "vocab"), required=("draft",), main="draft"),
     "random": Entry(RandomDrafter),
     "suffix": Entry(SuffixDrafter, ("corpus", "min_match"), main="corpus"),
     "suffix-tree": Entry(partial(SuffixDrafter, tree=True), ("corpus", "min_match"), main="corpus"),

@@ -10,6 +10,9 @@ from specdec.models.load import Model
 from specdec.sampling import Sampler
 
 MAX_MATCH = 32  # how far back a match's length is measured
+# A match at least this long (tokens) is usually copied on (extraction, repeated code): a model or
+# head drafter with lookup then proposes lookup's draft alone, for free.
+LONG_MATCH = 6
 
 
 def continuation(context: list[int], at: int, k: int) -> list[int]:
@@ -57,3 +60,12 @@ class PromptLookup(Drafter):
                         length += 1
                     return Draft(continuation(context, start + n, k), match_length=length)
         return Draft([])
+
+
+def long_lookup(lookup: PromptLookup | None, context: list[int], k: int) -> Draft | None:
+    """Prompt lookup's draft of up to k tokens when its match is at least LONG_MATCH tokens long,
+    else None (also without a lookup). Free: no model runs."""
+    if lookup is None:
+        return None
+    looked = lookup.propose(context, k, None)
+    return looked if looked.tokens and (looked.match_length or 0) >= LONG_MATCH else None

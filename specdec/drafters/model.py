@@ -10,6 +10,7 @@ import torch
 from specdec.cache import new_cache
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
+from specdec.drafters.lookup import PromptLookup, long_lookup
 from specdec.models.load import Model, check_same_tokenizer, load_model
 from specdec.models.vocab import draft_vocab, vocab_view
 from specdec.sampling import Sampler
@@ -26,12 +27,17 @@ class ModelDrafter(Drafter):
     vocab: draft over only the `vocab` most frequent tokens (specdec.models.vocab: a quantized
     draft's output layer cut to those rows; a cheaper step, never another output). Raises
     ValueError for a draft not on the quantized backend or a size outside 1..its vocabulary.
+
+    lookup (greedy only): when prompt lookup's match is at least LONG_MATCH tokens long (text the
+    context repeats), propose lookup's draft instead, for free (as eagle-tree does); the draft
+    model catches up on those tokens at its next proposal.
     """
 
     incremental = True
 
-    def __init__(self, draft: Model | str, vocab: int | None = None, **load_kwargs):
+    def __init__(self, draft: Model | str, vocab: int | None = None, lookup: bool = False, **load_kwargs):
         self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
+        self.lookup = PromptLookup() if lookup else None
         if vocab is not None:  # its output layer cut to the vocab most frequent tokens (specdec.models.vocab)
             self.draft = vocab_view(self.draft, draft_vocab(self.draft, vocab, load_kwargs.get("cache")))
         self.kv = new_cache(self.draft)
@@ -43,6 +49,11 @@ class ModelDrafter(Drafter):
             self.checked = target
         self.kv = new_cache(self.draft)
 
+    def long_match(self, context: list[int]) -> int | None:
+        """Lookup's match length when propose() would propose lookup's draft (greedy), else None."""
+        looked = long_lookup(self.lookup, context, 1)
+        return looked.match_length if looked is not None else None
+
     def propose(
         self, context: list[int], k: int, sampler: Sampler, keep_going: Callable[[int, float], bool] | None = None
     ) -> Draft:
@@ -52,6 +63,9 @@ class ModelDrafter(Drafter):
         k = min(k, self.draft.n_ctx - len(context) + 1)  # positions left in the draft's context
         if k <= 0:
             return Draft([])
+        looked = long_lookup(self.lookup, context, k) if sampler.params.greedy else None
+        if looked is not None:
+            return looked
         todo = self.kv.sync(context)
         self.kv.argmax_only = sampler.params.greedy  # confidences then come from screened logits: close enough
         if max(todo) >= self.draft.vocab_size:  # the target emitted an id the draft cannot embed
