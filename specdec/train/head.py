@@ -6,7 +6,8 @@ the embedding of the token that follows it, reusing the target's embedding and o
 Shapes, for a target with hidden size d: at position t the head reads f_t (the target's feature
 after token t) and e(x_{t+1}) (the embedding of the next token), concatenated (2d) and projected
 to d by `fc`, then one Llama decoder layer (RoPE attention over the earlier positions of the head's
-own KV cache, SwiGLU MLP) that, as EAGLE-1's does, attends over fc's output without normalising it
+own KV cache, SwiGLU MLP; q, k and v with biases for a target whose attention has them, as
+Qwen2's does: config qkv_bias) that, as EAGLE-1's does, attends over fc's output without normalising it
 first (config input_norm; specdec.train.export writes such heads for vLLM and SGLang); its output
 is f^_{t+1}. Drafting applies the target's output layer to f^_{t+1}, restricted to `vocab_ids`
 (the N most useful tokens, as FR-Spec and EAGLE-3 do, so a draft step reads N rows of the output
@@ -48,8 +49,10 @@ class DraftHead(nn.Module):
     the model it was trained on), taps (decoder layers whose outputs the first step also reads;
     absent or [] for none), input_norm (whether the layer RMS-normalises fc's output before
     attention; EAGLE-1 and vLLM's EagleLlamaForCausalLM do not, so heads made by `for_target` do not;
-    absent means true, as in heads made before it existed). vocab_ids: (N,) long, the token ids it
-    can draft.
+    absent means true, as in heads made before it existed), qkv_bias (whether q, k and v have biases,
+    as Qwen2's attention does: `qkv.bias`, ((heads + 2 kv_heads) head_dim,), q's then k's then v's,
+    added after the product; absent means false, as in heads made before it existed). vocab_ids:
+    (N,) long, the token ids it can draft.
     """
 
     def __init__(self, config: dict, vocab_ids: torch.Tensor):
@@ -62,7 +65,7 @@ class DraftHead(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=False)
         # EAGLE-1's layer reads fc's output as it is; heads made before export-head normalised it first
         self.norm_in = nn.Parameter(torch.ones(d)) if config.get("input_norm", True) else None
-        self.qkv = nn.Linear(d, (h + 2 * kv) * hd, bias=False)
+        self.qkv = nn.Linear(d, (h + 2 * kv) * hd, bias=bool(config.get("qkv_bias", False)))
         self.o = nn.Linear(h * hd, d, bias=False)
         self.norm_post = nn.Parameter(torch.ones(d))
         self.gate_up = nn.Linear(d, 2 * inter, bias=False)
@@ -79,11 +82,14 @@ class DraftHead(nn.Module):
     @classmethod
     def for_target(cls, model, vocab_ids: torch.Tensor, taps: list[int] | None = None) -> DraftHead:
         """A fresh head shaped like the target (a Llama-family specdec Model): its decoder layer
-        starts as a copy of the target's last one (the copied input norm folded into q, k and v;
-        o and down at zero, so the layer starts by adding nothing) and fc passes the feature
-        through, a better start than random. taps: decoder layers (0-based) whose outputs the first step also reads
-        (default none); fuse starts by passing the final feature through and ignoring them."""
-        c, last = model.hf.config, model.hf.model.layers[-1]
+        starts as a copy of the target's last one (last_layer_weights: the GGUF file's tensors,
+        dequantized, for a quantized target, whose fp32 transformers model is never loaded; the copied
+        input norm folded into q, k and v, their biases, added after the product, copied as they
+        are, with qkv_bias set where the target has them, as Qwen2 does; o and down at zero, so the
+        layer starts by adding nothing) and fc passes the feature through, a better start than
+        random. taps: decoder layers (0-based) whose outputs the first step also reads (default
+        none); fuse starts by passing the final feature through and ignoring them."""
+        c, w = model.config, last_layer_weights(model)
         hd, theta = attention_shape(c)
         config = {
             "hidden": c.hidden_size,
@@ -96,21 +102,22 @@ class DraftHead(nn.Module):
             "target": model.name,
             "taps": list(taps or []),
             "input_norm": False,
+            **({"qkv_bias": True} if w["qkv_bias"] is not None else {}),  # absent: the files of Llama heads unchanged
         }
         head = cls(config, vocab_ids)
-        a, m = last.self_attn, last.mlp
         with torch.no_grad():
-            head.qkv.weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-            head.o.weight.copy_(a.o_proj.weight)
-            head.gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            head.down.weight.copy_(m.down_proj.weight)
-            head.norm_post.copy_(last.post_attention_layernorm.weight)
+            head.qkv.weight.copy_(w["qkv"])
+            if head.qkv.bias is not None:
+                head.qkv.bias.copy_(w["qkv_bias"])
+            head.gate_up.weight.copy_(w["gate_up"])
+            head.down.weight.copy_(w["down"])
+            head.norm_post.copy_(w["norm_post"])
             # EAGLE-1's layer attends over fc's output unnormalised: fold the copied layer's input norm,
             # over the typical size of a feature (the final norm's weights' RMS; features are final-normed),
-            # into q, k and v; and start its residual branches at zero (the copied ones write at the scale
-            # of the target's residual stream, far larger than a feature's), so the head starts as fc
-            final = model.hf.model.norm.weight
-            head.qkv.weight.mul_(last.input_layernorm.weight / final.pow(2).mean().sqrt())
+            # into q, k and v (their columns: the biases are added after the product and stay as they are);
+            # and start its residual branches at zero (the copied ones write at the scale of the target's
+            # residual stream, far larger than a feature's), so the head starts as fc
+            head.qkv.weight.mul_(w["norm_in"] / w["final_norm"].pow(2).mean().sqrt())
             head.o.weight.zero_()
             head.down.weight.zero_()
             d = c.hidden_size
@@ -124,15 +131,16 @@ class DraftHead(nn.Module):
     def packed(self, device: torch.device | None = None) -> DraftHead:
         """A copy for drafting, on `device` (default: where this head is), whose projections run as
         specdec.backends.lean.Linear (weights reordered once for oneDNN on CPU; one draft step's products are
-        memory-bound, and MKL's path for a single row reads them several times slower). Inference
-        only: no gradients."""
+        memory-bound, and MKL's path for a single row reads them several times slower), biases
+        kept (`qkv.bias`: a plain tensor, or None). Inference only: no gradients."""
         packed = copy.deepcopy(self).eval().to(device)
         for name in ("fuse", "fc", "qkv", "o", "gate_up", "down"):
-            if getattr(packed, name) is None:
+            module = getattr(packed, name)
+            if module is None:
                 continue
-            weight = getattr(packed, name).weight.detach()
+            bias = None if module.bias is None else module.bias.detach()
             delattr(packed, name)  # a module attribute: replaced by a plain callable
-            setattr(packed, name, Linear(weight))
+            setattr(packed, name, Linear(module.weight.detach(), bias))
         return packed
 
     def fused(self, features: torch.Tensor) -> torch.Tensor:
@@ -245,6 +253,72 @@ class HeadCache:
             self.k, self.v = grown(self.k, capacity, start, dim=1), grown(self.v, capacity, start, dim=1)
 
 
+def last_layer_weights(model) -> dict[str, torch.Tensor | None]:
+    """The weights DraftHead.for_target starts from, fp32, from the target's last decoder layer:
+    qkv ((heads + 2 kv_heads) head_dim, d; q's rows, then k's, then v's), qkv_bias (the same rows'
+    biases, zeros for a part without one; None where q, k and v have none, as in Llama), gate_up
+    (2 intermediate, d), down (d, intermediate), norm_in and norm_post (d,) (its RMSNorms' weights)
+    and final_norm (d,) (the model's final norm). From the GGUF tensors, dequantized, for a model run
+    at its GGUF precision (`model.gguf`: its transformers model is never loaded), else from the
+    transformers model. Raises ValueError naming a tensor the GGUF model lacks."""
+    if model.gguf is not None:
+        return _gguf_last_layer(model.gguf, model.config.num_hidden_layers - 1)
+    last, hf = model.hf.model.layers[-1], model.hf
+    a, m = last.self_attn, last.mlp
+    return _layer_weights(
+        [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+        [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
+        [m.gate_proj.weight, m.up_proj.weight],
+        m.down_proj.weight,
+        last.input_layernorm.weight,
+        last.post_attention_layernorm.weight,
+        hf.model.norm.weight,
+    )
+
+
+def _gguf_last_layer(gguf, i: int) -> dict[str, torch.Tensor | None]:
+    """last_layer_weights of decoder layer i of a GGUF model (specdec.models.gguf.GGUFModel, or
+    specdec.models.quantize's), in llama.cpp's tensor names; its q and k rows are in transformers'
+    order already (read_gguf un-permutes them)."""
+
+    def get(name: str, required: bool = True) -> torch.Tensor | None:
+        tensor = gguf.tensors.get(name)
+        if tensor is None and required:
+            raise ValueError(f"the GGUF model has no tensor {name}: not a complete Llama/Qwen2 model")
+        return None if tensor is None else tensor.dequantize()
+
+    blk = f"blk.{i}"
+    return _layer_weights(
+        [get(f"{blk}.attn_{p}.weight") for p in "qkv"],
+        [get(f"{blk}.attn_{p}.bias", required=False) for p in "qkv"],
+        [get(f"{blk}.ffn_gate.weight"), get(f"{blk}.ffn_up.weight")],
+        get(f"{blk}.ffn_down.weight"),
+        get(f"{blk}.attn_norm.weight"),
+        get(f"{blk}.ffn_norm.weight"),
+        get("output_norm.weight"),
+    )
+
+
+def _layer_weights(qkv, biases, gate_up, down, norm_in, norm_post, final_norm) -> dict[str, torch.Tensor | None]:
+    """last_layer_weights' dict from the parts (tensors; biases: q's, k's, v's, each None or (rows,))."""
+
+    def f32(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().float()
+
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([f32(b) if b is not None else torch.zeros(w.shape[0]) for w, b in zip(qkv, biases)])
+    return {
+        "qkv": torch.cat([f32(w) for w in qkv]),
+        "qkv_bias": bias,
+        "gate_up": torch.cat([f32(w) for w in gate_up]),
+        "down": f32(down),
+        "norm_in": f32(norm_in),
+        "norm_post": f32(norm_post),
+        "final_norm": f32(final_norm),
+    }
+
+
 def head_file(target_name: str, cache: str | os.PathLike | None = None) -> Path:
     """Where `specdec train` writes the head of a target: <cache>/heads/<name>.safetensors."""
     return cache_dir(cache) / "heads" / f"{target_name.replace('/', '--')}.safetensors"
@@ -270,8 +344,10 @@ def save_head(head: DraftHead, path: str | os.PathLike, meta: dict | None = None
 
 
 def load_head(path: str | os.PathLike, hidden_size: int | None = None) -> tuple[DraftHead, dict]:
-    """(head in fp32, eval mode; its meta) from a file save_head wrote. Raises HeadError when the
-    file is missing or unreadable, or was made for a target of another hidden size."""
+    """(head in fp32, eval mode; its meta) from a file save_head wrote (one without qkv_bias in its
+    config, as every head made before it existed: a head without q/k/v biases). Raises HeadError
+    when the file is missing or unreadable, holds other tensors than its config describes, or was
+    made for a target of another hidden size."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -290,5 +366,8 @@ def load_head(path: str | os.PathLike, hidden_size: int | None = None) -> tuple[
             f"not this target (hidden size {hidden_size}): train one for it with `specdec train`"
         )
     head = DraftHead(config, tensors["vocab_ids"])
-    head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+    try:
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
+    except RuntimeError as e:  # tensors missing, extra or misshapen for its config (qkv_bias without qkv.bias)
+        raise HeadError(f"{path} does not hold the weights its config describes ({e}); train it again") from None
     return head.eval(), json.loads(meta.get("meta", "{}"))

@@ -7,7 +7,8 @@ self-distilled data.
 2. data: the target's own greedy answers to them (transformers' batched `generate`, chat
    template), stored as token ids in `<out>/data.jsonl` (written atomically, reused on a rerun);
 3. features: one teacher-forced lean forward per sequence gives every position's feature f_t and
-   the target's greedy next token (the label);
+   the target's greedy next token (the label), from the forward the head will draft against (a
+   GGUF target at its own precision: the quantized one; its embedding and output rows too);
 4. training: at position t the head reads (f_t plus a little noise, e(x_{t+1})) and is trained to
    predict f_{t+1} (smooth L1) and the target's next token from it (cross-entropy over the head's
    vocabulary, weight 0.5: EAGLE (Li et al. 2024) uses 0.1; greedy acceptance depends on the token),
@@ -37,7 +38,7 @@ from specdec.cache import LeanKVCache
 from specdec.models.load import Model
 from specdec.models.weights import atomic_write
 from specdec.train.conversations import conversation_rows
-from specdec.train.head import DraftHead, head_file, save_head
+from specdec.train.head import DraftHead, head_file, load_head, save_head
 
 TOPICS = [
     "the ocean",
@@ -209,7 +210,9 @@ def features_and_labels(
     """Per sequence (tokens (T,), features (T, d (1 + len(taps))) fp32: the final-normed hidden
     state, then those after the decoder layers `taps`; labels (T,): the target's greedy token
     after each position, -1 where a row's "mask" is false (a conversation's user turns: no
-    training there)), from one lean forward each."""
+    training there)), from one lean forward each: the forward the head drafts against, so a GGUF
+    target at its own precision gives its quantized forward's features (batch-invariant: those a
+    drafting forward computes, bit for bit) and its greedy tokens."""
     out = []
     for row in tqdm(rows, desc="target features", unit="seq"):
         tokens = row["prompt"] + row["answer"]
@@ -248,6 +251,9 @@ def _loss(
 ):
     """(total, regression, cross-entropy, accuracy per draft step) on one sequence.
 
+    embed: the target's input embeddings, token ids (n,) -> (n, d) (its lean forward's embed_rows);
+    out_weight: (N, d) fp32, the rows of its output layer for the head's vocabulary.
+
     Step j (1..steps) is the head drafting its j-th token from its own earlier predictions
     (DraftHead.unrolled, the training-time test of EAGLE-3 / HASS); every step is trained toward
     the same targets, the next feature and the target's token after it, and weighs decay^(j-1).
@@ -255,13 +261,13 @@ def _loss(
     target's greedy one. feats: (T, d) or, for a head with taps, (T, (1 + len(taps)) d), whose
     first d columns (the final feature) are the regression target; the noise is scaled to each
     block's spread."""
-    d = embed.shape[-1]
+    d = head.config["hidden"]
     x_in = feats[:-1]
     if noise:
         scale = feats.unflatten(-1, (-1, d)).std(dim=(0, 2))  # (1 + taps,): each block's spread
         x_in = x_in + ((torch.rand_like(x_in) - 0.5) * 2 * noise).unflatten(-1, (-1, d)).mul(scale[:, None]).flatten(-2)
     feats = feats[:, :d]
-    preds = head.unrolled(x_in, embed[tokens[1:]].float(), steps)  # (T-1, d) each: predicted f_1..f_{T-1}
+    preds = head.unrolled(x_in, embed(tokens[1:]).float(), steps)  # (T-1, d) each: predicted f_1..f_{T-1}
     # the target's token after position t+1, as a head-vocabulary index (-1: not trained on)
     target_ids = torch.where(labels[1:] >= 0, index[labels[1:].clamp(min=0)], -1)
     trained = labels[1:] >= 0  # positions t+1 a row's mask keeps (all of them for answers alone)
@@ -300,6 +306,7 @@ def train_head(
     conversations: int = 2000,
     max_tokens: int = 512,
     exclude: tuple[str, ...] = (),
+    init: Path | None = None,
 ) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
 
@@ -312,12 +319,18 @@ def train_head(
     fused low / middle / high features; DraftHead.default_taps gives EAGLE-3's choice); None or []
     for the final feature alone.
 
-    Raises ValueError for a target the lean backend cannot run, or bad arguments."""
+    init: a head file to start from instead of a fresh head (fine-tuning, e.g. the shipped head on
+    the features of the forward it drafts against); its vocabulary and taps are kept (vocab and
+    taps are then ignored).
+
+    Raises ValueError for a target the lean backend cannot run, or bad arguments; HeadError for an
+    init head made for another target."""
     if target.backend != "lean":
         raise ValueError("specdec train reads the target's features through the lean backend: a Llama or Qwen2 target")
     if prompts < 2 or epochs < 1 or steps < 1 or not 0 < vocab <= target.vocab_size:
         raise ValueError(f"need prompts >= 2, epochs >= 1, steps >= 1 and 0 < vocab <= {target.vocab_size}")
-    taps = sorted(set(taps or []))
+    start = load_head(init, target.lean().hidden_size)[0] if init is not None else None  # fine-tuned: its taps
+    taps = sorted(set(taps or [])) if start is None else list(start.taps)
     LeanKVCache(target, capacity=1, taps=tuple(taps))  # refuses a layer the target lacks, before the answers
     torch.manual_seed(seed)
     if data is not None:
@@ -330,13 +343,14 @@ def train_head(
     shuffled = random.Random(seed).sample(data, len(data))  # held out: 5% of template and sampled prompts alike
     held = max(1, len(data) // 20)
     train, valid = shuffled[held:], shuffled[:held]
-    vocab_ids = choose_vocab(train, target.vocab_size, vocab)
+    vocab_ids = choose_vocab(train, target.vocab_size, vocab) if start is None else start.vocab_ids
     index = torch.full((target.vocab_size,), -1, dtype=torch.long)
     index[vocab_ids] = torch.arange(len(vocab_ids))
-    embed = target.lean().embed
-    out_weight = target.hf.get_output_embeddings().weight.detach()[vocab_ids].float()
+    lean = target.lean()  # the forward the head drafts against: a GGUF target's quantized one at its own precision
+    embed = lean.embed_rows  # token ids (n,) -> (n, d): a quantized embedding's rows dequantized
+    out_weight = lean.output_rows(vocab_ids)  # (N, d) fp32: the rows drafting multiplies, never a whole fp32 model
 
-    head = DraftHead.for_target(target, vocab_ids, taps)
+    head = DraftHead.for_target(target, vocab_ids, taps) if start is None else start
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     updates = epochs * len(train)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, updates) / updates)))
@@ -416,6 +430,7 @@ def train_head(
         "epochs": epochs,
         "steps": steps,
         "vocab": len(vocab_ids),
+        "init": str(init) if init is not None else None,
         "taps": taps,
         "history": history,
         "head": str(dest),
