@@ -18,7 +18,7 @@ from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.models.gguf import QTensor
 from specdec.models.quantize import quantize_matrix
 
-HEAD_QUANTIZE = "q8_0"  # the head's matrices' type when none is asked for (docs/eagle.md measures the others)
+HEAD_QUANTIZE = "q8_0"  # the type of the head's matrices when none is asked for (docs/draft-heads.md)
 
 
 class QuantHead:

@@ -111,7 +111,7 @@ class EagleDrafter(Drafter):
                 self.out = Linear(weight.contiguous())  # the output layer's rows the head may draft, (N, d)
             self.ids = head.vocab_ids.cpu()  # (N,) the token id of each of the head's logits
             self.embed_rows = lean.embed_rows  # (n,) ids -> (n, d)
-            self.vocab = target.vocab_size
+            self.target_vocab = target.vocab_size  # the width of a sampled draft token's probabilities
             self._target = target
         self.hcache = HeadCache(self.head)
         self.seen = []
@@ -171,7 +171,7 @@ class EagleDrafter(Drafter):
             else:
                 tokens.append(token)
             if p is not None:
-                probs.append(p.new_zeros(self.vocab).index_copy_(0, ids, p))
+                probs.append(p.new_zeros(self.target_vocab).index_copy_(0, ids, p))
             if keep_going is not None:
                 confidence.append(float(p[j]) if p is not None else float(sub.softmax(-1)[j]))
                 if not keep_going(i + 1, confidence[-1]):
