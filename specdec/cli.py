@@ -37,6 +37,7 @@ from specdec.models.load import BACKENDS, DEVICES
 from specdec.models.quantize import QUANTIZE
 from specdec.models.registry import REGISTRY
 from specdec.options import AUTO_K_MAX
+from specdec.train.answers import ANSWERS
 from specdec.train.export import ENGINES
 
 __all__ = ["TextStreamer", "compare_lines", "k_arg", "main", "workload_prompt"]  # the names tests import
@@ -311,6 +312,28 @@ def _add_train(sub) -> None:
     tr.add_argument("--conversations", type=int, default=2000, help="with --data: conversations used (default 2000)")
     tr.add_argument(
         "--max-tokens", type=int, default=512, help="with --data: tokens of a conversation kept (default 512)"
+    )
+    tr.add_argument(
+        "--answers",
+        choices=ANSWERS,
+        default="sharegpt",
+        help="with --data, whose assistant turns the head learns: sharegpt (the data's own, the default), self "
+        "(the target's own answers to the user turns, stored in <out>/answers/ and reused on a rerun) or mix (both)",
+    )
+    tr.add_argument(
+        "--answer-temperature",
+        type=float,
+        default=0.0,
+        help="with --answers self/mix: sampling temperature of the target's answers (default 0: greedy)",
+    )
+    tr.add_argument(
+        "--answer-tokens",
+        type=_at_least(1),
+        default=256,
+        help="with --answers self/mix: new tokens per answer at most (default 256)",
+    )
+    tr.add_argument(
+        "--code-only", action="store_true", help="with --data: only conversations whose user turns contain code"
     )
     # auto: a head learns the features of the forward it drafts against, a GGUF target's quantized one
     _loading_options(tr, draft=False, device=False, dtype="auto")

@@ -14,6 +14,7 @@ def run(args) -> int:
     from specdec.train.train import train_head
 
     hf_logging.disable_progress_bar()
+    _check_data_options(args)  # before the model loads
     target = load_model(args.target, **load_kwargs(args))
     summary = train_head(
         target,
@@ -33,6 +34,10 @@ def run(args) -> int:
         conversations=args.conversations,
         max_tokens=args.max_tokens,
         init=args.init,
+        answers=args.answers,
+        answer_temperature=args.answer_temperature,
+        answer_tokens=args.answer_tokens,
+        code_only=args.code_only,
         exclude=tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name))),  # benchmarks unseen
     )
     last = summary["history"][-1]
@@ -43,6 +48,16 @@ def run(args) -> int:
         f"wrote {summary['head']}, {args.out / 'loss.png'}"
     )
     return 0
+
+
+def _check_data_options(args) -> None:
+    """--answers self / mix and --code-only take conversations from --data, and --answer-temperature
+    is >= 0. Raises ValueError otherwise."""
+    if args.answer_temperature < 0:
+        raise ValueError(f"--answer-temperature must be >= 0 (0: greedy), got {args.answer_temperature}")
+    if args.data is None and (args.answers != "sharegpt" or args.code_only):
+        flag = f"--answers {args.answers}" if args.answers != "sharegpt" else "--code-only"
+        raise ValueError(f"{flag} needs --data (sharegpt or a file of conversations whose user turns to use)")
 
 
 def _taps(text: str, n_layers: int) -> list[int]:

@@ -8,11 +8,18 @@ than generating answers).
 Accepted records: ShareGPT's {"conversations": [{"from": "human" | "gpt" | "system", "value"}]}
 and OpenAI's {"messages": [{"role", "content"}]}, in a JSON array or one per line. A file cut off
 mid-record (ShareGPT V3's is) is read object by object and the broken last record dropped.
+`selected` gives the conversations in a seeded order, the benchmarks' prompts kept out and, with
+code_only, only those whose user turns contain code (has_code); specdec.train.answers answers their
+user turns with the target itself (`--answers self`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 from specdec.errors import SpecdecError
@@ -79,16 +86,21 @@ def messages_of(record: dict) -> list[dict]:
     return out
 
 
+def chat_ids(tokenizer, messages: list[dict], prompt: bool) -> list[int]:
+    """Token ids of messages in the tokenizer's chat template, with the generation prompt (the
+    opening of an assistant turn) when `prompt`. Raises what the template raises (roles out of
+    order: jinja's raise_exception)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 def encode(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[bool]] | None:
     """Token ids of a conversation in the tokenizer's chat template, cut to max_tokens, and a mask
     of the positions inside assistant turns (the tokens each assistant turn adds to the rendered
     conversation). None when no assistant token fits, or the template cannot render it (roles
     out of order)."""
 
-    def ids(msgs: list[dict], prompt: bool) -> list[int]:
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=prompt, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
-
+    ids = partial(chat_ids, tokenizer)
     try:
         tokens = ids(messages, False)
         mask = [False] * len(tokens)
@@ -105,29 +117,72 @@ def encode(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int],
     return (tokens, mask) if any(mask) else None
 
 
-def conversation_rows(
-    target, source: str, n: int, max_tokens: int = 512, exclude: tuple[str, ...] = (), seed: int = 0
-) -> list[dict]:
-    """Up to n training rows [{"text", "prompt": [], "answer": ids, "mask": [bool]}] from `source`
-    ("sharegpt" or a file path), in the file's order from a seeded starting point, rendered with
-    the target's chat template and cut to max_tokens. Conversations whose text contains one of
-    `exclude` (the benchmark workloads' prompts) are skipped. Raises DataError when the target has
-    no chat template or the source gives no usable conversation."""
-    if not getattr(target.tokenizer, "chat_template", None):
-        raise DataError(f"{target.name} has no chat template to render conversations with")
-    path = sharegpt_file() if source == SHAREGPT else Path(source)
+CODE_LINE = re.compile(
+    r"^\s*(def |class |import |from \S+ import |#include|function |fn |func |public |private |const |let |var )"
+    r"|=>|[;{}]\s*$"
+)
+
+
+def has_code(text: str) -> bool:
+    """Whether a text contains code, by a simple heuristic: a fenced ``` block, or at least 3 lines
+    that look like code (starting with `def `, `class `, `import `, `from x import `, `#include`,
+    `function `, `fn `, `func `, `public `, `private `, `const `, `let `, `var `; containing `=>`;
+    or ending in `;`, `{` or `}`). Prose that merely mentions code (one `import`) is not code."""
+    if "```" in text:
+        return True
+    return sum(bool(CODE_LINE.search(line)) for line in text.splitlines()) >= 3
+
+
+def source_path(source: str) -> Path:
+    """The file of a --data source: ShareGPT's for "sharegpt" (sharegpt_file), else the path."""
+    return sharegpt_file() if source == SHAREGPT else Path(source)
+
+
+def selected(
+    path: Path, exclude: tuple[str, ...] = (), seed: int = 0, code_only: bool = False
+) -> Iterator[tuple[int, str, list[dict]]]:
+    """A file's candidate conversations, in its order from a seeded starting point (record
+    seed % records, wrapping around), lazily: (index in the file, text (all turns, newline-joined),
+    messages) of each one with an assistant turn, none of whose text contains one of `exclude`, and,
+    with code_only, whose user turns contain code (has_code). conversation_rows and
+    specdec.train.answers.self_answers take theirs from here, so both see the same conversations in
+    the same order. Raises DataError as read_records does."""
     records = read_records(path)
     start = seed % len(records)
-    rows = []
-    for record in records[start:] + records[:start]:
-        if len(rows) >= n:
-            break
-        messages = messages_of(record)
+    for i in itertools.chain(range(start, len(records)), range(start)):
+        messages = messages_of(records[i])
         if not any(m["role"] == "assistant" for m in messages):
             continue
         text = "\n".join(m["content"] for m in messages)
         if any(e and e in text for e in exclude):
             continue
+        if code_only and not has_code("\n".join(m["content"] for m in messages if m["role"] == "user")):
+            continue
+        yield i, text, messages
+
+
+def conversation_rows(
+    target,
+    source: str,
+    n: int,
+    max_tokens: int = 512,
+    exclude: tuple[str, ...] = (),
+    seed: int = 0,
+    code_only: bool = False,
+) -> list[dict]:
+    """Up to n training rows [{"text", "prompt": [], "answer": ids, "mask": [bool]}] from `source`
+    ("sharegpt" or a file path), in the file's order from a seeded starting point, rendered with
+    the target's chat template and cut to max_tokens. Conversations whose text contains one of
+    `exclude` (the benchmark workloads' prompts) are skipped, and with code_only those whose user
+    turns contain no code (has_code). Raises DataError when the target has no chat template or the
+    source gives no usable conversation."""
+    if not getattr(target.tokenizer, "chat_template", None):
+        raise DataError(f"{target.name} has no chat template to render conversations with")
+    path = source_path(source)
+    rows = []
+    for _, text, messages in selected(path, exclude, seed, code_only):
+        if len(rows) >= n:
+            break
         encoded = encode(target.tokenizer, messages, max_tokens)
         if encoded is None:
             continue

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from specdec.cache import LeanKVCache
 from specdec.models.load import Model
 from specdec.models.weights import atomic_write
-from specdec.train.conversations import conversation_rows
+from specdec.train.answers import conversation_data
 from specdec.train.head import DraftHead, head_file, load_head, save_head
 
 TOPICS = [
@@ -307,6 +307,10 @@ def train_head(
     max_tokens: int = 512,
     exclude: tuple[str, ...] = (),
     init: Path | None = None,
+    answers: str = "sharegpt",
+    answer_temperature: float = 0.0,
+    answer_tokens: int = 256,
+    code_only: bool = False,
 ) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
 
@@ -314,6 +318,11 @@ def train_head(
     JSON / JSONL file; up to `conversations` of them, cut to max_tokens each, trained on their
     assistant turns, skipping any that contains one of the `exclude` texts (`specdec train` passes
     every packaged benchmark prompt). The source goes into the head's metadata.
+    answers: with data, whose assistant turns: "sharegpt" (the dataset's), "self" (the target's own
+    answers to its user turns, up to answer_tokens each, greedy at answer_temperature 0, else
+    sampled: Medusa-2's self-distillation, specdec.train.answers, stored in out/answers/ and reused
+    on a rerun) or "mix" (both). code_only: only conversations whose user turns contain code
+    (specdec.train.conversations.has_code).
 
     taps: decoder layers (0-based) whose hidden states the head's first step also reads (EAGLE-3's
     fused low / middle / high features; DraftHead.default_taps gives EAGLE-3's choice); None or []
@@ -334,8 +343,22 @@ def train_head(
     LeanKVCache(target, capacity=1, taps=tuple(taps))  # refuses a layer the target lacks, before the answers
     torch.manual_seed(seed)
     if data is not None:
-        rows = conversation_rows(target, data, conversations, max_tokens, exclude=exclude, seed=seed)
-        source = {"data": data, "conversations": len(rows), "max_tokens": max_tokens}
+        rows, source = conversation_data(
+            target,
+            data,
+            out / "answers",
+            answers,
+            conversations,
+            max_tokens,
+            exclude,
+            seed,
+            temperature=answer_temperature,
+            max_new_tokens=answer_tokens,
+            batch=batch,
+            code_only=code_only,
+        )
+    elif answers != "sharegpt" or code_only:
+        raise ValueError(f"answers={answers!r} or code_only needs data (the conversations whose user turns to use)")
     else:
         rows = training_rows(target, out, prompts, sampled, max_new_tokens, batch, seed)
         source = {"data": "self-distilled", "prompts": prompts, "sampled_prompts": sampled}
