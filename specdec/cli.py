@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from specdec.answers import ANSWERS
 from specdec.backends.quant import KV_DTYPES
 from specdec.bench.kernels import DEFAULT_TYPES
 from specdec.bench.run import Pair
@@ -37,7 +38,6 @@ from specdec.models.load import BACKENDS, DEVICES
 from specdec.models.quantize import QUANTIZE
 from specdec.models.registry import REGISTRY
 from specdec.options import AUTO_K_MAX
-from specdec.train.answers import ANSWERS
 from specdec.train.export import ENGINES
 
 __all__ = ["TextStreamer", "compare_lines", "k_arg", "main", "workload_prompt"]  # the names tests import

@@ -1,4 +1,4 @@
-"""The target's own answers to real conversations' user turns (specdec.train.answers): what they
+"""The target's own answers to real conversations' user turns (specdec.answers): what they
 are (generate's tokens after the conversation so far, its own earlier answers in it), their masks,
 the store (resume, a record cut off mid-write, keys kept apart), the code filter, and the command
 line."""
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from specdec import answers as answers_module
+from specdec.answers import AnswerStore, conversation_data, self_answers, store_key
 from specdec.cli import _parser, main
 from specdec.engine import generate
-from specdec.train import answers as answers_module
-from specdec.train.answers import AnswerStore, conversation_data, self_answers, store_key
 from specdec.train.conversations import DataError, chat_ids, conversation_rows, has_code
 from specdec.train.train import train_head
 
@@ -218,12 +218,15 @@ def test_a_head_trains_on_the_targets_answers(target, data, tmp_path):
         answers="self",
         answer_tokens=4,
         max_tokens=80,
+        conversation_data=conversation_data,
     )
     assert s["answers"] == "self" and s["answer_tokens"] == 4 and s["code_only"] is False and s["sequences"] == 4
     assert s["positions"] == 4 * (4 + 1 + 4 + 1)  # two answers of 4 tokens and their ends of turn
     assert any((tmp_path / "run" / "answers").iterdir())
     with pytest.raises(ValueError, match="needs data"):
-        train_head(target, tmp_path / "run2", vocab=40, answers="self")
+        train_head(target, tmp_path / "run2", vocab=40, answers="self", conversation_data=conversation_data)
+    with pytest.raises(ValueError, match="needs conversation_data"):
+        train_head(target, tmp_path / "run3", vocab=40, data=data, answers="self")
 
 
 def test_the_command_line_takes_the_flags_and_refuses_self_without_data(capsys):

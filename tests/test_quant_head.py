@@ -1,4 +1,4 @@
-"""The EAGLE head on the quantized kernels (specdec.backends.quant_head): the fp32 head's step, up to
+"""The EAGLE head on the quantized kernels (specdec.drafters.quant_head): the fp32 head's step, up to
 quantization, in one call; rows of one call equal one-row calls; drafting with it is exact."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specdec.backends.quant import QuantModel
-from specdec.backends.quant_head import QuantHead
 from specdec.cache import LeanKVCache
 from specdec.drafters.eagle import EagleDrafter
+from specdec.drafters.quant_head import QuantHead
 from specdec.engine import generate
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, is_pulled

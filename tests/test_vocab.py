@@ -1,4 +1,4 @@
-"""A draft's vocabulary (specdec.models.vocab): the output layer cut to the N most frequent tokens,
+"""A draft's vocabulary (specdec.drafters.vocab): the output layer cut to the N most frequent tokens,
 a cheaper draft step and never another output."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from specdec import generate
-from specdec.drafters import EagleDrafter, ModelDrafter
-from specdec.models import vocab
+from specdec.drafters import EagleDrafter, ModelDrafter, vocab
 from specdec.models.load import load_model
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, is_pulled

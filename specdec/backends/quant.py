@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -94,13 +95,12 @@ class OutputRows:
 
     def __init__(self, full: QuantLinear, ids: torch.Tensor, V: int):
         from specdec.backends.qkernel import TYPES
-        from specdec.models.gguf import QTensor
 
         names = {v: k for k, v in TYPES.items()}
         self.ids, self.V = ids.long().cpu(), V
-        rows = full.raw[0].index_select(0, self.ids)
-        self.rows = QuantLinear([QTensor("output", names[full.raw_types[0]], (len(self.ids), full.in_features), rows)],
-                                int8=full.int8)  # fmt: skip
+        rows = full.raw[0].index_select(0, self.ids)  # a part as QuantLinear reads one (a QTensor's fields)
+        part = SimpleNamespace(qtype=names[full.raw_types[0]], shape=(len(self.ids), full.in_features), data=rows)
+        self.rows = QuantLinear([part], int8=full.int8)
         self.raw, self.raw_types = full.raw, full.raw_types  # dequantize_rows reads the whole layer's
         self.in_features, self.out_features, self.nbytes = full.in_features, len(self.ids), self.rows.nbytes
 
@@ -243,7 +243,7 @@ class QuantModel:
 
     def with_output_rows(self, ids: torch.Tensor) -> QuantModel:
         """The same model with an output layer of only the rows `ids` (n,) (a draft's vocabulary,
-        specdec.models.vocab): logits keep their width V, -inf outside ids; those rows' blocks are
+        specdec.drafters.vocab): logits keep their width V, -inf outside ids; those rows' blocks are
         copied, every other weight is shared."""
         view = copy.copy(self)
         view.lm_head = OutputRows(self.lm_head, ids, self.vocab_size)

@@ -266,7 +266,7 @@ def bench_pair(
     per-round overhead; the replay (_replay); the fit (_pair_record).
     load_kwargs go to load_model; draft_dtype overrides their dtype for a draft model, draft_quantize
     their quantize (a GGUF type the draft is requantized to at load; None: its own precision; a
-    head's type); draft_vocab: the drafter's vocabulary size (specdec.models.vocab; None: its own);
+    head's type); draft_vocab: the drafter's vocabulary size (specdec.drafters.vocab; None: its own);
     bandwidth_gbs (measured memory bandwidth, GB/s) adds the roofline of the target's forward.
     replay: when greedy, the drafter allows it (specdec.bench.replay) and no prompt has a grammar,
     replay every config on each prompt's plain output under the measured costs: speeds without the

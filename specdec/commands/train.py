@@ -11,6 +11,7 @@ def run(args) -> int:
     """Train the head (resuming a checkpoint in --out unless --restart) and print where it went."""
     from transformers.utils import logging as hf_logging
 
+    from specdec.answers import conversation_data
     from specdec.train.train import train_head
 
     hf_logging.disable_progress_bar()
@@ -38,6 +39,7 @@ def run(args) -> int:
         answer_temperature=args.answer_temperature,
         answer_tokens=args.answer_tokens,
         code_only=args.code_only,
+        conversation_data=conversation_data,
         exclude=tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name))),  # benchmarks unseen
     )
     last = summary["history"][-1]

@@ -11,14 +11,14 @@ import torch
 
 from specdec.backends.linear import Linear
 from specdec.backends.quant import QuantModel
-from specdec.backends.quant_head import HEAD_QUANTIZE, QuantHead
 from specdec.cache import common_prefix
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.drafters.lookup import LONG_MATCH, PromptLookup, long_lookup
+from specdec.drafters.quant_head import HEAD_QUANTIZE, QuantHead
+from specdec.drafters.vocab import draft_vocab
 from specdec.models.load import Model
 from specdec.models.quantize import QUANTIZE
-from specdec.models.vocab import draft_vocab
 from specdec.sampling import Sampler
 from specdec.train.head import DraftHead, HeadCache, HeadError, find_head, head_file, load_head
 
@@ -43,12 +43,12 @@ class EagleDrafter(Drafter):
     match is usually copied on: extraction, repeated code) and the head is not run.
 
     quantize: against a target on the quantized backend the head runs on the target's kernels
-    (specdec.backends.quant_head.QuantHead: its matrices quantized at load to this GGUF type,
+    (specdec.drafters.quant_head.QuantHead: its matrices quantized at load to this GGUF type,
     default q8_0; its output rows the target's own blocks; one call a step); against an fp32 or
     bf16 target it runs in fp32 through torch and quantize is not used. Only the speed and the
     acceptance depend on it, never the output.
 
-    vocab: draft over the `vocab` most frequent tokens (specdec.models.vocab) instead of the
+    vocab: draft over the `vocab` most frequent tokens (specdec.drafters.vocab) instead of the
     vocabulary the head was trained with (its file's vocab_ids).
 
     prepare() raises ValueError for a target on the transformers backend, HeadError for a missing

@@ -123,10 +123,10 @@ def drafter_from_options(
     - cache (layer-skip, eagle, eagle-tree): the specdec cache folder where the stored
       calibration or head is looked up; default: the usual cache.
     - quantize (eagle, eagle-tree): the GGUF type the head's matrices run in against a quantized
-      target (specdec.backends.quant_head; default q8_0). A draft model's is a load option
+      target (specdec.drafters.quant_head; default q8_0). A draft model's is a load option
       (load_model's quantize), not this one.
     - vocab (model, eagle, eagle-tree): draft over only the `vocab` most frequent tokens
-      (specdec.models.vocab); default: a draft model's whole vocabulary, a head's own.
+      (specdec.drafters.vocab); default: a draft model's whole vocabulary, a head's own.
     - max_ngram, min_ngram (prompt-lookup): the longest and shortest n-gram to match (3, 1).
     - min_match (suffix, suffix-tree): propose nothing below this match length (1).
 

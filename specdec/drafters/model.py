@@ -11,8 +11,8 @@ from specdec.cache import new_cache
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.drafters.lookup import PromptLookup, long_lookup
+from specdec.drafters.vocab import draft_vocab, vocab_view
 from specdec.models.load import Model, check_same_tokenizer, load_model
-from specdec.models.vocab import draft_vocab, vocab_view
 from specdec.sampling import Sampler
 
 
@@ -24,7 +24,7 @@ class ModelDrafter(Drafter):
     committed tokens only. prepare() raises TokenizerMismatchError when the draft's tokenizer
     differs from the target's.
 
-    vocab: draft over only the `vocab` most frequent tokens (specdec.models.vocab: a quantized
+    vocab: draft over only the `vocab` most frequent tokens (specdec.drafters.vocab: a quantized
     draft's output layer cut to those rows; a cheaper step, never another output). Raises
     ValueError for a draft not on the quantized backend or a size outside 1..its vocabulary.
 
@@ -38,7 +38,7 @@ class ModelDrafter(Drafter):
     def __init__(self, draft: Model | str, vocab: int | None = None, lookup: bool = False, **load_kwargs):
         self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
         self.lookup = PromptLookup() if lookup else None
-        if vocab is not None:  # its output layer cut to the vocab most frequent tokens (specdec.models.vocab)
+        if vocab is not None:  # its output layer cut to the vocab most frequent tokens (specdec.drafters.vocab)
             self.draft = vocab_view(self.draft, draft_vocab(self.draft, vocab, load_kwargs.get("cache")))
         self.kv = new_cache(self.draft)
         self.checked: Model | None = None  # the target whose tokenizer was last checked

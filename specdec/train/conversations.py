@@ -9,7 +9,7 @@ Accepted records: ShareGPT's {"conversations": [{"from": "human" | "gpt" | "syst
 and OpenAI's {"messages": [{"role", "content"}]}, in a JSON array or one per line. A file cut off
 mid-record (ShareGPT V3's is) is read object by object and the broken last record dropped.
 `selected` gives the conversations in a seeded order, the benchmarks' prompts kept out and, with
-code_only, only those whose user turns contain code (has_code); specdec.train.answers answers their
+code_only, only those whose user turns contain code (has_code); specdec.answers answers their
 user turns with the target itself (`--answers self`).
 """
 
@@ -145,7 +145,7 @@ def selected(
     seed % records, wrapping around), lazily: (index in the file, text (all turns, newline-joined),
     messages) of each one with an assistant turn, none of whose text contains one of `exclude`, and,
     with code_only, whose user turns contain code (has_code). conversation_rows and
-    specdec.train.answers.self_answers take theirs from here, so both see the same conversations in
+    specdec.answers.self_answers take theirs from here, so both see the same conversations in
     the same order. Raises DataError as read_records does."""
     records = read_records(path)
     start = seed % len(records)

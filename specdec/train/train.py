@@ -37,7 +37,7 @@ from tqdm import tqdm
 from specdec.cache import LeanKVCache
 from specdec.models.load import Model
 from specdec.models.weights import atomic_write
-from specdec.train.answers import conversation_data
+from specdec.train.conversations import conversation_rows
 from specdec.train.head import DraftHead, head_file, load_head, save_head
 
 TOPICS = [
@@ -311,6 +311,7 @@ def train_head(
     answer_temperature: float = 0.0,
     answer_tokens: int = 256,
     code_only: bool = False,
+    conversation_data=None,
 ) -> dict:
     """Run steps 1-5 of the module docstring; returns the summary dict (also in out/summary.json).
 
@@ -320,8 +321,9 @@ def train_head(
     every packaged benchmark prompt). The source goes into the head's metadata.
     answers: with data, whose assistant turns: "sharegpt" (the dataset's), "self" (the target's own
     answers to its user turns, up to answer_tokens each, greedy at answer_temperature 0, else
-    sampled: Medusa-2's self-distillation, specdec.train.answers, stored in out/answers/ and reused
-    on a rerun) or "mix" (both). code_only: only conversations whose user turns contain code
+    sampled: Medusa-2's self-distillation, stored in out/answers/ and reused on a rerun) or "mix"
+    (both); those two need `conversation_data`, specdec.answers.conversation_data (passed in: it
+    runs the batched engine, a layer above training). code_only: only conversations whose user turns contain code
     (specdec.train.conversations.has_code).
 
     taps: decoder layers (0-based) whose hidden states the head's first step also reads (EAGLE-3's
@@ -343,7 +345,10 @@ def train_head(
     LeanKVCache(target, capacity=1, taps=tuple(taps))  # refuses a layer the target lacks, before the answers
     torch.manual_seed(seed)
     if data is not None:
-        rows, source = conversation_data(
+        if conversation_data is None and answers != "sharegpt":
+            raise ValueError(f"answers={answers!r} needs conversation_data (specdec.answers.conversation_data)")
+        make = conversation_data or _dataset_rows
+        rows, source = make(
             target,
             data,
             out / "answers",
@@ -494,3 +499,15 @@ def plot_loss(history: list[dict], path: Path, loss_label: str, acc_label: str) 
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
+
+
+def _dataset_rows(target, data, out_dir, answers, n, max_tokens, exclude, seed, code_only=False, **_) -> tuple:
+    """specdec.answers.conversation_data's "sharegpt" case: the dataset's own assistant turns."""
+    rows = conversation_rows(target, data, n, max_tokens, exclude, seed, code_only)
+    return rows, {
+        "data": data,
+        "answers": answers,
+        "code_only": code_only,
+        "conversations": len(rows),
+        "max_tokens": max_tokens,
+    }
