@@ -41,7 +41,7 @@ from specdec.train.conversations import (
     SHAREGPT,
     DataError,
     chat_ids,
-    conversation_rows,
+    dataset_rows,
     encode,
     selected,
     source_path,
@@ -290,20 +290,16 @@ def conversation_data(
     code_only: bool = False,
 ) -> tuple[list[dict], dict]:
     """The rows specdec train learns from real conversations, and their description for the summary:
-    answers "sharegpt" (the dataset's assistant turns, conversation_rows), "self" (the target's own,
+    answers "sharegpt" (the dataset's assistant turns, dataset_rows), "self" (the target's own,
     self_answers, stored in out_dir) or "mix" (both: each conversation twice). Raises ValueError for
     another `answers`, DataError as those two do."""
     if answers not in ANSWERS:
         raise ValueError(f"answers must be one of {', '.join(ANSWERS)}, got {answers!r}")
-    rows = []
-    if answers in ("sharegpt", "mix"):
-        rows += conversation_rows(target, data, n, max_tokens, exclude, seed, code_only)
-    if answers in ("self", "mix"):
-        rows += self_answers(
-            target, data, n, max_tokens, exclude, seed, out_dir, temperature, max_new_tokens, batch, code_only
-        )
+    if answers == "sharegpt":
+        return dataset_rows(target, data, n, max_tokens, exclude, seed, code_only)
+    rows = dataset_rows(target, data, n, max_tokens, exclude, seed, code_only)[0] if answers == "mix" else []
+    rows += self_answers(
+        target, data, n, max_tokens, exclude, seed, out_dir, temperature, max_new_tokens, batch, code_only
+    )
     source = {"data": data, "answers": answers, "code_only": code_only, "conversations": len(rows)}
-    source["max_tokens"] = max_tokens
-    if answers != "sharegpt":
-        source |= {"answer_temperature": temperature, "answer_tokens": max_new_tokens}
-    return rows, source
+    return rows, source | {"max_tokens": max_tokens, "answer_temperature": temperature, "answer_tokens": max_new_tokens}

@@ -150,3 +150,17 @@ def prompt_ids(n: int = 12, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     phrase = torch.randint(3, VOCAB, (n // 2,), generator=g).tolist()
     return [1] + phrase + phrase[: n - 1 - len(phrase)]
+
+
+@pytest.fixture(scope="session")
+def smol() -> Model:
+    """The packaged SmolLM2-135M at its GGUF precision (Q4_1); skips when it is not pulled."""
+    from specdec.models.registry import REGISTRY
+    from specdec.models.weights import cache_dir, is_pulled
+
+    name = REGISTRY["smollm2-135m"].name
+    if not is_pulled(name, cache_dir()):
+        pytest.skip(f"{name} is not pulled: run `specdec models pull {name}`")
+    from specdec.models.load import load_model
+
+    return load_model(name)

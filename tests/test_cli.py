@@ -77,6 +77,17 @@ def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):
     assert "acceptance rate alpha" in first
 
 
+@pytest.mark.parametrize("drafter", ["model", "model-lookup"])
+def test_draft_quantize_and_vocab_reach_a_draft_model(model_dir, tmp_path, monkeypatch, capsys, drafter):
+    """--draft-quantize is the draft model's load option for every drafter with a draft model (not
+    refused as a drafter option), and --draft-vocab cuts its output layer."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # the vocabulary's ranking is cached there
+    args = ["generate", "w5 w6 w7", "--target", str(model_dir), "--drafter", drafter, "--draft", str(model_dir)]
+    args += ["--draft-quantize", "q8_0", "--draft-vocab", "20", "--max-new-tokens", "8", "-k", "2", "--compare"]
+    assert main(args) == 0
+    assert "identical to plain greedy: yes" in capsys.readouterr().out
+
+
 NO_MODEL = "no/such-model-offline"
 GENERATE = ["generate", "w1", "--target", NO_MODEL]
 

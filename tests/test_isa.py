@@ -159,3 +159,45 @@ def test_the_tiles_are_off_without_amx_and_stay_off():
     if k.amx_available():
         pytest.skip("this CPU has AMX: the tiles are on by default here")
     assert not k.amx_on() and k.use_amx(True) is False and not k.amx_on()
+
+
+def _head_rows_equal_one_row_calls(module, int8: bool) -> None:
+    """An EAGLE head's step (quant/head.h: embedding rows, fc, a decoder layer without its input
+    norm, output rows) over T rows equals T one-row steps, at 1 and 2 threads, bit for bit."""
+    d, H, KVH, D, F, V, T, q8 = 64, 2, 1, 32, 128, 50, 7, TYPES["Q8_0"]
+
+    def blocks(rows: int, K: int, seed: int) -> list[torch.Tensor]:
+        return [torch.from_numpy(random_blocks("Q8_0", rows, K, seed))]
+
+    layer = module.Layer(
+        torch.empty(0), torch.ones(d), blocks((H + 2 * KVH) * D, d, 1), [q8], None, blocks(d, H * D, 2), [q8],
+        blocks(2 * F, d, 3), [q8], blocks(d, F, 4), [q8],
+    )  # fmt: skip
+    head = module.Head(blocks(d, 2 * d, 5), [q8], layer, blocks(32, d, 6), [q8], blocks(V, d, 7)[0], q8)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
+    g = torch.Generator().manual_seed(8)
+    feats, ids = torch.randn(T, d, generator=g), torch.randint(0, V, (T,), generator=g)
+
+    def cache():
+        return torch.zeros(KVH, 16, D), torch.zeros(KVH, 16, D)
+
+    together, last = module.head_step(head, feats, ids, *cache(), 0, inv_freq, H, 1e-5, int8)
+    assert torch.isfinite(together).all() and last.shape == (1, 32)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        k, v = cache()
+        for t in range(T):
+            h, logits = module.head_step(head, feats[t : t + 1], ids[t : t + 1], k, v, t, inv_freq, H, 1e-5, int8)
+            assert torch.equal(h, together[t : t + 1]), (threads, t)
+        assert torch.equal(logits, last)
+
+
+def test_an_older_builds_head_step_rows_equal_one_row_calls(older):
+    _head_rows_equal_one_row_calls(older, int8=False)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_native_head_step_rows_equal_one_row_calls(int8):
+    if int8 and not kernels().int8_available():
+        pytest.skip("int8 activations need AVX512-VNNI")
+    _head_rows_equal_one_row_calls(kernels(), int8)

@@ -31,7 +31,7 @@ from specdec.models.gguf import QTensor
 from specdec.models.load import load_model
 from specdec.models.quantize import quantize_model
 from specdec.models.registry import REGISTRY
-from specdec.models.weights import cache_dir, is_pulled
+from specdec.models.weights import cache_dir
 from specdec.train.head import PACKAGED
 
 from .conftest import make_model, prompt_ids, remake
@@ -442,15 +442,10 @@ TEXT = (
 CODE = "Add comments to this code:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 
 
-@pytest.fixture(scope="module")
-def smol():
-    if not is_pulled(SMOL.name, cache_dir()):
-        pytest.skip(f"{SMOL.name} is not pulled: run `specdec models pull {SMOL.name}`")
-    model = load_model(SMOL.name)
-    assert model.gguf is not None and model.backend == "lean" and isinstance(model.lean(), QuantModel)
-    assert model.precision == "gguf Q4_1+Q8_0" and model.lean().fallback == []
-    assert model.lean().int8 == kernels().int8_available()  # int8 activations wherever the CPU has VNNI
-    return model
+def test_smollm2_runs_at_its_gguf_precision_on_the_quantized_kernels(smol):
+    assert smol.gguf is not None and smol.backend == "lean" and isinstance(smol.lean(), QuantModel)
+    assert smol.precision == "gguf Q4_1+Q8_0" and smol.lean().fallback == []
+    assert smol.lean().int8 == kernels().int8_available()  # int8 activations wherever the CPU has VNNI
 
 
 def _ids(model, text=TEXT):

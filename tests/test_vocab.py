@@ -11,12 +11,8 @@ import torch
 from specdec import generate
 from specdec.drafters import EagleDrafter, ModelDrafter, vocab
 from specdec.models.load import load_model
-from specdec.models.registry import REGISTRY
-from specdec.models.weights import cache_dir, is_pulled
 
 from .conftest import prompt_ids
-
-SMOL = REGISTRY["smollm2-135m"]
 
 
 @pytest.fixture
@@ -75,10 +71,7 @@ def test_bad_vocabularies_are_refused(quantized, draft_model):
         ModelDrafter(quantized, vocab=0)
 
 
-def test_a_head_over_another_vocabulary_drafts_there_exactly():
-    if not is_pulled(SMOL.name, cache_dir()):
-        pytest.skip(f"{SMOL.name} is not pulled: run `specdec models pull {SMOL.name}`")
-    smol = load_model(SMOL.name)
+def test_a_head_over_another_vocabulary_drafts_there_exactly(smol):
     ids = smol.encode("Name three rivers in Europe and say where each one flows.", chat=True)
     plain = generate(smol, ids, None, k=0, max_new_tokens=24)
     drafter = EagleDrafter(vocab=2048)

@@ -88,19 +88,37 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.data, self.types, self.bias, self.int8)
 
+    def select(self, ids: torch.Tensor) -> QuantLinear:
+        """Rows `ids` (n,) of this one-part matrix as a QuantLinear of their own (their blocks copied
+        from the raw part, in its type; these activations); no bias. Raises ValueError for a matrix
+        of several parts."""
+        from specdec.backends.qkernel import TYPES
+
+        if len(self.raw) != 1:
+            raise ValueError("select() takes rows of a one-part matrix (an output layer)")
+        names = {v: k for k, v in TYPES.items()}
+        rows = self.raw[0].index_select(0, ids.long().cpu())
+        part = SimpleNamespace(qtype=names[self.raw_types[0]], shape=(len(rows), self.in_features), data=rows)
+        return QuantLinear([part], int8=self.int8)  # part: the fields QuantLinear reads of a QTensor
+
+
+def layer_weights(norm_in, norm_post, qkv: QuantLinear, o: QuantLinear, gate_up: QuantLinear, down: QuantLinear):
+    """The kernels' Layer (one decoder layer's weights for `layers` and `head_step`): the norms'
+    weights (d,) fp32 (norm_in empty: no input norm, as an EAGLE-1 head's layer) and the four
+    products."""
+    return qkv.kernels.Layer(
+        norm_in, norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
+        gate_up.data, gate_up.types, down.data, down.types,
+    )  # fmt: skip
+
 
 class OutputRows:
     """The rows `ids` (n,) of an output layer (a QuantLinear), as an output layer of width V:
     x (m, d) -> (m, V) logits, -inf outside ids. Reads n rows' blocks instead of V."""
 
     def __init__(self, full: QuantLinear, ids: torch.Tensor, V: int):
-        from specdec.backends.qkernel import TYPES
-
-        names = {v: k for k, v in TYPES.items()}
         self.ids, self.V = ids.long().cpu(), V
-        rows = full.raw[0].index_select(0, self.ids)  # a part as QuantLinear reads one (a QTensor's fields)
-        part = SimpleNamespace(qtype=names[full.raw_types[0]], shape=(len(self.ids), full.in_features), data=rows)
-        self.rows = QuantLinear([part], int8=full.int8)
+        self.rows = full.select(self.ids)
         self.raw, self.raw_types = full.raw, full.raw_types  # dequantize_rows reads the whole layer's
         self.in_features, self.out_features, self.nbytes = full.in_features, len(self.ids), self.rows.nbytes
 
@@ -131,11 +149,7 @@ class _Layer:
         self.down = QuantLinear([get("ffn_down.weight")], None, fallback, int8, mapped=mapped)
         self.norm_in = get("attn_norm.weight").data.float().contiguous()
         self.norm_post = get("ffn_norm.weight").data.float().contiguous()
-        qkv, o, gate_up, down = self.qkv, self.o, self.gate_up, self.down
-        self.weights = qkv.kernels.Layer(
-            self.norm_in, self.norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
-            gate_up.data, gate_up.types, down.data, down.types,
-        )  # fmt: skip
+        self.weights = layer_weights(self.norm_in, self.norm_post, self.qkv, self.o, self.gate_up, self.down)
 
 
 class QuantModel:
@@ -196,7 +210,8 @@ class QuantModel:
         self.lm_head = QuantLinear(
             [t.get("output.weight", self.embed_tensor)], None, fallback, self.int8, mapped=gguf.mapped
         )
-        self._embed = QuantLinear([self.embed_tensor], None, fallback, repack=False)  # rows gathered, never multiplied
+        # the input embedding: rows gathered (embed_rows, a head's step), never multiplied
+        self.embedding = QuantLinear([self.embed_tensor], None, fallback, repack=False)
         self.vocab_size = self.embed_tensor.shape[0]
         if fallback:
             print(
@@ -215,7 +230,7 @@ class QuantModel:
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file."""
-        return self.kernels.dequantize_rows(self._embed.raw[0], self._embed.raw_types[0], self.hidden_size, ids)
+        return self.kernels.dequantize_rows(self.embedding.raw[0], self.embedding.raw_types[0], self.hidden_size, ids)
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (n,) of the output layer's weight, dequantized: (n, hidden) fp32 (a draft head's

@@ -319,11 +319,10 @@ def bench_pair(
     if replay and greedy and replayable(drafter) and not grammars:
         desc = f"replay {pair.target} / {pair.drafter}"
         _replay(target, drafter, records, encoded, outputs, ks, costs, desc, progress)
-    precision = draft_model.precision if draft_model else getattr(drafter, "precision", None)
-    record = _pair_record(
-        pair, workload, ks, target, precision, draft_model, memory, draft_memory, costs, records, peer_rows
+    precision = draft_model.precision if draft_model else getattr(drafter, "precision", None)  # a head's
+    return _pair_record(
+        pair, workload, ks, target, draft_model, memory, draft_memory, costs, records, peer_rows, precision, draft_vocab
     )
-    return record.model_copy(update={"draft_vocab": draft_vocab})
 
 
 def _drafters(
@@ -535,13 +534,14 @@ def _pair_record(
     workload: str,
     ks: list,
     target: Model,
-    draft_precision: str | None,
     draft_model: Model | None,
     memory: dict,
     draft_memory: dict | None,
     costs: dict,
     records: list[dict],
     peer_rows: list[dict],
+    draft_precision: str | None = None,
+    draft_vocab: int | None = None,
 ) -> PairRecord:
     """The typed record of a pair: what ran (precision, kernels, memory), the raw measurements, and
     their fit (fit). Raises ValueError naming the field that does not fit the schema."""
@@ -552,6 +552,7 @@ def _pair_record(
         "workload": workload,
         "precision": target.precision,
         "draft_precision": draft_precision,
+        "draft_vocab": draft_vocab,
         "backend": target.backend,
         "device": str(target.device),
         "kernel": kernel(target),

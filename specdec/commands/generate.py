@@ -11,7 +11,7 @@ from pathlib import Path
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.bench.workloads import load_workload
 from specdec.commands.common import load_kwargs, recalibrate
-from specdec.drafters.factory import check_options, drafter_from_options, options_for
+from specdec.drafters.factory import REGISTERED, check_options, drafter_from_options, options_for
 from specdec.engine import generate
 from specdec.exactness import first_divergence
 from specdec.grammar import Grammar, GrammarError
@@ -132,7 +132,7 @@ def _drafter_options(args) -> dict:
         head=args.head,
         corpus=args.corpus,
         cache=args.cache_dir,
-        quantize=args.draft_quantize if args.drafter != "model" else None,  # a draft model's: at its load
+        quantize=None if _loads_a_draft(args.drafter) else args.draft_quantize,  # a draft model's: at its load
         vocab=args.draft_vocab,
         max_ngram=args.max_ngram,
         min_ngram=args.min_ngram,
@@ -192,3 +192,9 @@ class TextStreamer:
             out = self.out or sys.stdout
             out.write(piece)
             out.flush()
+
+
+def _loads_a_draft(drafter: str) -> bool:
+    """Whether the drafter drafts with a draft model (its --draft-quantize is applied when it loads)."""
+    entry = REGISTERED.get(drafter)
+    return entry is not None and "draft" in entry.options

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.backends.quant import QuantLinear, QuantModel
-from specdec.models.gguf import QTensor
+from specdec.backends.quant import QuantLinear, QuantModel, layer_weights
 from specdec.models.quantize import quantize_matrix
 
 HEAD_QUANTIZE = "q8_0"  # the type of the head's matrices when none is asked for (docs/draft-heads.md)
@@ -28,8 +27,6 @@ class QuantHead:
     qtype, or a head whose hidden size is not the target's."""
 
     def __init__(self, head, model: QuantModel, qtype: str = HEAD_QUANTIZE):
-        from specdec.backends.qkernel import TYPES
-
         if head.config["hidden"] != model.hidden_size:
             raise ValueError(f"a head of hidden size {head.config['hidden']} for a target of {model.hidden_size}")
         self.kernels, self.int8, self.qtype = model.kernels, model.int8, qtype
@@ -44,17 +41,9 @@ class QuantHead:
             linear(n, getattr(getattr(head, n), "bias", None)) for n in ("fc", "qkv", "o", "gate_up", "down")
         )
         norm_in = torch.empty(0) if head.norm_in is None else head.norm_in.detach().float().contiguous()
-        layer = self.kernels.Layer(
-            norm_in, head.norm_post.detach().float().contiguous(), qkv.data, qkv.types, qkv.bias, o.data, o.types,
-            gate_up.data, gate_up.types, down.data, down.types,
-        )  # fmt: skip
-        names = {v: k for k, v in TYPES.items()}
-        rows = model.lm_head.raw[0].index_select(0, head.vocab_ids.cpu())  # the target's blocks of those tokens
-        out = QuantLinear(
-            [QTensor("head.out", names[model.lm_head.raw_types[0]], (len(rows), model.hidden_size), rows)],
-            int8=self.int8,
-        )
-        embed = model._embed
+        layer = layer_weights(norm_in, head.norm_post.detach().float().contiguous(), qkv, o, gate_up, down)
+        out = model.lm_head.select(head.vocab_ids)  # the target's blocks of the head's tokens
+        embed = model.embedding
         self.weights = self.kernels.Head(
             fc.data, fc.types, layer, out.data, out.types, embed.raw[0], embed.raw_types[0]
         )

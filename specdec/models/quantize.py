@@ -56,24 +56,22 @@ def quantize_model(hf: torch.nn.Module, qtype: str, name: str) -> GGUFModel:
         if value.dim() == 1:
             tensors[target] = QTensor(target, "F32", tuple(value.shape), value.float().contiguous())
             continue
-        if value.shape[1] % 32:
-            raise ValueError(f"{name}: {key} has rows of {value.shape[1]}, not a multiple of {qtype}'s block of 32")
-        tensors[target] = quantize_matrix(value, qtype, target)
+        tensors[target] = quantize_matrix(value, qtype, target, f"{name}: {key}")
     if "output.weight" in tensors and hf.config.tie_word_embeddings:
         del tensors["output.weight"]  # tied: the embedding's blocks serve as the output layer
     size = sum(t.data.numel() * t.data.element_size() for t in tensors.values())
     return GGUFModel(Path(name), arch, tensors, size)
 
 
-def quantize_matrix(weight: torch.Tensor, qtype: str, name: str) -> QTensor:
+def quantize_matrix(weight: torch.Tensor, qtype: str, name: str, what: str | None = None) -> QTensor:
     """A matrix (rows, cols) quantized to `qtype` (one of QUANTIZE; q4_k takes Q4_1 where cols is
     not a multiple of 256) as a QTensor named `name`. Raises ValueError for another qtype or cols
-    not a multiple of the block size (32)."""
+    not a multiple of the block size (32), naming the matrix as `what` (default: name)."""
     if qtype not in QUANTIZE:
         raise ValueError(f"{qtype!r} is not a quantization type: choose one of {', '.join(QUANTIZE)}")
     rows, cols = weight.shape
     if cols % 32:
-        raise ValueError(f"{name} has rows of {cols}, not a multiple of {qtype}'s block of 32")
+        raise ValueError(f"{what or name} has rows of {cols}, not a multiple of {qtype}'s block of 32")
     kind = gguf.GGMLQuantizationType[qtype.upper()]
     weights = weight.detach().float().cpu().numpy()
     if kind == gguf.GGMLQuantizationType.Q4_K and cols % 256 == 0:

@@ -191,3 +191,13 @@ def conversation_rows(
     if not rows:
         raise DataError(f"{path}: no conversation with an assistant turn the chat template renders")
     return rows
+
+
+def dataset_rows(
+    target, source: str, n: int, max_tokens: int, exclude: tuple[str, ...] = (), seed: int = 0, code_only: bool = False
+) -> tuple[list[dict], dict]:
+    """conversation_rows' rows (the dataset's own assistant turns) and their description for a
+    head's summary; raises as conversation_rows does."""
+    rows = conversation_rows(target, source, n, max_tokens, exclude, seed, code_only)
+    description = {"data": source, "answers": "sharegpt", "code_only": code_only, "conversations": len(rows)}
+    return rows, description | {"max_tokens": max_tokens}

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from specdec.cache import LeanKVCache
 from specdec.models.load import Model
 from specdec.models.weights import atomic_write
-from specdec.train.conversations import conversation_rows
+from specdec.train.conversations import dataset_rows
 from specdec.train.head import DraftHead, head_file, load_head, save_head
 
 TOPICS = [
@@ -344,11 +344,12 @@ def train_head(
     taps = sorted(set(taps or [])) if start is None else list(start.taps)
     LeanKVCache(target, capacity=1, taps=tuple(taps))  # refuses a layer the target lacks, before the answers
     torch.manual_seed(seed)
-    if data is not None:
-        if conversation_data is None and answers != "sharegpt":
+    if data is not None and answers == "sharegpt":
+        rows, source = dataset_rows(target, data, conversations, max_tokens, exclude, seed, code_only)
+    elif data is not None:
+        if conversation_data is None:
             raise ValueError(f"answers={answers!r} needs conversation_data (specdec.answers.conversation_data)")
-        make = conversation_data or _dataset_rows
-        rows, source = make(
+        rows, source = conversation_data(
             target,
             data,
             out / "answers",
@@ -499,15 +500,3 @@ def plot_loss(history: list[dict], path: Path, loss_label: str, acc_label: str) 
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
-
-
-def _dataset_rows(target, data, out_dir, answers, n, max_tokens, exclude, seed, code_only=False, **_) -> tuple:
-    """specdec.answers.conversation_data's "sharegpt" case: the dataset's own assistant turns."""
-    rows = conversation_rows(target, data, n, max_tokens, exclude, seed, code_only)
-    return rows, {
-        "data": data,
-        "answers": answers,
-        "code_only": code_only,
-        "conversations": len(rows),
-        "max_tokens": max_tokens,
-    }
