@@ -113,7 +113,7 @@ def test_older_attention_rows_equal_one_row_calls(older, cache):
             assert torch.equal(y[i : i + 1], older.attention(q[i : i + 1], kc, vc, start + i, None, scale)), i
 
 
-AMX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the regrouped 32-weight types; Q4_K keeps VNNI
+AMX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the regrouped 32-weight types; Q4_K and Q6_K keep VNNI
 
 
 def _tiles_give_the_vnni_bits(module, qtype: str) -> None:

@@ -185,7 +185,7 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
     assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]], int8=True), x, max_n=x.shape[0])
 
 
-REGROUPED = [t for t in QTYPES if t != "Q6_K"]  # Q6_K goes a row at a time (quant/int8_x16.h says why)
+REGROUPED = QTYPES  # every quantized type is regrouped (its rows in sixteens)
 
 
 @needs_int8
@@ -215,7 +215,7 @@ def test_parts_regrouped_sixteen_rows_at_a_time_are_the_same_product_and_batch_i
     scale = xq.abs() @ w.double().abs().T
     assert ((y.double() - want).abs() <= 2e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
     assert_rows_invariant(lambda rows: matmul(rows, [packed], [xtype], int8=True), x, max_n=19)
-    kind = "Q6_K" if super_block else "Q5_0"  # row at a time: sixteen rows not regrouped
+    kind = "Q6_K" if super_block else "Q5_0"  # as in the file, not regrouped: a row at a time
     other = torch.from_numpy(random_blocks(kind, 16, K, seed=18))
     bias = torch.randn(N + 16, generator=torch.Generator().manual_seed(19))
     both = matmul(x, [other, packed], [TYPES[kind], xtype], bias, int8=True)
@@ -228,7 +228,6 @@ def test_parts_regrouped_sixteen_rows_at_a_time_are_the_same_product_and_batch_i
     with pytest.raises(RuntimeError, match="sixteens"):  # a row-at-a-time part of 8 rows before a regrouped one
         matmul(x, [other[:8], packed], [TYPES[kind], xtype], int8=True)
     assert kernels().repack(fp32_part(torch.randn(16, 64)), TYPES["F32"], 64) is None
-    assert kernels().repack(torch.from_numpy(random_blocks("Q6_K", 16, 256, seed=1)), TYPES["Q6_K"], 256) is None
 
 
 @needs_int8
@@ -240,10 +239,11 @@ def test_quant_linear_repacks_parts_in_sixteens_and_keeps_the_raw_rows():
     ]
     linear = QuantLinear(parts, int8=True)
     packed, xtype = kernels().repack(parts[0].data, TYPES["Q4_K"], K)
-    assert linear.types == [xtype, TYPES["Q6_K"]] and linear.raw[0] is parts[0].data  # Q6_K: a row at a time
+    packed6, xtype6 = kernels().repack(parts[1].data, TYPES["Q6_K"], K)
+    assert linear.types == [xtype, xtype6] and linear.raw[0] is parts[0].data and linear.raw[1] is parts[1].data
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(13))
     assert torch.equal(linear(x)[:, :32], matmul(x, [packed], [xtype], int8=True))
-    assert torch.equal(linear(x)[:, 32:], matmul(x, [parts[1].data], [TYPES["Q6_K"]], int8=True))
+    assert torch.equal(linear(x)[:, 32:], matmul(x, [packed6], [xtype6], int8=True))
     assert QuantLinear(parts, int8=False).types == [TYPES["Q4_K"], TYPES["Q6_K"]]  # fp32 activations: as in the file
     legacy = [QTensor("w", t, (16, K), torch.from_numpy(random_blocks(t, 16, K, seed=20))) for t in QTYPES[:5]]
     types = [kernels().repack(p.data, TYPES[p.qtype], K)[1] for p in legacy]

@@ -8,7 +8,7 @@ where `int8_available()`, i.e. the CPU has AVX512-VNNI), `dequantize_rows(w, typ
 `rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`,
 `rope(x, positions, inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)`,
 `repack(rows, type, K)` (rows regrouped sixteen at a time for the int8 path, with their type id;
-None for F32 and Q6_K), `peak(kind)` (multiply-adds per second of the int8 or fp32 product
+None for F32), `peak(kind)` (multiply-adds per second of the int8 or fp32 product
 instruction), `release(t)` (a memory-mapped tensor's pages), and
 `Layer(...)` with `layers(...)` (the Llama/Qwen2 decoder stack over one or more requests' new
 tokens). Each output is reduced in one fixed order by one thread, so row i of an n-row call has the

@@ -37,9 +37,8 @@ class QuantLinear:
     specdec.models.gguf.QTensor with K columns) and b the concatenation of their biases (fp32 or
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
     dequantized to fp32 because the kernels do not handle their type, and, with int8 activations
-    (`int8`) and `repack`, of the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K parts of a matrix whose parts' rows
-    all come in sixteens, regrouped sixteen rows at a time for the faster kernels (Q6_K and F32 go a
-    row at a time). mapped(tensor) says whether a part lies in a file's memory map; the pages of a
+    (`int8`) and `repack`, of the quantized parts of a matrix whose parts' rows all come in
+    sixteens, regrouped sixteen rows at a time for the faster kernels (F32 parts go a row at a time). mapped(tensor) says whether a part lies in a file's memory map; the pages of a
     regrouped part that does are released. `raw` keeps the parts as given (for dequantize_rows)."""
 
     def __init__(
@@ -73,7 +72,7 @@ class QuantLinear:
         if int8 and repack and all(p.shape[0] % 16 == 0 for p in parts):
             for i, t in enumerate(self.types):
                 regrouped = self.kernels.repack(self.data[i], t, self.in_features)
-                if regrouped is None:  # F32 and Q6_K go a row at a time
+                if regrouped is None:  # F32 goes a row at a time
                     continue
                 self.data[i], self.types[i] = regrouped
                 if mapped is not None and mapped(self.raw[i]):  # its file pages: no longer read
@@ -156,8 +155,7 @@ class QuantModel:
     """A Llama/Qwen2 GGUF model (specdec.models.gguf.GGUFModel) laid out for the batch-invariant
     quantized forward, with its transformers `config` for the shapes. Memory: the weights are the
     memory-mapped file's blocks, except llama's q and k rows (un-permuted) and, with int8
-    activations, the matrices regrouped sixteen rows at a time (every quantized type but Q6_K; their file pages
-    released).
+    activations, the quantized matrices regrouped sixteen rows at a time (their file pages released).
     activations: "int8" rounds each input row of a product to int8 per block and multiplies with
     integer dot products (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the
     dequantized weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the

@@ -2,7 +2,7 @@
 
 For each type a matrix of random blocks (finite fp16 scales, every other byte random) larger than
 the last-level cache, laid out as a model's load lays it out (regrouped sixteen rows at a time for
-the int8 path, Q6_K excepted); one product over M input rows is timed for M = 1, 2, 4, 8, 9, interleaved round
+the int8 path); one product over M input rows is timed for M = 1, 2, 4, 8, 9, interleaved round
 by round, the fastest of the rounds kept (another process only slows a round down). Reported per
 type: V(1) and the GB/s it streams the weights at, V(M)/V(1), and an added row's cost (the slope
 over M) as multiply-adds per second and as a share of the product instruction's peak measured in
@@ -56,7 +56,7 @@ def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int
     raw = random_matrix(qtype, rows, K)
     part, kind = raw, TYPES[qtype]
     regrouped = k.repack(raw, kind, K) if int8 else None
-    if regrouped is not None:  # as a model's load lays it out (Q6_K goes a row at a time)
+    if regrouped is not None:  # as a model's load lays it out
         part, kind = regrouped
     inputs = {m: torch.randn(m, K, generator=torch.Generator().manual_seed(m)) for m in ROWS}
     best = {m: float("inf") for m in ROWS}

@@ -277,6 +277,96 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
   }
 }
 
+// ---- Q6_K ---------------------------------------------------------------------------------------
+//
+// A group's bytes per super-block: d[16] fp16 | scales[16][16] int8 (sub-block j, row) | nibbles[32][64]
+// (vector v, lane r, byte i: low nibble = the low four bits of row r's weight 4v + i, high nibble =
+// those of weight 128 + 4v + i) | highs[16][64] (vector v, lane r, byte i: bits 2k, 2k + 1 = the top two
+// bits of weight 64k + 4v + i). The same bytes per row as the GGML block.
+constexpr int64_t Q6_K_GROUP_BYTES = 32 + 256 + 2048 + 1024;
+constexpr int64_t Q6_K_NIBBLES = 288, Q6_K_HIGHS = 288 + 2048;
+
+torch::Tensor repack_q6k(const torch::Tensor& rows) {
+  return regroup(rows, 210, Q6_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
+    uint8_t q[256];  // the row's 6-bit weights (0..63), as ggml's dequantize_row_q6_K reads them
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t *ql = p + 64 * half, *qh = p + 128 + 32 * half;
+      for (int l = 0; l < 32; ++l) {
+        q[128 * half + l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
+        q[128 * half + l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
+        q[128 * half + l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        q[128 * half + l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+    std::memcpy(o + 2 * r, p + 208, 2);
+    for (int j = 0; j < 16; ++j) o[32 + 16 * j + r] = p[192 + j];
+    for (int v = 0; v < 32; ++v)
+      for (int i = 0; i < 4; ++i)
+        o[Q6_K_NIBBLES + 64 * v + 4 * r + i] = static_cast<uint8_t>((q[4 * v + i] & 15) | ((q[128 + 4 * v + i] & 15) << 4));
+    for (int v = 0; v < 16; ++v)
+      for (int i = 0; i < 4; ++i) {
+        uint8_t h = 0;
+        for (int k = 0; k < 4; ++k) h |= static_cast<uint8_t>((q[64 * k + 4 * v + i] >> 4) << (2 * k));
+        o[Q6_K_HIGHS + 64 * v + 4 * r + i] = h;
+      }
+  });
+}
+
+// Per super-block and output row: T = sum over sub-blocks j of scale_j * sum_j((u - 32) * xq) (int32, exact: the
+// offset enters as the chain's start, -32 * sum_j(xq)), then acc = fma(float(T), d * dx, acc). Four sub-blocks
+// (j, j + 4, j + 8, j + 12) are decoded at a time, their sixteen weight vectors shared by every input row.
+template <int T>
+void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
+  static_assert(T <= X16_TILE, "q6k_x16_tile: at most X16_TILE input rows");
+  const int64_t S = x.supers;
+  const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+  __m512 acc[T];
+  for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < S; ++sb) {
+    const uint8_t* p = group + sb * Q6_K_GROUP_BYTES;
+    prefetch_ahead<2>(p, Q6_K_GROUP_BYTES);
+    __m512i total[T];
+    for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i u[4][4];  // [k: sub-block j + 4k][t: its weights 4t..4t+3]
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const int v = 4 * j + t;
+        const __m512i n1 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * v);
+        const __m512i n2 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * (v + 16));
+        const __m512i h = _mm512_loadu_si512(p + Q6_K_HIGHS + 64 * v);
+        u[0][t] = _mm512_or_si512(_mm512_and_si512(n1, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+        u[1][t] = _mm512_or_si512(_mm512_and_si512(n2, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+        u[2][t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low), _mm512_and_si512(h, top));
+        u[3][t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n2, 4), low),
+                                  _mm512_and_si512(_mm512_srli_epi16(h, 2), top));
+      }
+      __m512i sc[4];
+      for (int k = 0; k < 4; ++k) sc[k] = _mm512_cvtepi8_epi32(load16(p + 32 + 16 * (j + 4 * k)));
+#pragma GCC unroll 4
+      for (int m = 0; m < T; ++m) {
+        const int64_t r = (m0 + m) * S + sb;
+        const int8_t* xq = x.q.data() + 256 * r;
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const int sub = j + 4 * k;
+          __m512i sum = _mm512_set1_epi32(-32 * x.sum16[16 * r + sub]);
+#pragma GCC unroll 4
+          for (int t = 0; t < 4; ++t)
+            sum = _mm512_dpbusd_epi32(sum, u[k][t], _mm512_set1_epi32(load_i32(xq + 16 * sub + 4 * t)));
+          total[m] = _mm512_add_epi32(total[m], _mm512_mullo_epi32(sum, sc[k]));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(load32(p));
+    for (int m = 0; m < T; ++m) {
+      const int64_t r = (m0 + m) * S + sb;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[m]), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[r])), acc[m]);
+    }
+  }
+  for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
 // ---- a part's outputs ---------------------------------------------------------------------------
 
 // y[:, j] for the groups of sixteen rows covering [lo, hi) (multiples of 16) of one regrouped part:
@@ -318,6 +408,10 @@ struct LegacyTile {
   };
 };
 template <int T>
+struct Q6KTile {
+  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q6k_x16_tile<T>(g, x, m0, out); }
+};
+template <int T>
 struct Q4KTile {
   static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) {
     if constexpr (T > 4) {
@@ -332,7 +426,10 @@ struct Q4KTile {
 // The GGML type a regrouped type id stands for, or -1.
 inline int64_t regrouped_base(int64_t type) {
   const int64_t base = type - X16;
-  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ? base : -1;
+  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
+                 base == Q6_K
+             ? base
+             : -1;
 }
 
 // Bytes per group of sixteen rows of a regrouped type with K columns; 0 for the other types.
@@ -344,15 +441,15 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
     case Q5_1: return K / 32 * legacy_group_bytes<Q5_1>();
     case Q8_0: return K / 32 * legacy_group_bytes<Q8_0>();
     case Q4_K: return K / 256 * Q4_K_GROUP_BYTES;
+    case Q6_K: return K / 256 * Q6_K_GROUP_BYTES;
   }
   return 0;
 }
 
 // A matrix's rows regrouped sixteen at a time for the int8 kernels: (the regrouped tensor, its type id)
-// for the 32-weight types and Q4_K, rows (N, row bytes) with N a multiple of 16; None for F32 and Q6_K,
-// which go a row at a time (why: docs/quantized.md).
+// for the quantized types, rows (N, row bytes) with N a multiple of 16; None for F32, which goes a row at a time.
 c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
-  if (type == F32 || type == Q6_K) return c10::nullopt;
+  if (type == F32) return c10::nullopt;
   const Layout lay = layout(type);
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % lay.block == 0 &&
                   rows.size(1) == K / lay.block * lay.bytes && rows.size(0) % GROUP == 0,
@@ -366,6 +463,7 @@ c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int
     case Q5_1: out = repack_legacy<Q5_1>(rows); break;
     case Q8_0: out = repack_legacy<Q8_0>(rows); break;
     case Q4_K: out = repack_q4k(rows); break;
+    case Q6_K: out = repack_q6k(rows); break;
   }
   return std::make_tuple(out, X16 + type);
 }
@@ -380,6 +478,7 @@ void regrouped_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes,
     case Q5_1: return tiled_outputs<QRows, LegacyTile<Q5_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
     case Q8_0: return tiled_outputs<QRows, LegacyTile<Q8_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
     case Q4_K: return tiled_outputs<KRows, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
+    case Q6_K: return tiled_outputs<KRows, Q6KTile>(groups, group_bytes, lo, hi, kx, y, N);
   }
   TORCH_CHECK(false, "quant: not a regrouped type: ", type);
 }
