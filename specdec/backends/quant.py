@@ -38,7 +38,8 @@ class QuantLinear:
     None). x: (n, K) fp32 -> (n, sum of rows). No copy of the weights is made, except of parts
     dequantized to fp32 because the kernels do not handle their type, and, with int8 activations
     (`int8`) and `repack`, of the quantized parts of a matrix whose parts' rows all come in
-    sixteens, regrouped sixteen rows at a time for the faster kernels (F32 parts go a row at a time). mapped(tensor) says whether a part lies in a file's memory map; the pages of a
+    sixteens, regrouped sixteen rows at a time for the faster kernels (F32 parts go a row at a
+    time). mapped(tensor) says whether a part lies in a file's memory map; the pages of a
     regrouped part that does are released. `raw` keeps the parts as given (for dequantize_rows)."""
 
     def __init__(
