@@ -72,9 +72,9 @@ def test_kernels_table_for_one_type(capsys):
     assert row["mb"] == pytest.approx(row["rows"] * 256 // 32 * 20 / 1e6)  # regrouped: the file's bytes
     assert row["gbs"] == pytest.approx(row["mb"] / row["v1_ms"])  # MB per ms is GB per s
     assert row["gmacs"] == pytest.approx(row["rows"] * 256 / row["marginal_ms"] / 1e6)
-    result = {"kernel": "fp32", "threads": 1, "peak_gmacs": 10.0, "types": [{**row, "fraction": 0.5}]}
-    text = table(result)
-    assert "| Q4_1 |" in text and "50%" in text and "10 G multiply-adds/s" in text
+    result = {"kernel": "fp32", "threads": 2, "peak_gmacs": 10.0, "peak_one_thread_gmacs": 8.0}
+    text = table({**result, "types": [{**row, "fraction": 0.5}]})
+    assert "| Q4_1 |" in text and "50%" in text and "10 G multiply-adds/s (8 G on one thread: 1.25x with 2)" in text
     assert main(["kernels", "--types", "Q8_0", "--columns", "256", "--mb", "1"]) == 0
     assert "| Q8_0 |" in capsys.readouterr().out
 
@@ -84,3 +84,12 @@ def test_kernels_refuses_what_it_cannot_time():
         main(["kernels", "--types", "Q2_K", "--mb", "1"])
     with pytest.raises(SystemExit, match="multiple of 256"):
         main(["kernels", "--columns", "100"])
+
+
+def test_report_gives_the_verify_floor_the_peak_allows():
+    from specdec.bench.report import _costs
+
+    row = {"kernel": "vnni", "marginal_ms": 1.0, "macs_per_row": 135e6, "peak_ms": 0.5, "peak_gmacs": 270.0}
+    costs = {"verify_ms": {"1": 5.0, "2": 6.0, "8": 12.0}, "context_tokens": 64, "draft_ms": {}, "overhead_ms": 0.1}
+    text = "\n".join(_costs({"costs": {**costs, "row_cost": row | {"fraction": 0.5}}}))
+    assert "V(8)/V(1) can be no less than 1.70 on this CPU" in text  # 1 + 7 x 0.5 / 5

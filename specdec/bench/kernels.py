@@ -81,8 +81,11 @@ def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int
 
 
 def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: bool | None = None) -> dict:
-    """Every type's row and the peak: {"kernel": "amx", "vnni" or "fp32", "threads", "peak_gmacs", "types": [...]}.
-    int8: None for the int8 path where the CPU has VNNI. Raises ValueError for a type the kernels lack."""
+    """Every type's row and the peak: {"kernel": "amx", "vnni" or "fp32", "threads", "peak_gmacs",
+    "peak_one_thread_gmacs", "types": [...]}. The peak on one thread beside torch's threads' says how
+    much arithmetic the threads add: far less than their count where they share a core's units
+    (SMT siblings, as many cloud vCPUs are). int8: None for the int8 path where the CPU has VNNI.
+    Raises ValueError for a type the kernels lack."""
     from specdec.backends.qkernel import kernels
 
     unknown = [t for t in types if t not in FP16_FIELDS]
@@ -92,17 +95,25 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
         int8 = kernels().int8_available()
     kind = product_kernel(int8)
     peak = peak_macs_per_s(kind) / 1e9
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = peak_macs_per_s(kind) / 1e9
+    finally:
+        torch.set_num_threads(threads)
     rows = [measure(t, K, megabytes, int8=int8) for t in types]
     for r in rows:
         r["fraction"] = r["gmacs"] / peak
-    return {"kernel": kind, "threads": torch.get_num_threads(), "peak_gmacs": peak, "types": rows}
+    return {"kernel": kind, "threads": threads, "peak_gmacs": peak, "peak_one_thread_gmacs": one, "types": rows}
 
 
 def table(result: dict) -> str:
     """The result as a markdown table, with a line naming the peak."""
+    one = result["peak_one_thread_gmacs"]
     lines = [
         f"{result['kernel']} kernels, {result['threads']} threads; the product instruction's peak: "
-        f"{result['peak_gmacs']:.0f} G multiply-adds/s",
+        f"{result['peak_gmacs']:.0f} G multiply-adds/s ({one:.0f} G on one thread: "
+        f"{result['peak_gmacs'] / one:.2f}x with {result['threads']})",
         "",
         "| type | matrix | V(1) ms | GB/s at M = 1 | "
         + " | ".join(f"V({m})/V(1)" for m in ROWS[1:])

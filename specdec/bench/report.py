@@ -199,6 +199,10 @@ def _costs(pair: dict) -> list[str]:
             f"{row['peak_gmacs']:.0f} G/s this CPU's product instruction reached alone"
             + (f": {row['fraction']:.0%} of that peak." if row.get("fraction") else "."),
         ]
+        widest = max(n for n, _ in curve)
+        if v1 and widest > 1:  # no kernel on this CPU can make n rows cheaper than their arithmetic
+            floor = 1 + (widest - 1) * row["peak_ms"] / v1
+            out[-1] += f" So V({widest})/V(1) can be no less than {floor:.2f} on this CPU at this V(1)."
     if pair.get("products"):
         out += ["", f"Matrix products (fp32, CPU): {pair['products']}."]
     elif pair.get("kernel"):
