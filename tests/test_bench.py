@@ -573,3 +573,21 @@ def test_bench_runs_a_quantized_model_without_its_fp32_dequantization(workload, 
     assert mem["growth_per_file_byte"] == pytest.approx(mem["rss_growth_mb"] / mem["file_mb"])
     report = markdown_report(res)
     assert "precision gguf Q4_1+Q8_0" in report and f"Matrix products: {pair['kernel']}." in report
+
+
+def test_costs_are_timed_where_a_hybrid_drafts_with_its_model():
+    """cost_context: the prompts joined, longest first, cut to the length, then shortened until the
+    drafter's free lookup branch (long_match) would not fire."""
+    from specdec.bench.run import cost_context
+    from specdec.drafters.base import Drafter
+
+    class Hybrid(Drafter):
+        def long_match(self, context):
+            return 6 if context[-1] == 7 else None  # lookup fires after token 7
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 7, 7, 7]]
+    assert cost_context(Drafter(), prompts, 6) == [4, 5, 6, 7, 7, 7]
+    assert cost_context(Hybrid(), prompts, 6) == [4, 5, 6]
+    assert cost_context(Drafter(), prompts, 12) == [4, 5, 6, 7, 7, 7, 7, 1, 2, 3, 4, 5]  # all shorter: repeated
+    with pytest.raises(ValueError, match="two tokens"):
+        cost_context(Drafter(), [], 6)

@@ -347,14 +347,28 @@ def _drafters(
 
 def _measure(target: Model, drafter: Drafter, encoded: list[list[int]], cost_ks: list[int], run: dict) -> dict:
     """Warm up every path once (speculative at the largest k, plain), then measure_costs at the typical
-    KV length of the decode: the median prompt plus half the new tokens, cut from the longest prompt
-    repeated. Returns the costs without overhead, roofline and row cost."""
+    KV length of the decode (the median prompt plus half the new tokens) on cost_context. Returns the
+    costs without overhead, roofline and row cost."""
     generate(target, encoded[0], drafter, k=max(cost_ks), **{**run, "max_new_tokens": 8})
     generate(target, encoded[0], None, **{**run, "max_new_tokens": 8})
     ctx_len = int(statistics.median(len(e) for e in encoded)) + run["max_new_tokens"] // 2
-    longest = max(encoded, key=len)
-    context = (longest * (ctx_len // len(longest) + 1))[: min(ctx_len, target.n_ctx - max(cost_ks) - 2)]
+    context = cost_context(drafter, encoded, min(ctx_len, target.n_ctx - max(cost_ks) - 2))
     return measure_costs(target, drafter, context, cost_ks, greedy=run["temperature"] == 0)
+
+
+def cost_context(drafter: Drafter, encoded: list[list[int]], length: int, give: int = 64) -> list[int]:
+    """The context the costs are timed on: the prompts one after another, longest first (repeated only
+    if they are all shorter together), cut to `length` tokens, and shortened by up to `give` tokens
+    until the drafter would draft with its own model or head: a hybrid's free lookup branch
+    (Drafter.long_match) is not the cost its c stands for. Raises ValueError for no tokens."""
+    joined = [t for e in sorted(encoded, key=len, reverse=True) for t in e]
+    if not joined or length < 2:
+        raise ValueError("the cost context needs prompts of at least two tokens")
+    joined = (joined * (length // len(joined) + 1))[:length]
+    for cut in range(length, max(2, length - give) - 1, -1):
+        if drafter.long_match(joined[:cut]) is None:
+            return joined[:cut]
+    return joined
 
 
 def _config_drafters(
