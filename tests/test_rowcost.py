@@ -92,4 +92,4 @@ def test_report_gives_the_verify_floor_the_peak_allows():
     row = {"kernel": "vnni", "marginal_ms": 1.0, "macs_per_row": 135e6, "peak_ms": 0.5, "peak_gmacs": 270.0}
     costs = {"verify_ms": {"1": 5.0, "2": 6.0, "8": 12.0}, "context_tokens": 64, "draft_ms": {}, "overhead_ms": 0.1}
     text = "\n".join(_costs({"costs": {**costs, "row_cost": row | {"fraction": 0.5}}}))
-    assert "V(8)/V(1) can be no less than 1.70 on this CPU" in text  # 1 + 7 x 0.5 / 5
+    assert "At that peak V(8)/V(1) can be no less than 1.70 at this V(1)." in text  # 1 + 7 x 0.5 / 5

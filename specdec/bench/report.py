@@ -202,7 +202,7 @@ def _costs(pair: dict) -> list[str]:
         widest = max(n for n, _ in curve)
         if v1 and widest > 1:  # no kernel on this CPU can make n rows cheaper than their arithmetic
             floor = 1 + (widest - 1) * row["peak_ms"] / v1
-            out[-1] += f" So V({widest})/V(1) can be no less than {floor:.2f} on this CPU at this V(1)."
+            out[-1] += f" At that peak V({widest})/V(1) can be no less than {floor:.2f} at this V(1)."
     if pair.get("products"):
         out += ["", f"Matrix products (fp32, CPU): {pair['products']}."]
     elif pair.get("kernel"):

@@ -302,7 +302,8 @@ torch::Tensor repack_q6k(const torch::Tensor& rows) {
     for (int j = 0; j < 16; ++j) o[32 + 16 * j + r] = p[192 + j];
     for (int v = 0; v < 32; ++v)
       for (int i = 0; i < 4; ++i)
-        o[Q6_K_NIBBLES + 64 * v + 4 * r + i] = static_cast<uint8_t>((q[4 * v + i] & 15) | ((q[128 + 4 * v + i] & 15) << 4));
+        o[Q6_K_NIBBLES + 64 * v + 4 * r + i] =
+            static_cast<uint8_t>((q[4 * v + i] & 15) | ((q[128 + 4 * v + i] & 15) << 4));
     for (int v = 0; v < 16; ++v)
       for (int i = 0; i < 4; ++i) {
         uint8_t h = 0;
