@@ -191,7 +191,9 @@ def self_answers(
     else sampled with a seed of its own from (seed, conversation index, turn), so an answer depends
     on its context alone, not on the batch it ran in (a resumed run gives an uninterrupted one's
     answers). A conversation ends at its last user turn or when a context reaches max_tokens (or
-    the target's context length). Up to `batch` turns decode at once. Answers are stored under
+    the target's context length). Up to `batch` turns decode at once; on a batch-invariant backend
+    (the quantized one) a turn continues from its conversation's previous turn's KV cache, so only
+    the new user turn is prefilled (the same bits as the whole context's). Answers are stored under
     out_dir (AnswerStore), each conversation as it finishes, and reused on a rerun.
 
     Raises DataError when the target has no chat template, the source cannot be read, or no
@@ -237,6 +239,7 @@ def _answer(target, pending: list, options: GenerationOptions, seed: int, limit:
     tokenizer, queue, batch = target.tokenizer, iter(pending), Batch(target)
     bar = tqdm(total=total, initial=total - len(pending), desc="target's answers", unit="conv")
     t0, made = time.perf_counter(), [0]
+    caches: dict[int, object] = {}  # a conversation's KV cache from its previous turn (batch-invariant backends)
 
     def start(conv: Conversation | None) -> None:  # its next turn joins the batch, or it is done
         while conv is not None:
@@ -247,13 +250,16 @@ def _answer(target, pending: list, options: GenerationOptions, seed: int, limit:
                     max_new_tokens=min(options.max_new_tokens, limit - len(context)),
                     seed=zlib.crc32(f"{seed}:{conv.index}:{turn}".encode()),
                 )
-                batch.add(Decoding(target, context, None, opts), on_finish=lambda _s, g, c=conv: answered(c, g.tokens))
+                seq = Decoding(target, context, None, opts, cache=caches.pop(conv.index, None))
+                batch.add(seq, on_finish=lambda s, g, c=conv: answered(c, g.tokens, s.kv))
                 return
             store.add(conv)
             bar.update()
             conv = next(queue, None)  # its slot goes to the next conversation
 
-    def answered(conv: Conversation, tokens: list[int]) -> None:
+    def answered(conv: Conversation, tokens: list[int], kv) -> None:
+        if batch.invariant:  # its next turn starts from this turn's cache: the same bits as a fresh prefill
+            caches[conv.index] = kv
         conv.answers.append(list(tokens))
         made[0] += len(tokens)
         bar.set_postfix(tok_s=f"{made[0] / (time.perf_counter() - t0):.1f}")

@@ -61,10 +61,15 @@ class Decoding:
     input_ids: the prompt, a list or a (n,) / (1, n) tensor. drafter: a Drafter, a registry name,
     or None (plain decoding). options: a GenerationOptions (default: its defaults). policy: with
     k="auto", the AdaptiveK to use and update (its k_max replaces options.k_max); default: a new
-    one over the target's verify-cost curve.
+    one over the target's verify-cost curve. cache: a KV cache of this target to continue from (a
+    finished Decoding's `kv`, e.g. a conversation's previous turn), rolled back to its longest
+    common prefix with the prompt: only the rest is fed. On a batch-invariant backend the tokens
+    are those of a fresh cache (its rows have the bits of any prefill's); elsewhere they may
+    differ in the last bits.
 
     Raises ContextLengthError when the prompt leaves no room in the target's context, ValueError
-    for an empty prompt or a logit_bias id outside the vocabulary, GrammarError (a ValueError) for
+    for an empty prompt, a logit_bias id outside the vocabulary, or a cache with a drafter that
+    reads the target's cache, GrammarError (a ValueError) for
     a grammar llguidance cannot follow, TypeError for a drafter that is not a specdec Drafter.
 
     The steps, for a driver (specdec.engine, specdec.batch): `prefill_blocks()` (the prompt but its
@@ -81,6 +86,7 @@ class Decoding:
         drafter: Drafter | str | None = None,
         options: GenerationOptions | None = None,
         policy: AdaptiveK | None = None,
+        cache=None,
     ):
         options = options or GenerationOptions()
         k, max_new_tokens, seed, logprobs = options.k, options.max_new_tokens, options.seed, options.logprobs
@@ -113,9 +119,12 @@ class Decoding:
         self.text = IncrementalText(target.tokenizer) if self.stop else None  # the output's, for the stop strings
         self.logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.k = k
+        if cache is not None and drafter is not None and drafter.reads_target_cache:
+            raise ValueError("a drafter that reads the target's cache needs a fresh one: pass no cache")
         if drafter is not None:
             drafter.prepare(target)
-        self.kv = new_cache(target)
+        self.kv = new_cache(target) if cache is None else cache
+        self.kv.sync(prompt)  # a given cache: rolled back to what the prompt shares with it
         # greedy reading the raw logits' argmax only (no bias, penalties, grammar or logprobs): the
         # lean output layer is screened in bf16
         plain = self.penalties.neutral and not options.logit_bias and logprobs is None and not self.constraint
@@ -142,9 +151,10 @@ class Decoding:
         return self.policy.costs if self.policy else None
 
     def prefill_blocks(self, chunk: int | None = None) -> list[list[int]]:
-        """The prompt but its last token, in blocks of at most `chunk` tokens (None: one block), to
-        feed to the cache in order; the last prompt token is the first of the first round."""
-        rest = self.prompt[:-1]
+        """The prompt but its last token and what the cache already holds, in blocks of at most
+        `chunk` tokens (None: one block), to feed to the cache in order; the last prompt token is the
+        first of the first round."""
+        rest = self.prompt[len(self.kv) : -1]
         if not rest:
             return []
         chunk = chunk or len(rest)

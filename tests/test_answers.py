@@ -13,10 +13,11 @@ from specdec import answers as answers_module
 from specdec.answers import AnswerStore, conversation_data, self_answers, store_key
 from specdec.cli import _parser, main
 from specdec.engine import generate
+from specdec.models.quantize import quantize_model
 from specdec.train.conversations import DataError, chat_ids, conversation_rows, has_code
 from specdec.train.train import train_head
 
-from .conftest import make_model
+from .conftest import make_model, remake
 from .test_conversations import TEMPLATE, _sharegpt
 
 MAX_NEW = 5
@@ -96,6 +97,30 @@ def test_each_turn_is_the_targets_greedy_answer_after_its_own_earlier_answers(ta
         assert masked == tok(f"{text1} w3 {text2} w3", add_special_tokens=False)["input_ids"]
         assert tok.decode(unmasked) == f"w1 {user1} w3 w2 w1 {user2} w3 w2"
         assert row["prompt"] == [] and len(row["mask"]) == len(row["answer"])
+
+
+def test_on_the_quantized_backend_a_turn_continues_from_the_previous_turns_cache(tmp_path, data, monkeypatch):
+    """Turn 2 starts from turn 1's KV cache (only the new user turn is fed) and its answer is still
+    the one a fresh cache gives: the quantized kernels' rows have the same bits in any prefill."""
+    fp32 = make_model("llama", seed=6)
+    quant = remake(fp32, hf=None, lean=None, gguf=quantize_model(fp32.hf, "q8_0", "tiny"), config=fp32.hf.config)
+    quant.tokenizer.chat_template = TEMPLATE
+    fed = []
+
+    class Spy(answers_module.Decoding):
+        def __init__(self, target, input_ids, *args, cache=None, **kwargs):
+            super().__init__(target, input_ids, *args, cache=cache, **kwargs)
+            fed.append((list(input_ids), sum(len(b) for b in self.prefill_blocks())))
+
+    monkeypatch.setattr(answers_module, "Decoding", Spy)
+    rows = _run(quant, data, tmp_path / "q", n=2, batch=2)
+    stored = _store(quant, data, tmp_path / "q").known
+    assert len(rows) == 2 and len(fed) == 4
+    for context, feeds in fed:
+        fresh = generate(quant, context, None, k=0, max_new_tokens=MAX_NEW).tokens
+        assert any(fresh in turns for _, turns in stored.values())  # the answer a fresh cache gives
+        assert feeds <= len(context) - 1
+    assert sum(feeds < len(context) - 1 for context, feeds in fed) == 2  # each second turn fed only its new part
 
 
 def test_a_conversation_stops_where_its_context_reaches_max_tokens(target, data, tmp_path, contexts):

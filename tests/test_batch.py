@@ -165,3 +165,38 @@ def test_a_batch_of_real_smollm2_gives_each_request_its_solo_tokens():
     got = generate_batch(target, prompts, prefill_chunk=16, **kw)
     for prompt, g in zip(prompts, got):
         _same(g, generate(target, prompt, **kw))
+
+
+@pytest.mark.parametrize("drafter", [None, "prompt-lookup"])
+def test_a_decoding_continues_from_an_earlier_ones_cache(drafter):
+    """Decoding(cache=): a conversation's next turn from its previous turn's cache feeds only what
+    the cache lacks, and on the batch-invariant backend gives a fresh cache's tokens and logprobs."""
+    target = _quant("qwen2")
+    opts = GenerationOptions(k=3 if drafter else 0, max_new_tokens=12, logprobs=2)
+    first = Batch(target, prefill_chunk=8)
+    done = {}
+    first.add(Decoding(target, PROMPTS[1], drafter, opts), on_finish=lambda s, g: done.update(kv=s.kv, g=g))
+    first.run()
+    follow = PROMPTS[1] + done["g"].tokens + prompt_ids(9, seed=5)  # the next turn's context
+    held = len(done["kv"])
+    assert held >= len(PROMPTS[1])  # the first turn's prompt and output (all but its last token)
+    continued = Decoding(target, follow, drafter, opts, cache=done["kv"])
+    assert sum(len(b) for b in continued.prefill_blocks(8)) == len(follow) - 1 - held
+    got = generate_batch(target, [follow], prefill_chunk=8, drafter=drafter, k=opts.k, max_new_tokens=12, logprobs=2)
+    batch = Batch(target, prefill_chunk=8)
+    out = {}
+    batch.add(continued, on_finish=lambda s, g: out.update(g=g))
+    batch.run()
+    _same(out["g"], got[0])
+    other = [t for t in prompt_ids(6, seed=8) if t != follow[0]] or [follow[0] + 1]
+    moved = Decoding(target, other, None, opts, cache=continued.kv)  # shares nothing: starts over
+    assert len(moved.kv) == 0 and sum(len(b) for b in moved.prefill_blocks()) == len(other) - 1
+
+
+def test_a_head_reading_the_target_cache_refuses_a_given_cache():
+    from specdec.drafters.eagle import EagleDrafter
+
+    target = _quant("llama")
+    kv = Decoding(target, prompt_ids(5), None, GenerationOptions(k=0)).kv
+    with pytest.raises(ValueError, match="fresh one"):
+        Decoding(target, prompt_ids(5), EagleDrafter(), GenerationOptions(k=2), cache=kv)
