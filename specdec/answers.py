@@ -253,6 +253,7 @@ def _answer(target, pending: list, options: GenerationOptions, seed: int, limit:
                 seq = Decoding(target, context, None, opts, cache=caches.pop(conv.index, None))
                 batch.add(seq, on_finish=lambda s, g, c=conv: answered(c, g.tokens, s.kv))
                 return
+            caches.pop(conv.index, None)  # done: its cache is freed
             store.add(conv)
             bar.update()
             conv = next(queue, None)  # its slot goes to the next conversation
