@@ -124,7 +124,8 @@ class Decoding:
         if drafter is not None:
             drafter.prepare(target)
         self.kv = new_cache(target) if cache is None else cache
-        self.kv.sync(prompt)  # a given cache: rolled back to what the prompt shares with it
+        if cache is not None:
+            cache.sync(prompt)  # rolled back to what the prompt shares with it
         # greedy reading the raw logits' argmax only (no bias, penalties, grammar or logprobs): the
         # lean output layer is screened in bf16
         plain = self.penalties.neutral and not options.logit_bias and logprobs is None and not self.constraint

@@ -325,7 +325,7 @@ void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
   for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < S; ++sb) {
     const uint8_t* p = group + sb * Q6_K_GROUP_BYTES;
-    prefetch_ahead<2>(p, Q6_K_GROUP_BYTES);
+    prefetch_ahead<2>(p, Q6_K_GROUP_BYTES);  // a lone row too: it streamed Q6_K faster with it (docs/quantized.md)
     __m512i total[T];
     for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
