@@ -70,6 +70,16 @@ def test_a_batched_forward_gives_each_request_its_solo_bits_tiny(arch):
         quant.lean().forward_batch([])
 
 
+def test_a_prompt_chunk_beside_many_one_token_requests_keeps_each_requests_solo_bits():
+    # attention's work is shared out by cost: the chunk's rows are cut into runs, the one-row
+    # requests gathered, neither of which may change a row's bits
+    fp32 = make_model("llama", seed=5, heads=1, kv_heads=1)  # head size 64: the AVX-512 kernel
+    quant = remake(fp32, hf=None, lean=None, gguf=quantize_model(fp32.hf, "q8_0", "tiny"), config=fp32.hf.config)
+    prompts = [prompt_ids(4 + i)[i:] for i in range(9)] + [prompt_ids(3)]
+    steps = [([11 + i], None) for i in range(9)] + [(prompt_ids(60)[:50], None)]
+    _check(quant, prompts, steps)
+
+
 def test_a_batched_forward_gives_each_request_its_solo_bits_smollm2():
     spec = REGISTRY["smollm2-135m"]
     if not is_pulled(spec.name, cache_dir()):

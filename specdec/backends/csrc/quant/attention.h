@@ -211,34 +211,37 @@ inline void row_scores(const Attention<T>& a, int64_t i, int64_t h, const K* kb,
                     score + j0);
 }
 
-// Every row of attention a for head h of H (D = 16 V): the rows' scores key block by key block, so each block of
-// keys serves all rows from L1 (an fp16 block widened once for them: the same values, so the same scores), then the
-// values in tiles of rows. Every row's operations are attend_one's: the same bits as the row alone.
+// Rows r0..r1-1 of attention a for head h of H (D = 16 V): the rows' scores key block by key block, so each block
+// of keys serves all of them from L1 (an fp16 block widened once for them: the same values, so the same scores),
+// then the values in tiles of rows. Every row's operations are attend_one's: the same bits as the row alone, in any
+// range of rows.
 template <int V, typename T>
-void attend_head(const Attention<T>& a, int64_t h, int64_t H, int64_t KVH, float sc, Scratch& s) {
+void attend_head(const Attention<T>& a, int64_t h, int64_t r0, int64_t r1, int64_t H, int64_t KVH, float sc,
+                 Scratch& s) {
   constexpr int64_t D = 16 * V;
   constexpr int TILE_ROWS = 24 / V;  // accumulators: TILE_ROWS * V registers
-  const int64_t g = h / (H / KVH), n = a.n, keys = a.start + a.n, stride = keys + 16;
+  const int64_t g = h / (H / KVH), n = r1 - r0, all = a.start + a.n, stride = all + 16;
+  const int64_t keys = a.mask ? all : a.start + r1;  // the keys any of the rows may see
   const T* kg = a.kp + g * a.cap * D;
   const T* vg = a.vp + g * a.cap * D;
   s.score.resize(n * stride);
-  s.seen.resize(n * keys);
+  s.seen.resize(n * all);
   s.acc.resize(n * D);
   s.count.resize(n);
   s.sum.resize(n);
   float widened[16 * D];
   for (int64_t j0 = 0; j0 < keys; j0 += 16) {
     if (std::is_same_v<T, float> || n == 1) {
-      for (int64_t i = 0; i < n; ++i) row_scores<V>(a, i, h, kg + j0 * D, j0, sc, s.score.data() + i * stride);
+      for (int64_t i = 0; i < n; ++i) row_scores<V>(a, r0 + i, h, kg + j0 * D, j0, sc, s.score.data() + i * stride);
     } else {
       for (int64_t e = 0; e < std::min<int64_t>(16, keys - j0) * D; e += 16) store(widened + e, load(kg + j0 * D + e));
       for (int64_t i = 0; i < n; ++i)
-        row_scores<V>(a, i, h, static_cast<const float*>(widened), j0, sc, s.score.data() + i * stride);
+        row_scores<V>(a, r0 + i, h, static_cast<const float*>(widened), j0, sc, s.score.data() + i * stride);
     }
   }
   for (int64_t i = 0; i < n; ++i)
     std::tie(s.count[i], s.sum[i]) =
-        softmax_visible(a, i, s.score.data() + i * stride, a.mask ? s.seen.data() + i * keys : nullptr);
+        softmax_visible(a, r0 + i, s.score.data() + i * stride, a.mask ? s.seen.data() + i * all : nullptr);
   using Fn = void (*)(float* const*, int64_t* const*, const int64_t*, const T*, float* const*);
   static constexpr Fn tiles[7] = {nullptr,
                                   tile_values<V, 1, T>,
@@ -254,23 +257,56 @@ void attend_head(const Attention<T>& a, int64_t h, int64_t H, int64_t KVH, float
     float* acc[6];
     for (int t = 0; t < tn; ++t) {
       p[t] = s.score.data() + (i0 + t) * stride;
-      seen[t] = a.mask ? s.seen.data() + (i0 + t) * keys : nullptr;
+      seen[t] = a.mask ? s.seen.data() + (i0 + t) * all : nullptr;
       acc[t] = s.acc.data() + (i0 + t) * D;
     }
     tiles[tn](p, seen, s.count.data() + i0, vg, acc);
   }
   for (int64_t i = 0; i < n; ++i) {
-    float* o = a.out + i * H * D + h * D;
+    float* o = a.out + (r0 + i) * H * D + h * D;
     for (int64_t e = 0; e < D; ++e) o[e] = s.acc[i * D + e] / s.sum[i];
   }
 }
 #endif
 
+// One task of attend_all: rows r0..r1-1 of part r, head h; cost, about the scores it computes.
+struct AttentionTask {
+  size_t r;
+  int64_t h, r0, r1;
+  double cost;
+};
+
+// The tasks of several attentions: one per (attention, head), a long one (a prompt chunk's rows) cut into runs of
+// rows so that no task outweighs an eighth of a thread's share, rows being independent of one another.
+template <typename T>
+std::vector<AttentionTask> attention_tasks(const std::vector<Attention<T>>& parts, int64_t H, int threads) {
+  const auto cost = [](const Attention<T>& a, int64_t r0, int64_t r1) {  // keys seen, plus a row's fixed work
+    const int64_t rows = r1 - r0;
+    const double seen = a.mask ? double(rows) * (a.start + a.n) : double(rows) * a.start + double(r0 + r1 + 1) * rows / 2;
+    return seen + 16.0 * rows;
+  };
+  double total = 0;
+  for (const Attention<T>& a : parts) total += H * cost(a, 0, a.n);
+  const double most = std::max(1.0, total / (8.0 * threads));
+  std::vector<AttentionTask> tasks;
+  for (size_t r = 0; r < parts.size(); ++r) {
+    const Attention<T>& a = parts[r];
+    const int64_t pieces = std::min<int64_t>(a.n, static_cast<int64_t>(std::ceil(cost(a, 0, a.n) / most)));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t p = 0; p < pieces; ++p) {
+        const int64_t r0 = a.n * p / pieces, r1 = a.n * (p + 1) / pieces;
+        tasks.push_back({r, h, r0, r1, cost(a, r0, r1)});
+      }
+  }
+  return tasks;
+}
+
 // Several attentions (one per request of a batched forward, Vaswani et al. 2017) in one parallel
-// region, one task per (attention, head) covering its positions (D = 64 or 128 with AVX-512), else
-// per (attention, position, head). Grouped-query heads share a key head. The visible keys are
-// visited in cache order, so a token sees the same keys in the same order however many positions,
-// or other requests, the call has.
+// region: the tasks of attention_tasks, each thread a run of them of about equal cost (a prompt chunk's
+// rows beside many one-row requests would otherwise keep one thread busy while the other waits). With
+// AVX-512 and D = 64 or 128 a task's rows share each key block (attend_head), else they go one at a time
+// (attend_one). Grouped-query heads share a key head. The visible keys are visited in cache order, so a
+// token sees the same keys in the same order however many positions, or other requests, the call has.
 template <typename T>
 void attend_all(const std::vector<Attention<T>>& parts, int64_t H, int64_t D, int64_t KVH, float sc) {
 #if defined(__AVX512F__)
@@ -278,33 +314,36 @@ void attend_all(const std::vector<Attention<T>>& parts, int64_t H, int64_t D, in
 #else
   const bool by_head = false;
 #endif
-  std::vector<int64_t> first{0};  // the first task of each part
-  int64_t keys = 0;
-  for (const Attention<T>& a : parts) {
-    first.push_back(first.back() + (by_head ? 1 : a.n) * H);
-    keys = std::max(keys, a.start + a.n);
+  const int threads = std::max(1, at::get_num_threads());
+  const std::vector<AttentionTask> tasks = attention_tasks(parts, H, threads);
+  std::vector<double> middle;  // the cost of the tasks before each, and half its own
+  double total = 0;
+  for (const AttentionTask& t : tasks) {
+    middle.push_back(total + t.cost / 2);
+    total += t.cost;
   }
-  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Scratch s;  // by head: sized by attend_head; else one position's room
-    if (!by_head) {
-      s.score.resize(keys + 16);
-      s.acc.resize(D);
-      s.seen.resize(keys);
-    }
-    size_t r = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= first[r + 1]) ++r;
-      const int64_t local = task - first[r];
+    const auto at = [&](int64_t share) {  // the first task whose middle lies past share / threads of the cost
+      return std::lower_bound(middle.begin(), middle.end(), total * share / threads) - middle.begin();
+    };
+    for (int64_t i = at(begin); i < at(end); ++i) {
+      const AttentionTask& t = tasks[i];
+      const Attention<T>& a = parts[t.r];
 #if defined(__AVX512F__)
       if (by_head) {
         if (D == 64)
-          attend_head<4>(parts[r], local, H, KVH, sc, s);
+          attend_head<4>(a, t.h, t.r0, t.r1, H, KVH, sc, s);
         else
-          attend_head<8>(parts[r], local, H, KVH, sc, s);
+          attend_head<8>(a, t.h, t.r0, t.r1, H, KVH, sc, s);
         continue;
       }
 #endif
-      attend_one(parts[r], local / H, local % H, H, D, KVH, sc, s.score.data(), s.seen.data(), s.acc.data());
+      s.score.resize(a.start + a.n + 16);
+      s.acc.resize(D);
+      s.seen.resize(a.start + a.n);
+      for (int64_t row = t.r0; row < t.r1; ++row)
+        attend_one(a, row, t.h, H, D, KVH, sc, s.score.data(), s.seen.data(), s.acc.data());
     }
   });
 }
