@@ -16,8 +16,9 @@ docs/engine.md).
 
 Speculation under a shared budget: with k="auto" each sequence's policy (specdec.adaptive) plans
 its draft as if alone, except that a drafted row costs what it adds to the batch's forward after
-the other rows (a line through the batch's own steps, specdec.adaptive.rowcosts) and the rate a
-draft must beat is the batch's committed tokens per ms (Dinkelbach's rho, as for one sequence).
+the other rows (a line through the batch's own steps and a pass over the weights for each further
+tile of rows, specdec.adaptive.rowcosts) and the rate a draft must beat is the batch's committed
+tokens per ms (Dinkelbach's rho, as for one sequence).
 Drafted tokens then pay only while the batch's forward is still bound by reading the weights, or
 where they are likely to be accepted; as rows fill the CPU, draft lengths shrink toward 0
 (goodput, as SmartSpec, Liu et al. 2024, chooses them). One sequence alone plans exactly as
@@ -85,6 +86,7 @@ class Batch:
         self.slots: list[_Slot] = []
         # chunked prefill only where a prompt's cache rows have the same bits in any chunks
         self.invariant = target.backend == "lean" and getattr(target.lean(), "batch_invariant", False)
+        self.tile = getattr(target.lean(), "row_tile", None) if self.invariant else None  # rows per pass
         self.rate = 0.0  # the batch's committed tokens per ms, a running average over steps
         self.costs: RowCosts | None = None  # ms of a forward by rows, fitted to the steps (k = "auto")
 
@@ -127,7 +129,7 @@ class Batch:
         for s in decoding:
             costs = s.seq.verify_costs
             if costs is not None and self.costs is None:
-                self.costs = RowCosts(costs)
+                self.costs = RowCosts(costs, self.tile)
             # the rest of the forward, drafts so far included, at the batch's rate
             share = Share(rows - 1, self.rate, self.costs) if shared and costs is not None else None
             proposals.append(s.seq.next_round(share))
@@ -156,8 +158,9 @@ class Batch:
         if self.costs is not None:
             self.costs.observe(rows, forward_s * 1e3)
         if decoding:
-            rate = committed / (forward_s * 1e3 + 1e-9)
-            self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
+            self.rate = self._rate(
+                committed, forward_s * 1e3, rows, rows - sum(len(b) for b in blocks[len(decoding) :])
+            )
         for s in prefill:
             if not s.blocks:
                 self._ready(s)
@@ -166,6 +169,18 @@ class Batch:
                 self._finish(s)
         drafted = [len(p.checked.tokens) for p in proposals]
         return Step(len(decoding), len(prefill), rows, drafted, forward_s, committed)
+
+    def _rate(self, committed: int, ms: float, rows: int, decoding_rows: int) -> float:
+        """The batch's committed tokens per ms, a running average, after a step whose forward of
+        `rows` rows took `ms`, decoding_rows of them the decoding sequences' and the rest prompt
+        chunks': a chunk's rows commit nothing, so such a step is counted at what its decoding
+        rows alone would have cost (or not at all before the costs are known)."""
+        if decoding_rows < rows:
+            if self.costs is None:
+                return self.rate
+            ms = self.costs(decoding_rows)
+        rate = committed / (ms + 1e-9)
+        return rate if not self.rate else 0.8 * self.rate + 0.2 * rate
 
     def run(self) -> None:
         """Step until every sequence has finished."""

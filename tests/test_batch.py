@@ -123,6 +123,12 @@ def test_row_costs_fit_the_batchs_steps():
     curve = {n: 10.0 + 0.5 * n for n in range(1, 10)}
     costs = RowCosts(lambda n: curve.get(n, 15.0 - n))  # a noisy curve: falls past 9
     assert costs(12) == 14.5  # before the fit: the curve made non-decreasing
+    asked = []
+    counted = RowCosts(lambda n: asked.append(n) or curve.get(n, 15.0 - n))
+    assert [counted(12), counted(12), counted(5)] == [14.5, 14.5, 12.5]
+    assert asked == list(range(1, 13))  # a step asks for many row counts: the curve is read once each
+    counted.observe(8, 20.0)
+    assert counted(2) == 11.0 and asked[12:] == [1, 2]  # and again after a step, as it may have moved
     for rows in [8, 8, 9]:
         costs.observe(rows, 5.0 + 2.0 * rows)
     assert costs.line() is None  # the rows have not spread yet
@@ -134,6 +140,33 @@ def test_row_costs_fit_the_batchs_steps():
     for rows in [4, 20, 40]:
         falling.observe(rows, 100.0 - rows)
     assert falling.line()[1] == 0.0  # a row never costs less than nothing
+
+
+def test_row_costs_price_the_row_that_starts_a_new_tile():
+    # the kernels read the weights once per tile of 8 input rows: V(9) - V(8) is a row and a pass
+    curve = {n: 10.0 + 1.0 * n + (2.5 if n > 8 else 0.0) for n in range(1, 10)}
+    tiled, flat = RowCosts(curve.__getitem__, tile=8), RowCosts(curve.__getitem__)
+    assert tiled.step() == pytest.approx(2.5) and flat.step() == 0.0
+    for rows in [8, 8, 12, 16, 8, 20, 9, 24, 8, 14] * 3:  # steps of a batch: 7 ms + 1 ms a row + 2.5 a further tile
+        for costs in (tiled, flat):
+            costs.observe(rows, 7.0 + rows + 2.5 * ((rows - 1) // 8))
+    a, b = tiled.line()
+    assert a == pytest.approx(7.0) and b == pytest.approx(1.0)
+    assert tiled(9) - tiled(8) == pytest.approx(3.5)  # the ninth row starts a tile
+    assert tiled(12) - tiled(11) == pytest.approx(1.0)  # the twelfth does not
+    assert tiled(17) - tiled(16) == pytest.approx(3.5)
+    assert flat(9) - flat(8) < 2.0  # a line through the same steps prices the ninth row as any other
+
+
+def test_the_batch_rate_counts_a_step_with_prompt_chunks_at_its_decoding_rows_cost():
+    batch = Batch(_quant("llama"))
+    assert batch.tile == batch.target.lean().row_tile == 8  # the kernels' tile reaches the row costs
+    assert batch._rate(4, 10.0, 132, 4) == 0.0  # no costs yet: a step with a chunk tells nothing
+    batch.rate = batch._rate(4, 8.0, 4, 4)  # decoding rows alone: 4 tokens in 8 ms
+    assert batch.rate == pytest.approx(0.5)
+    batch.costs = RowCosts(lambda n: 2.5 * n)
+    # 128 prompt rows made the forward 130 ms: its 4 decoding rows would have taken 10 ms alone
+    assert batch._rate(4, 130.0, 132, 4) == pytest.approx(0.8 * 0.5 + 0.2 * 0.4)
 
 
 def test_shared_rows_make_drafts_dearer():

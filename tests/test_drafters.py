@@ -23,6 +23,7 @@ from specdec.drafters.factory import (
     options_for,
 )
 from specdec.drafters.layerskip import LayerSkipDrafter
+from specdec.drafters.lookup import continuation
 from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter, load_corpus
 from specdec.models.load import load_model
 from specdec.models.skip import parse_layers, skip_view
@@ -494,3 +495,41 @@ def test_a_model_draft_with_lookup_proposes_a_long_match_for_free_and_stays_exac
     ids = prompt_ids(12) * 2
     plain = generate(target, ids, None, k=0, max_new_tokens=24)
     assert generate(target, ids, ModelDrafter(draft_model, lookup=True), k=4, max_new_tokens=24).tokens == plain.tokens
+
+
+def _scanned(context: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int | None]:
+    """Prompt lookup by a scan of the whole context (its definition), to check the indexed one."""
+    L = len(context)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        for start in range(L - n - 1, -1, -1):
+            if context[start : start + n] == context[L - n :]:
+                length = n
+                while (
+                    length < 32
+                    and start - (length - n) > 0
+                    and context[start - (length - n) - 1] == context[L - length - 1]
+                ):
+                    length += 1
+                return continuation(context, start + n, k), length
+    return [], None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    st.lists(st.integers(0, 5), max_size=40),
+    st.integers(1, 4),
+    st.integers(1, 4),
+)
+def test_indexed_prompt_lookup_equals_the_scan_as_a_context_grows_or_changes(prompt, output, max_ngram, min_ngram):
+    min_ngram = min(min_ngram, max_ngram)
+    lookup = PromptLookup(max_ngram, min_ngram)
+    tokens = list(prompt)
+    for t in [None, *output]:  # a generation's list, grown by appends
+        if t is not None:
+            tokens.append(t)
+        draft = lookup.propose(tokens, 5, GREEDY)
+        assert (draft.tokens, draft.match_length) == _scanned(tokens, 5, max_ngram, min_ngram)
+    for other in (tokens[: len(tokens) // 2], [t + 1 for t in tokens], tokens + [0, 1]):  # shorter, changed, new list
+        draft = lookup.propose(other, 3, GREEDY)
+        assert (draft.tokens, draft.match_length) == _scanned(other, 3, max_ngram, min_ngram)

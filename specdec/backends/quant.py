@@ -183,6 +183,7 @@ class QuantModel:
         if activations == "int8" and not self.kernels.int8_available():
             raise ValueError("int8 activations need a CPU with AVX512-VNNI; use activations='fp32'")
         self.int8 = activations == "int8" or (activations == "auto" and self.kernels.int8_available())
+        self.row_tile = self.kernels.row_tile()  # input rows per pass over the weights: a further tile reads them again
         if kv_dtype not in (None, *KV_DTYPES):
             raise ValueError(f"kv_dtype must be torch.float16 or torch.float32, not {kv_dtype!r}")
         self.kv_dtype = kv_dtype or KV_DTYPES[0]  # keys and values are rounded to it as they are written

@@ -33,12 +33,18 @@ class PromptLookup(Drafter):
     earlier occurrence first; proposes the up to k tokens that followed it, continued periodically
     where they run into the end of the context (see continuation). Raises ValueError unless
     1 <= min_ngram <= max_ngram.
+
+    Each n-gram's most recent occurrence is kept in a table, so a proposal costs the same at any
+    context length: a context that extends the last one (a generation's tokens) adds only its new
+    n-grams; any other context is indexed afresh.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min {min_ngram}, max {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._seen: list[int] = []  # the context indexed
+        self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]  # per n: n-gram -> latest start
 
     def prepare(self, target: Model) -> None:
         pass
@@ -47,19 +53,30 @@ class PromptLookup(Drafter):
         """Up to k tokens; Draft.match_length is how far back the chosen occurrence matches the
         context's end (at least its n-gram, at most MAX_MATCH)."""
         L = len(context)
+        self._index(context)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            pattern = context[L - n :]
-            for start in range(L - n - 1, -1, -1):  # most recent earlier occurrence first
-                if context[start : start + n] == pattern:
-                    length = n
-                    while (
-                        length < MAX_MATCH
-                        and start - (length - n) > 0
-                        and context[start - (length - n) - 1] == context[L - length - 1]
-                    ):
-                        length += 1
-                    return Draft(continuation(context, start + n, k), match_length=length)
+            start = self._latest[n - 1].get(tuple(context[L - n :]))
+            if start is not None:  # the most recent earlier occurrence, followed by a token
+                length = n
+                while (
+                    length < MAX_MATCH
+                    and start - (length - n) > 0
+                    and context[start - (length - n) - 1] == context[L - length - 1]
+                ):
+                    length += 1
+                return Draft(continuation(context, start + n, k), match_length=length)
         return Draft([])
+
+    def _index(self, context: list[int]) -> None:
+        """Make _latest[n - 1] map every n-gram starting at s <= len(context) - n - 1 (one that a
+        token follows, not the context's own end) to its latest such s."""
+        L, done = len(context), len(self._seen)
+        if L < done or context[:done] != self._seen:  # not the indexed context grown: afresh
+            self._latest, self._seen, done = [{} for _ in range(self.max_ngram)], [], 0
+        for n, latest in enumerate(self._latest, 1):
+            for s in range(max(0, done - n), L - n):
+                latest[tuple(context[s : s + n])] = s
+        self._seen += context[done:]
 
 
 def long_lookup(lookup: PromptLookup | None, context: list[int], k: int) -> Draft | None:

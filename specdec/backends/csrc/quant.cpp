@@ -49,6 +49,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("iterations") = 2000000);
   m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX512-VNNI)");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  static_assert(X16_TILE == TILE, "row_tile: one tile height for every product path");
+#endif
+  m.def("row_tile", []() { return TILE; }, "input rows per pass over the weights in every product kernel");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.def("amx_available", &amx_ready, "whether the int8 products may use AMX tiles here (CPU and Linux both allow it)");
   m.def("amx_on", &amx_on, "whether the int8 products of two or more rows use AMX tiles now");
   m.def("use_amx", &use_amx, "switch the AMX tiles on (where available) or off; returns whether they were on",
