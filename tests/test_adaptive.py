@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import generate
-from specdec.adaptive import AdaptiveK, Outcome, RoundPlan, VerifyCosts, best_length, match_class, values
+from specdec.adaptive import AdaptiveK, Outcome, RoundPlan, Share, VerifyCosts, best_length, match_class, values
 from specdec.cache import new_cache
 from specdec.drafters import ModelDrafter, PromptLookup
 
@@ -509,3 +509,22 @@ def test_auto_sampling_keeps_the_target_distribution(draft_model):
         counts[got.tokens[0]] += 1
     tv = 0.5 * sum(abs(counts.get(t, 0) / n - float(q)) for t, q in enumerate(p))
     assert tv < 0.08  # sampling noise alone: E[TV] ~ 0.03 for this distribution and n
+
+
+def test_a_free_draft_in_a_batch_is_verified_only_where_a_lower_bound_of_its_acceptance_pays():
+    """Shadow-verified drafts are learned from whether verified or not, so they need no
+    exploration; in a batch, where a drafted row costs about a whole row, verifying wherever a noisy
+    estimate happens to be high would pay for the noise (the winner's curse)."""
+    v = {n: 10.0 + 0.2 * n for n in range(1, 10)}
+    share = Share(rows=8, rate=0.4, cost=lambda rows: 10.0 + 1.0 * rows)  # a drafted row: 1.2 ms, 0.48 token
+    for seen, verified in ((6, 0), (600, 1)):  # acceptance 0.6 from 6 drafts, or from 600
+        ctl = controller(v, [0.6], rounds=seen)
+        plan = ctl.plan(8, incremental=False, share=share)
+        assert plan.shadowing
+        assert ctl.cut(plan, [7] * 8, deterministic=True) == verified, seen
+        alone = ctl.plan(8, incremental=False)
+        assert ctl.cut(alone, [7] * 8, deterministic=True) >= 1  # alone a row is cheap: the estimate decides
+    lower = controller(v, [0.6], rounds=6).acceptances(1, cautious=True)[0]
+    assert lower == pytest.approx(
+        0.6 * 6 / 7 + 0.5 / 7 - ((0.6 * 6 / 7 + 0.5 / 7) * (1 - 0.6 * 6 / 7 - 0.5 / 7) / 7) ** 0.5
+    )

@@ -59,7 +59,9 @@ class Acceptance:
         self.pending: list[tuple[int, list[int], int]] = []
 
     # ---- reading ------------------------------------------------------------------------------
-    def per_position(self, n: int, cls: int = 0, optimistic: bool = False, lifted: bool = True) -> list[float]:
+    def per_position(
+        self, n: int, cls: int = 0, optimistic: bool = False, lifted: bool = True, cautious: bool = False
+    ) -> list[float]:
         """[P(draft token j accepted | tokens 1..j-1 accepted) for j = 1..n] for drafts of match
         class cls (0: drafters without a match length); positions past k_max share k_max's.
 
@@ -74,7 +76,10 @@ class Acceptance:
 
         optimistic=True adds `explore` standard errors to each estimate (UCB, Auer et al. 2002):
         a position's counts change only when a draft reaches it, so a low estimate that stops
-        drafts short of it would never be corrected."""
+        drafts short of it would never be corrected. cautious=True subtracts them instead (a lower
+        bound), for a draft that is learned from whether or not it is verified (shadowed): it needs
+        no exploration, and verifying where a noisy estimate happens to be high pays for that
+        noise (the winner's curse)."""
         lift = self.lift if lifted else 0.0
         shorter = self.per_position(n, cls - 1, lifted=lifted) if cls >= 2 else None
         out, estimate = [], self.prior
@@ -85,8 +90,8 @@ class Acceptance:
             weight = self.reached[cls][i] + self.prior_weight
             estimate = (self.accepted[cls][i] + prior * self.prior_weight) / weight
             error = math.sqrt(estimate * (1.0 - estimate) / weight)  # standard error
-            bonus = self.explore * error if optimistic else 0.0
-            out.append(min(1.0, estimate + bonus))
+            bonus = self.explore * error * (optimistic - cautious)
+            out.append(min(1.0, max(0.0, estimate + bonus)))
         return out + out[-1:] * (n - len(out))
 
     def given_confidence(self, confidence: float) -> float:

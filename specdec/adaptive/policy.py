@@ -192,10 +192,13 @@ class AdaptiveK:
         self.learned = Learned(probe_interval=probe_after)
 
     # ---- estimates ----------------------------------------------------------------------------
-    def acceptances(self, n: int, cls: int = 0, optimistic: bool = False, shadowed: bool = False) -> list[float]:
+    def acceptances(
+        self, n: int, cls: int = 0, optimistic: bool = False, shadowed: bool = False, cautious: bool = False
+    ) -> list[float]:
         """[P(draft token j accepted | tokens 1..j-1 accepted) for j = 1..n] for a draft of match
-        class cls (Acceptance.per_position; lifted unless the draft is shadow-verified)."""
-        return self.estimates.per_position(n, cls, optimistic, lifted=not shadowed)
+        class cls (Acceptance.per_position; lifted unless the draft is shadow-verified; a lower
+        bound with cautious)."""
+        return self.estimates.per_position(n, cls, optimistic, lifted=not shadowed, cautious=cautious)
 
     def acceptance(self, j: int, cls: int = 0, shadowed: bool = False) -> float:
         """P(draft token j accepted | tokens 1..j-1 accepted), j from 1 (see acceptances)."""
@@ -352,7 +355,10 @@ class AdaptiveK:
             return min(n, 1)
         if not deterministic:
             return n
-        accept = self._given(plan.confidence[:n], self.acceptances(n, cls, shadowed=plan.shadowing))
+        # in a batch a row costs about a whole row: a free draft, learned from anyway, is verified only
+        # where even a lower bound pays (alone rows are cheap, and the bound would forgo good drafts)
+        cautious = plan.shadowing and plan.share is not None
+        accept = self._given(plan.confidence[:n], self.acceptances(n, cls, shadowed=plan.shadowing, cautious=cautious))
         worth = values(accept, self._extra(plan, n + 1), plan.rho)
         best_m = best_length(worth)
         learned = self.learned
