@@ -533,3 +533,18 @@ def test_indexed_prompt_lookup_equals_the_scan_as_a_context_grows_or_changes(pro
     for other in (tokens[: len(tokens) // 2], [t + 1 for t in tokens], tokens + [0, 1]):  # shorter, changed, new list
         draft = lookup.propose(other, 3, GREEDY)
         assert (draft.tokens, draft.match_length) == _scanned(other, 3, max_ngram, min_ngram)
+
+
+def test_forks_of_a_drafter_with_prompt_lookup_keep_tables_of_their_own():
+    # the batch and the server fork one drafter per sequence: a lookup table shared between two
+    # contexts would be rebuilt at every call, or worse, answer from the other's n-grams
+    a_context, b_context = [5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 4, 1, 2]
+    drafters = [PromptLookup(), SuffixDrafter(tree=True, lookup=True), ModelDrafter(make_model("llama"), lookup=True)]
+    for drafter in drafters:
+        table = drafter if isinstance(drafter, PromptLookup) else drafter.lookup
+        a, b = (d if isinstance(d, PromptLookup) else d.lookup for d in (drafter.fork(), drafter.fork()))
+        assert a is not table and b is not a, drafter
+        for _ in range(2):
+            assert a.propose(a_context, 3, GREEDY).tokens == [7, 5, 6]
+            assert b.propose(b_context, 2, GREEDY).tokens == [3, 4]
+        assert a._seen == a_context and b._seen == b_context and table._seen == []

@@ -41,8 +41,12 @@ class Drafter:
     def fork(self) -> Drafter:
         """A drafter for another generation run at the same time (specdec.batch): it shares what
         no generation changes (models, heads, a learned corpus) and nothing a generation does.
-        The default, a shallow copy, suits drafters whose prepare() makes all per-generation state."""
-        return copy.copy(self)
+        The default, a shallow copy, suits drafters whose prepare() makes all per-generation state;
+        a prompt lookup beside the drafter (its `lookup`) is forked too: its table is its context's."""
+        other = copy.copy(self)
+        if isinstance(getattr(self, "lookup", None), Drafter):
+            other.lookup = self.lookup.fork()
+        return other
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
         """At most k tokens to follow `context` (prompt + committed output)."""

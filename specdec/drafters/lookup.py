@@ -49,6 +49,10 @@ class PromptLookup(Drafter):
     def prepare(self, target: Model) -> None:
         pass
 
+    def fork(self) -> PromptLookup:
+        """The same lookup with a table of its own (Drafter.fork)."""
+        return PromptLookup(self.max_ngram, self.min_ngram)
+
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
         """Up to k tokens; Draft.match_length is how far back the chosen occurrence matches the
         context's end (at least its n-gram, at most MAX_MATCH)."""

@@ -297,6 +297,8 @@ class SuffixDrafter(Drafter):
         other = copy.copy(self)
         other._reset()
         other.remember = False
+        if self.lookup is not None:
+            other.lookup = self.lookup.fork()
         return other
 
     def prepare(self, target: Model | None) -> None:
