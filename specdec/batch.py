@@ -155,7 +155,7 @@ class Batch:
         rows = sum(len(b) for b in blocks)
         if len(blocks) == 1 and decoding and decoding[0].seq.verify_costs:  # alone: on its curve, as generate times it
             decoding[0].seq.verify_costs.observe(rows, forward_s * 1e3)
-        if self.costs is not None:
+        if self.costs is not None and len(blocks) > 1:  # a lone sequence's steps are its own curve's
             self.costs.observe(rows, forward_s * 1e3)
         if decoding:
             self.rate = self._rate(

@@ -169,6 +169,22 @@ def test_the_batch_rate_counts_a_step_with_prompt_chunks_at_its_decoding_rows_co
     assert batch._rate(4, 130.0, 132, 4) == pytest.approx(0.8 * 0.5 + 0.2 * 0.4)
 
 
+def test_the_row_costs_learn_from_shared_steps_only():
+    # a lone sequence's steps (one to nine rows, cheap while the weights' reading dominates) would
+    # price the rows of a later batch of eight far too low
+    target = _quant("llama")
+    costs = VerifyCosts.for_model(target)
+    options = GenerationOptions(k="auto", max_new_tokens=12)
+    batch = Batch(target)
+    batch.add(Decoding(target, PROMPTS[1], "prompt-lookup", options, AdaptiveK(costs.fork())))
+    batch.run()
+    assert batch.costs is None or batch.costs.w == 0
+    for prompt in PROMPTS[:2]:
+        batch.add(Decoding(target, prompt, "prompt-lookup", options, AdaptiveK(costs.fork())))
+    batch.run()
+    assert batch.costs is not None and batch.costs.w > 0
+
+
 def test_shared_rows_make_drafts_dearer():
     """The goodput rule: alone, a drafted row costs what the verify-cost curve adds (cheap while the
     weights' reading dominates); in a batch, what it adds to the batch's forward (the fitted slope)."""
