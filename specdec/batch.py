@@ -158,9 +158,7 @@ class Batch:
         if self.costs is not None and len(blocks) > 1:  # a lone sequence's steps are its own curve's
             self.costs.observe(rows, forward_s * 1e3)
         if decoding:
-            self.rate = self._rate(
-                committed, forward_s * 1e3, rows, rows - sum(len(b) for b in blocks[len(decoding) :])
-            )
+            self.rate = self._rate(committed, forward_s * 1e3, rows, sum(len(b) for b in blocks[: len(decoding)]))
         for s in prefill:
             if not s.blocks:
                 self._ready(s)

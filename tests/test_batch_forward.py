@@ -78,6 +78,17 @@ def test_a_prompt_chunk_beside_many_one_token_requests_keeps_each_requests_solo_
     prompts = [prompt_ids(4 + i)[i:] for i in range(9)] + [prompt_ids(3)]
     steps = [([11 + i], None) for i in range(9)] + [(prompt_ids(60)[:50], None)]
     _check(quant, prompts, steps)
+    # the chunk's rows, cut into runs the same way in both forwards above, against one token at a time
+    lean, chunk = quant.lean(), steps[-1][0]
+    block, single = (LeanKVCache(quant, capacity=96) for _ in range(2))
+    block.extend(prompts[-1])
+    single.extend(prompts[-1])
+    start = len(prompts[-1])
+    torch.set_num_threads(2)
+    rows = lean.forward(torch.tensor(chunk), block.k, block.v, block.features, start, len(chunk), None)
+    for i, token in enumerate(chunk):
+        one = lean.forward(torch.tensor([token]), single.k, single.v, single.features, start + i, 1, None)
+        assert torch.equal(rows[i : i + 1], one), i
 
 
 def test_a_batched_forward_gives_each_request_its_solo_bits_smollm2():

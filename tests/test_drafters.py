@@ -548,3 +548,8 @@ def test_forks_of_a_drafter_with_prompt_lookup_keep_tables_of_their_own():
             assert a.propose(a_context, 3, GREEDY).tokens == [7, 5, 6]
             assert b.propose(b_context, 2, GREEDY).tokens == [3, 4]
         assert a._seen == a_context and b._seen == b_context and table._seen == []
+    # a drafter made of drafters forks its parts: a layer-skip drafter's inner model drafter
+    skip = LayerSkipDrafter([0])
+    skip.prepare(make_model("llama"))
+    forks = [skip.fork(), skip.fork()]
+    assert len({id(skip._inner), *(id(f._inner) for f in forks)}) == 3

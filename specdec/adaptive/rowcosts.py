@@ -8,9 +8,9 @@ per-length curve one sequence uses (specdec.adaptive.costs); a line through all 
 draft's marginal cost needs: b, the ms one more row adds. But a row that starts a new tile costs
 that pass too: s, read off the verify-cost curve where one tile becomes two (V(tile + 1) - V(tile)
 beyond V(tile) - V(tile - 1)). Without it a batch of eight one-row sequences would price its first
-drafted row at b when it costs about b + s (2.6 ms against 1.0 for SmolLM2-135M Q4_1 on a 2-core
-Intel Xeon), and draft at a loss. While the steps have not spread over enough row counts to fit
-the line, the verify-cost curve answers, made non-decreasing.
+drafted row at b when it costs b + s (measured in docs/serving.md), and draft at a loss. While
+the steps have not spread over enough row counts to fit the line, the verify-cost curve answers,
+made non-decreasing.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class RowCosts:
         self.fallback, self.tile, self.decay, self.min_spread = fallback, tile, decay, min_spread
         self.w = self.sx = self.sy = self.sxx = self.sxy = self.sz = self.sxz = 0.0
         self.highest: list[float] = []  # max of fallback(1..n) at index n - 1, until the next observe()
-        self.fit: tuple[float, float] | None = None  # line() and its step, until the next observe()
-        self.fitted, self.s = False, 0.0
+        self.fit: tuple[float, float] | None = None  # (a, b), refitted by each observe()
+        self.s = 0.0  # the tile step the fit was made with
 
     def passes(self, rows: int) -> int:
         """Passes over the weights beyond the first for a forward of `rows` rows."""
@@ -52,36 +52,27 @@ class RowCosts:
 
     def observe(self, rows: int, ms: float) -> None:
         """A forward over `rows` new tokens took `ms`."""
-        self.highest, self.fitted = [], False
         d, z = self.decay, self.passes(rows)
         self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + rows, d * self.sy + ms
         self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * ms
         self.sz, self.sxz = d * self.sz + z, d * self.sxz + rows * z
-
-    def line(self) -> tuple[float, float] | None:
-        """(a, b) of the fit, b >= 0, or None while the rows have not spread enough. The steps'
-        times are fitted less s for each further tile."""
-        if self.fitted:
-            return self.fit
-        self.fitted, self.fit = True, None
-        if self.w < 2:
-            return None
+        self.highest, self.fit = [], None
         mx = self.sx / self.w
         var = self.sxx / self.w - mx * mx
-        if var < self.min_spread**2:
-            return None
-        s = self.step()
-        sy, sxy = self.sy - s * self.sz, self.sxy - s * self.sxz  # the times less the further tiles
-        my = sy / self.w
-        b = max(0.0, (sxy / self.w - mx * my) / var)
-        self.fit, self.s = (my - b * mx, b), s
+        if self.w >= 2 and var >= self.min_spread**2:  # the steps' times less s for each further tile
+            self.s = self.step()
+            my = (self.sy - self.s * self.sz) / self.w
+            b = max(0.0, ((self.sxy - self.s * self.sxz) / self.w - mx * my) / var)
+            self.fit = (my - b * mx, b)
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of the fit, b >= 0, or None while the rows have not spread enough."""
         return self.fit
 
     def __call__(self, rows: int) -> float:
         """Estimated ms of a forward over `rows` new tokens."""
-        fit = self.line()
-        if fit is not None:
-            return fit[0] + fit[1] * rows + self.s * self.passes(rows)
+        if self.fit is not None:
+            return self.fit[0] + self.fit[1] * rows + self.s * self.passes(rows)
         high = self.highest  # a step asks for many row counts: the running maximum, extended as asked
         while len(high) < rows:
             n = len(high) + 1

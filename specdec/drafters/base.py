@@ -41,11 +41,13 @@ class Drafter:
     def fork(self) -> Drafter:
         """A drafter for another generation run at the same time (specdec.batch): it shares what
         no generation changes (models, heads, a learned corpus) and nothing a generation does.
-        The default, a shallow copy, suits drafters whose prepare() makes all per-generation state;
-        a prompt lookup beside the drafter (its `lookup`) is forked too: its table is its context's."""
+        The default, a shallow copy whose parts that are drafters themselves (a prompt lookup beside
+        a model, a layer-skip drafter's inner one) are forked in turn, suits drafters whose
+        prepare() makes all other per-generation state."""
         other = copy.copy(self)
-        if isinstance(getattr(self, "lookup", None), Drafter):
-            other.lookup = self.lookup.fork()
+        for name, part in vars(self).items():
+            if isinstance(part, Drafter):
+                setattr(other, name, part.fork())
         return other
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:

@@ -13,7 +13,6 @@ the package for a registry model, or one made at first use and cached.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 from specdec.drafters.base import Drafter
@@ -57,13 +56,6 @@ class LayerSkipDrafter(Drafter):
             self._inner.checked = target  # the view shares the target's tokenizer: nothing to check
             self._target = target
         self._inner.prepare(target)
-
-    def fork(self) -> LayerSkipDrafter:
-        """A copy sharing the layer-skip view, with its own draft cache (Drafter.fork)."""
-        other = copy.copy(self)
-        if self._inner is not None:
-            other._inner = self._inner.fork()
-        return other
 
     def propose(self, context: list[int], k: int, sampler: Sampler, keep_going=None) -> Draft:
         """Up to k draft tokens after `context`, as ModelDrafter.propose (keep_going: the adaptive

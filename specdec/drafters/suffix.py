@@ -16,7 +16,6 @@ extends it by the tokens committed since its last call instead of rebuilding it.
 
 from __future__ import annotations
 
-import copy
 import heapq
 import json
 from collections.abc import Iterable, Sequence
@@ -294,11 +293,9 @@ class SuffixDrafter(Drafter):
     def fork(self) -> SuffixDrafter:
         """A copy sharing the corpus, with its own context automaton (Drafter.fork). A fork's
         output is not remembered: the corpus learns from generations run through this drafter."""
-        other = copy.copy(self)
+        other = super().fork()
         other._reset()
         other.remember = False
-        if self.lookup is not None:
-            other.lookup = self.lookup.fork()
         return other
 
     def prepare(self, target: Model | None) -> None:

@@ -277,7 +277,10 @@ struct AttentionTask {
 };
 
 // The tasks of several attentions: one per (attention, head), a long one (a prompt chunk's rows) cut into runs of
-// rows so that no task outweighs an eighth of a thread's share, rows being independent of one another.
+// rows so that no task outweighs an eighth of a thread's share, rows being independent of one another. A run keeps
+// at least MIN_RUN rows: each run widens an fp16 head's keys again, which a verify block's few rows would feel.
+constexpr int64_t MIN_RUN = 16;
+
 template <typename T>
 std::vector<AttentionTask> attention_tasks(const std::vector<Attention<T>>& parts, int64_t H, int threads) {
   const auto cost = [](const Attention<T>& a, int64_t r0, int64_t r1) {  // keys seen, plus a row's fixed work
@@ -291,7 +294,8 @@ std::vector<AttentionTask> attention_tasks(const std::vector<Attention<T>>& part
   std::vector<AttentionTask> tasks;
   for (size_t r = 0; r < parts.size(); ++r) {
     const Attention<T>& a = parts[r];
-    const int64_t pieces = std::min<int64_t>(a.n, static_cast<int64_t>(std::ceil(cost(a, 0, a.n) / most)));
+    const int64_t pieces =
+        std::max<int64_t>(1, std::min<int64_t>(a.n / MIN_RUN, static_cast<int64_t>(std::ceil(cost(a, 0, a.n) / most))));
     for (int64_t h = 0; h < H; ++h)
       for (int64_t p = 0; p < pieces; ++p) {
         const int64_t r0 = a.n * p / pieces, r1 = a.n * (p + 1) / pieces;
