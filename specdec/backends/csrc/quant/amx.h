@@ -153,7 +153,7 @@ void legacy_amx_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
   configure_tiles(T);
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* p = group + b * gb;
-    prefetch_ahead<T>(p, gb);
+    fetch_lines(p, gb, AHEAD_BLOCKS * gb);
     const __m512 d = _mm512_cvtph_ps(load32(p));
     const __m512 mn = has_min<type>() ? _mm512_cvtph_ps(load32(p + 32)) : _mm512_setzero_ps();
     const uint8_t* q = p + (has_min<type>() ? 64 : 32);

@@ -93,13 +93,15 @@ inline int32_t load_i32(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
-// Software prefetch of the weights ahead, for tiles of several input rows only: there it lowers an
-// added row's cost, while a one-row product streams the weights faster on the hardware prefetcher
-// alone (measured in docs/quantized.md). Prefetching changes no output's bits.
-template <int T>
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  if constexpr (T > 1)
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + o, _MM_HINT_T0);
+// Software prefetch of the weights, for every tile, one input row included: the regrouped kernels fetch each
+// cache line a fixed distance ahead of the line they read (a thread's groups lie one after another), as they
+// go, so the prefetches spread over the work. 1 KB ahead, and all of a K-quant super-block's 40-50 lines at
+// once, stalled on the line-fill buffers; a lone row then streamed faster without (docs/quantized.md).
+// Prefetching changes no output's bits.
+constexpr int64_t AHEAD_BLOCKS = 16;  // 32-weight blocks of a group ahead (Q4_1: 5 KB)
+constexpr int64_t AHEAD_SUPERS = 2;    // K-quant super-blocks of a group ahead (Q4_K: 4.6 KB, Q6_K: 6.6 KB)
+inline void fetch_lines(const uint8_t* p, int64_t bytes, int64_t distance) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + distance + o, _MM_HINT_T0);
 }
 
 // sum over v < n of u[v] * (xq[4v..4v+3] broadcast), from init, in `chains` interleaved chains (integer,
@@ -176,7 +178,7 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
   for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* p = group + b * gb;
-    prefetch_ahead<T>(p, gb);
+    fetch_lines(p, gb, AHEAD_BLOCKS * gb);
     const __m512 d = _mm512_cvtph_ps(load32(p));
     const __m512 mn = has_min<type>() ? _mm512_cvtph_ps(load32(p + 32)) : _mm512_setzero_ps();
     __m512i u[8];
@@ -215,55 +217,53 @@ torch::Tensor repack_q4k(const torch::Tensor& rows) {
   });
 }
 
-// acc: out, kept in memory (touched once per super-block), so that the registers hold the weights and sums.
-// A chunk's two sub-blocks (low and high nibbles of the same bytes) go side by side, each weight vector
-// decoded once and multiplied into every input row (the input row's bytes broadcast): T input rows run
-// 2T (4 for one row) independent integer chains. More than four rows spill those chains to memory,
-// so tiles of more rows run in tiles of four (Q4KTile).
+// Per super-block and output row: T = sum over sub-blocks j of scale_j * sum_j(u * xq) and Mn = sum_j min_j *
+// sum_j(xq) (int32, exact), then acc = fma(float(T), d * dx, acc) and acc = fma(float(Mn), dmin * -dx, acc); acc
+// is out, kept in memory (touched once per super-block). The sub-blocks go one after the other (2i the low
+// nibbles of chunk i's bytes, 2i + 1 the high ones), each weight vector unpacked once and multiplied into every
+// input row (the input row's bytes broadcast): T input rows keep T integer chains (two for one row, to hide
+// vpdpbusd's latency) and T totals in registers, so a tile of eight rows goes over the weights once.
 template <int T>
 void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
-  static_assert(T <= 4, "q4k_x16_tile: at most four input rows");
+  static_assert(T <= X16_TILE, "q4k_x16_tile: at most X16_TILE input rows");
   const int64_t S = x.supers;
   const __m512i low = _mm512_set1_epi8(15);
-  constexpr int C = T == 1 ? 2 : 1;  // chains per sum: one input row needs two to hide vpdpbusd's latency
+  constexpr int C = T == 1 ? 2 : 1;
   for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], _mm512_setzero_ps());
   for (int64_t sb = 0; sb < S; ++sb) {
     const uint8_t* p = group + sb * Q4_K_GROUP_BYTES;
-    prefetch_ahead<T>(p, Q4_K_GROUP_BYTES);
     __m512i total[T];
     for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
-    for (int i = 0; i < 4; ++i) {  // chunk i: sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+    for (int i = 0; i < 4; ++i) {
       const uint8_t* q = p + 320 + 512 * i;
-      __m512i lo[C][T], hi[C][T];
-      for (int c = 0; c < C; ++c)
-        for (int m = 0; m < T; ++m) lo[c][m] = hi[c][m] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {  // sub-block 2i + h: the low (h = 0) or high nibbles
+        __m512i sum[C][T];
+        for (int c = 0; c < C; ++c)
+          for (int m = 0; m < T; ++m) sum[c][m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int g = 0; g < 8; ++g) {
-        const __m512i packed = _mm512_loadu_si512(q + 64 * g);
-        const __m512i u = _mm512_and_si512(packed, low), w = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        const int c = g % C;
-#pragma GCC unroll 4
+        for (int g = 0; g < 8; ++g) {
+          if (h == 0) fetch_lines(q + 64 * g, 64, AHEAD_SUPERS * Q4_K_GROUP_BYTES);
+          if (i == 0 && h == 1 && g < 5) fetch_lines(p + 64 * g, 64, AHEAD_SUPERS * Q4_K_GROUP_BYTES);  // the scales' 320 bytes
+          const __m512i packed = _mm512_loadu_si512(q + 64 * g);
+          const __m512i u = _mm512_and_si512(h ? _mm512_srli_epi16(packed, 4) : packed, low);
+          const int c = g % C;
+#pragma GCC unroll 8
+          for (int m = 0; m < T; ++m) {
+            const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 64 * i + 32 * h + 4 * g;
+            sum[c][m] = _mm512_dpbusd_epi32(sum[c][m], u, _mm512_set1_epi32(load_i32(xq)));
+          }
+        }
+        const __m512i sc = _mm512_cvtepu8_epi32(load16(p + 64 + 32 * i + 16 * h));
         for (int m = 0; m < T; ++m) {
-          const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 64 * i + 4 * g;
-          lo[c][m] = _mm512_dpbusd_epi32(lo[c][m], u, _mm512_set1_epi32(load_i32(xq)));
-          hi[c][m] = _mm512_dpbusd_epi32(hi[c][m], w, _mm512_set1_epi32(load_i32(xq + 32)));
+          if constexpr (C == 2) sum[0][m] = _mm512_add_epi32(sum[0][m], sum[1][m]);
+          total[m] = _mm512_add_epi32(total[m], _mm512_mullo_epi32(sum[0][m], sc));
         }
-      }
-      const __m512i sl = _mm512_cvtepu8_epi32(load16(p + 64 + 32 * i));
-      const __m512i sh = _mm512_cvtepu8_epi32(load16(p + 80 + 32 * i));
-      for (int m = 0; m < T; ++m) {
-        if constexpr (C == 2) {
-          lo[0][m] = _mm512_add_epi32(lo[0][m], lo[1][m]);
-          hi[0][m] = _mm512_add_epi32(hi[0][m], hi[1][m]);
-        }
-        total[m] = _mm512_add_epi32(total[m],
-                                    _mm512_add_epi32(_mm512_mullo_epi32(lo[0][m], sl), _mm512_mullo_epi32(hi[0][m], sh)));
       }
     }
     const __m512 d = _mm512_cvtph_ps(load32(p)), dmin = _mm512_cvtph_ps(load32(p + 32));
     __m512i mins[4];
     for (int i = 0; i < 4; ++i) mins[i] = _mm512_cvtepu8_epi16(load32(p + 192 + 32 * i));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < T; ++m) {
       const int64_t r = (m0 + m) * S + sb;
       __m512i mn = _mm512_setzero_si512();
@@ -325,7 +325,6 @@ void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
   for (int m = 0; m < T; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < S; ++sb) {
     const uint8_t* p = group + sb * Q6_K_GROUP_BYTES;
-    prefetch_ahead<2>(p, Q6_K_GROUP_BYTES);  // a lone row too: it streamed Q6_K faster with it (docs/quantized.md)
     __m512i total[T];
     for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
@@ -333,6 +332,10 @@ void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         const int v = 4 * j + t;
+        fetch_lines(p + Q6_K_NIBBLES + 64 * v, 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);
+        fetch_lines(p + Q6_K_NIBBLES + 64 * (v + 16), 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);
+        fetch_lines(p + Q6_K_HIGHS + 64 * v, 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);
+        if (v < 5) fetch_lines(p + 64 * v, 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);  // d and the scales' 288 bytes
         const __m512i n1 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * v);
         const __m512i n2 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * (v + 16));
         const __m512i h = _mm512_loadu_si512(p + Q6_K_HIGHS + 64 * v);
@@ -414,14 +417,7 @@ struct Q6KTile {
 };
 template <int T>
 struct Q4KTile {
-  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) {
-    if constexpr (T > 4) {
-      q4k_x16_tile<4>(g, x, m0, out);
-      q4k_x16_tile<T - 4>(g, x, m0 + 4, out + 4);
-    } else {
-      q4k_x16_tile<T>(g, x, m0, out);
-    }
-  }
+  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q4k_x16_tile<T>(g, x, m0, out); }
 };
 
 // The GGML type a regrouped type id stands for, or -1.
