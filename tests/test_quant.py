@@ -638,6 +638,17 @@ def test_a_quantized_hf_model_is_the_dequantized_model_and_batch_invariant(arch)
     assert spec.tokens == plain.tokens and spec.stats.drafted > 0
 
 
+def test_a_quantized_model_keeps_copies_of_its_vectors_not_views_of_the_loaded_model():
+    """The loaded fp32 model's tensors can be views of its memory-mapped file: a norm kept as a view holds
+    every page of the file that quantizing read (a 0.5B draft kept 2.4 GB resident)."""
+    fp32 = make_model("qwen2", seed=3)
+    gguf = quantize_model(fp32.hf, "q8_0", "tiny")
+    storages = {p.untyped_storage().data_ptr() for p in fp32.hf.parameters()}
+    vectors = [t for t in gguf.tensors.values() if t.qtype == "F32"]
+    assert len(vectors) >= 5  # the norms and the biases
+    assert all(t.data.untyped_storage().data_ptr() not in storages for t in vectors)
+
+
 def test_our_q4_k_quantizer_writes_blocks_gguf_decodes_to_the_weights():
     """quantize_q4_k's blocks, read by gguf's reference dequantizer: every weight within half a
     quantization step (plus the 6-bit scale's and minimum's rounding) of the original; the kernels
