@@ -55,7 +55,7 @@ def quantize_model(hf: torch.nn.Module, qtype: str, name: str) -> GGUFModel:
             continue
         if value.dim() == 1:
             # a copy: the loaded model's tensors can be views of its memory-mapped file, and one kept view
-            # keeps every page of the file that quantizing read resident (2.4 GB for a 0.5B model)
+            # keeps every page of the file that quantizing read resident
             tensors[target] = QTensor(target, "F32", tuple(value.shape), value.to(torch.float32, copy=True))
             continue
         tensors[target] = quantize_matrix(value, qtype, target, f"{name}: {key}")

@@ -95,9 +95,8 @@ inline int32_t load_i32(const int8_t* p) {
 }
 // Software prefetch of the weights, for every tile, one input row included: the regrouped kernels fetch each
 // cache line a fixed distance ahead of the line they read (a thread's groups lie one after another), as they
-// go, so the prefetches spread over the work. 1 KB ahead, and all of a K-quant super-block's 40-50 lines at
-// once, stalled on the line-fill buffers; a lone row then streamed faster without (docs/quantized.md).
-// Prefetching changes no output's bits.
+// go, so the prefetches spread over the work. (Bursts 1 KB ahead, all of a K-quant super-block's 40-50 lines at
+// once, stalled on the line-fill buffers: docs/quantized.md.) Prefetching changes no output's bits.
 constexpr int64_t AHEAD_BLOCKS = 16;  // 32-weight blocks of a group ahead (Q4_1: 5 KB)
 constexpr int64_t AHEAD_SUPERS = 2;    // K-quant super-blocks of a group ahead (Q4_K: 4.6 KB, Q6_K: 6.6 KB)
 inline void fetch_lines(const uint8_t* p, int64_t bytes, int64_t distance) {
@@ -242,8 +241,9 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
           for (int m = 0; m < T; ++m) sum[c][m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int g = 0; g < 8; ++g) {
-          if (h == 0) fetch_lines(q + 64 * g, 64, AHEAD_SUPERS * Q4_K_GROUP_BYTES);
-          if (i == 0 && h == 1 && g < 5) fetch_lines(p + 64 * g, 64, AHEAD_SUPERS * Q4_K_GROUP_BYTES);  // the scales' 320 bytes
+          constexpr int64_t ahead = AHEAD_SUPERS * Q4_K_GROUP_BYTES;
+          if (h == 0) fetch_lines(q + 64 * g, 64, ahead);
+          if (i == 0 && h == 1 && g < 5) fetch_lines(p + 64 * g, 64, ahead);  // d, dmin, the scales: 320 bytes
           const __m512i packed = _mm512_loadu_si512(q + 64 * g);
           const __m512i u = _mm512_and_si512(h ? _mm512_srli_epi16(packed, 4) : packed, low);
           const int c = g % C;
@@ -332,10 +332,11 @@ void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         const int v = 4 * j + t;
-        fetch_lines(p + Q6_K_NIBBLES + 64 * v, 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);
-        fetch_lines(p + Q6_K_NIBBLES + 64 * (v + 16), 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);
-        fetch_lines(p + Q6_K_HIGHS + 64 * v, 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);
-        if (v < 5) fetch_lines(p + 64 * v, 64, AHEAD_SUPERS * Q6_K_GROUP_BYTES);  // d and the scales' 288 bytes
+        constexpr int64_t ahead = AHEAD_SUPERS * Q6_K_GROUP_BYTES;
+        fetch_lines(p + Q6_K_NIBBLES + 64 * v, 64, ahead);
+        fetch_lines(p + Q6_K_NIBBLES + 64 * (v + 16), 64, ahead);
+        fetch_lines(p + Q6_K_HIGHS + 64 * v, 64, ahead);
+        if (v < 5) fetch_lines(p + 64 * v, 64, ahead);  // d and the scales: 288 bytes
         const __m512i n1 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * v);
         const __m512i n2 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * (v + 16));
         const __m512i h = _mm512_loadu_si512(p + Q6_K_HIGHS + 64 * v);
