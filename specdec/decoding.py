@@ -170,9 +170,12 @@ class Decoding:
         return Rows(self.kv, block, False, None)
 
     def ready(self, calibrate: bool = True) -> None:
-        """After the prefill: with k="auto" and calibrate, time the target's verify-cost curve
-        here and where the output ends, once per target, context range and machine (cached on disk,
+        """After the prefill: the drafter's own prefill (Drafter.prefill: a draft model's cache over
+        the prompt), and with k="auto" and calibrate, the target's verify-cost curve timed here and
+        where the output ends, once per target, context range and machine (cached on disk,
         specdec.adaptive.costs)."""
+        if self.drafter is not None and self.k != 0:
+            self.drafter.prefill(self.prompt)
         if self.policy and calibrate:
             self.policy.costs.calibrate(self.kv, self.prompt, self.policy.k_max + 1, ahead=self.max_new_tokens)
 

@@ -497,6 +497,25 @@ def test_a_model_draft_with_lookup_proposes_a_long_match_for_free_and_stays_exac
     assert generate(target, ids, ModelDrafter(draft_model, lookup=True), k=4, max_new_tokens=24).tokens == plain.tokens
 
 
+def test_a_draft_model_fills_its_cache_with_the_prefill_not_in_the_first_round(target, draft_model):
+    from specdec.engine import stepwise
+
+    drafter = ModelDrafter(draft_model)
+    ids = prompt_ids(40)
+    rounds = stepwise(target, ids, drafter, k=4, max_new_tokens=24)
+    assert next(rounds) == 0  # the prefill is done
+    assert drafter.kv.tokens == ids[:-1]  # the draft model's too, so its time counts as prefill
+    fed = []
+    original = drafter.kv.extend
+    drafter.kv.extend = lambda tokens, **kw: fed.append(list(tokens)) or original(tokens, **kw)
+    next(rounds)
+    assert fed[0] == ids[-1:]  # the first round feeds the prompt's last token only
+    for _ in rounds:
+        pass
+    plain = generate(target, ids, None, k=0, max_new_tokens=24)
+    assert generate(target, ids, ModelDrafter(draft_model), k=4, max_new_tokens=24).tokens == plain.tokens
+
+
 def _scanned(context: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int | None]:
     """Prompt lookup by a scan of the whole context (its definition), to check the indexed one."""
     L = len(context)

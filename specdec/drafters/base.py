@@ -50,6 +50,15 @@ class Drafter:
                 setattr(other, name, part.fork())
         return other
 
+    def prefill(self, prompt: list[int]) -> None:
+        """Called once the target's prefill is done, with the prompt (token ids): a drafter that
+        keeps a state of its own over the context (a draft model's KV cache) builds it here, so that
+        its cost is paid with the prefill, not in the first round. The default prefills the parts
+        that are drafters themselves."""
+        for part in vars(self).values():
+            if isinstance(part, Drafter):
+                part.prefill(prompt)
+
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
         """At most k tokens to follow `context` (prompt + committed output)."""
         raise NotImplementedError

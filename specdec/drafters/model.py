@@ -49,6 +49,13 @@ class ModelDrafter(Drafter):
             self.checked = target
         self.kv = new_cache(self.draft)
 
+    def prefill(self, prompt: list[int]) -> None:
+        """The draft model's cache over the prompt but its last token (the first proposal feeds that
+        one), in one forward."""
+        todo = self.kv.sync(prompt)[:-1]
+        if todo and max(todo) < self.draft.vocab_size:
+            self.kv.extend(todo, all_logits=False)
+
     def long_match(self, context: list[int]) -> int | None:
         """Lookup's match length when propose() would propose lookup's draft (greedy), else None."""
         looked = long_lookup(self.lookup, context, 1)
