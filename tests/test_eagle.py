@@ -109,6 +109,25 @@ def test_eagle_greedy_is_plain_greedy_and_sampling_works(target, head):
     assert out.stats.drafted > 0
 
 
+def test_the_head_reads_the_prompt_with_the_prefill_not_in_the_first_round(target, head):
+    from specdec.engine import stepwise
+
+    drafter = EagleDrafter(head)
+    prompt = prompt_ids(30)
+    rounds = stepwise(target, prompt, drafter, k=3, max_new_tokens=20)
+    assert next(rounds) == 0  # the prefill is done, the head's too
+    assert drafter.seen == prompt[:-1]
+    ran = []
+    original = drafter._step
+    drafter._step = lambda feats, tokens, start: ran.append((len(tokens), start)) or original(feats, tokens, start)
+    next(rounds)
+    assert ran[0] == (1, len(prompt) - 2)  # the first round runs the head over one position only
+    for _ in rounds:
+        pass
+    plain = generate(target, prompt, None, k=0, max_new_tokens=20).tokens
+    assert generate(target, prompt, EagleDrafter(head), k=3, max_new_tokens=20).tokens == plain
+
+
 def test_eagle_tree_offers_the_next_best_tokens_as_siblings_and_stays_exact(target, head):
     kv = LeanKVCache(target)
     context = prompt_ids(12)

@@ -138,6 +138,17 @@ class EagleDrafter(Drafter):
         return looked.match_length if looked is not None else None
 
     @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> None:
+        """The head's cache over the prompt's positions but the last one it reads (the first proposal
+        runs that one), from the target's features of its prefill."""
+        super().prefill(prompt)
+        n = len(prompt)
+        if self.kv is None or self.head is None or n < 3 or len(self.kv) < n - 1:
+            return
+        self._step(self.head.fused(self.kv.features[: n - 2].float()), prompt[1 : n - 1], 0)
+        self.seen = list(prompt[: n - 1])
+
+    @torch.inference_mode()
     def propose(
         self, context: list[int], k: int, sampler: Sampler, keep_going: Callable[[int, float], bool] | None = None
     ) -> Draft:
