@@ -23,7 +23,7 @@ from specdec.drafters.factory import (
     options_for,
 )
 from specdec.drafters.layerskip import LayerSkipDrafter
-from specdec.drafters.lookup import continuation
+from specdec.drafters.lookup import MAX_MATCH, continuation
 from specdec.drafters.suffix import SuffixAutomaton, SuffixDrafter, load_corpus
 from specdec.models.load import load_model
 from specdec.models.skip import parse_layers, skip_view
@@ -524,7 +524,7 @@ def _scanned(context: list[int], k: int, max_ngram: int, min_ngram: int) -> tupl
             if context[start : start + n] == context[L - n :]:
                 length = n
                 while (
-                    length < 32
+                    length < MAX_MATCH
                     and start - (length - n) > 0
                     and context[start - (length - n) - 1] == context[L - length - 1]
                 ):

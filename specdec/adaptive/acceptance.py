@@ -90,8 +90,8 @@ class Acceptance:
             weight = self.reached[cls][i] + self.prior_weight
             estimate = (self.accepted[cls][i] + prior * self.prior_weight) / weight
             error = math.sqrt(estimate * (1.0 - estimate) / weight)  # standard error
-            bonus = self.explore * error * (optimistic - cautious)
-            out.append(min(1.0, max(0.0, estimate + bonus)))
+            side = 1.0 if optimistic and not cautious else -1.0 if cautious and not optimistic else 0.0
+            out.append(min(1.0, max(0.0, estimate + side * self.explore * error)))
         return out + out[-1:] * (n - len(out))
 
     def given_confidence(self, confidence: float) -> float:

@@ -45,9 +45,8 @@ class Drafter:
         a model, a layer-skip drafter's inner one) are forked in turn, suits drafters whose
         prepare() makes all other per-generation state."""
         other = copy.copy(self)
-        for name, part in vars(self).items():
-            if isinstance(part, Drafter):
-                setattr(other, name, part.fork())
+        for name, part in self._parts():
+            setattr(other, name, part.fork())
         return other
 
     def prefill(self, prompt: list[int]) -> None:
@@ -55,9 +54,12 @@ class Drafter:
         keeps a state of its own over the context (a draft model's KV cache) builds it here, so that
         its cost is paid with the prefill, not in the first round. The default prefills the parts
         that are drafters themselves."""
-        for part in vars(self).values():
-            if isinstance(part, Drafter):
-                part.prefill(prompt)
+        for _, part in self._parts():
+            part.prefill(prompt)
+
+    def _parts(self) -> list[tuple[str, Drafter]]:
+        """(attribute name, drafter) for each of this drafter's attributes that is a drafter itself."""
+        return [(name, part) for name, part in vars(self).items() if isinstance(part, Drafter)]
 
     def propose(self, context: list[int], k: int, sampler: Sampler) -> Draft:
         """At most k tokens to follow `context` (prompt + committed output)."""

@@ -51,7 +51,8 @@ class ModelDrafter(Drafter):
 
     def prefill(self, prompt: list[int]) -> None:
         """The draft model's cache over the prompt but its last token (the first proposal feeds that
-        one), in one forward."""
+        one), in one forward; then its parts' (Drafter.prefill)."""
+        super().prefill(prompt)
         todo = self.kv.sync(prompt)[:-1]
         if todo and max(todo) < self.draft.vocab_size:
             self.kv.extend(todo, all_logits=False)
