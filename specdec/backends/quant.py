@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specdec.backends.lean import BatchItem, causal_mask, rope_inv_freq
+from specdec.backends.lean import BatchItem, rope_inv_freq
 
 SUPPORTED = ("llama", "qwen2")
 # The KV cache's dtypes, the default first: fp16 halves the bytes attention reads (measured in
@@ -294,11 +294,8 @@ class QuantModel:
             raise ValueError("forward_batch needs at least one request")
         k = self.kernels
         layout = [
-            r.tree
-            if r.tree is not None
-            else (torch.arange(r.start, r.start + len(r.ids)), causal_mask(r.start, len(r.ids)))
-            for r in requests
-        ]  # positions (n,) and mask (n, start + n) or None (causal) of each request
+            r.tree if r.tree is not None else (torch.arange(r.start, r.start + len(r.ids)), None) for r in requests
+        ]  # positions (n,) and mask (n, start + n), or None: causal, which the kernels follow without a mask
         rope = k.rope_table(_cat([positions for positions, _ in layout]), self.inv_freq)  # shared by the layers
         h = self.embed_rows(_cat([r.ids for r in requests]))  # (rows, d)
         counts = [len(r.ids) for r in requests]
