@@ -405,6 +405,25 @@ def test_attention_over_a_tree_is_each_paths_own_attention():
         assert torch.equal(y[i : i + 1], one), i
 
 
+def test_attention_under_any_mask_sees_exactly_its_keys():
+    # rows that hide cached keys at different places (the leading run of visible keys differs from row to row, and
+    # is shorter than the cache), beside a causal row: each equals its reference and its own one-row call, bitwise
+    start, n = 40, 7
+    q, kc, vc, scale = _attention_case(start, n, seed=12)
+    mask = torch.rand(n, start + n, generator=torch.Generator().manual_seed(13)) < 0.7
+    mask[:, 0] = True
+    mask[0] = torch.arange(start + n) <= start  # causal
+    mask[1, : start - 3] = True  # hides only near the end of the cache
+    for kv in ((kc, vc), (kc.half(), vc.half())):
+        y = kernels().attention(q, *kv, start, mask, scale)
+        keys = [mask[i].nonzero()[:, 0].tolist() for i in range(n)]
+        want = _attention_reference(q, kv[0].float(), kv[1].float(), keys, scale)
+        assert torch.allclose(y.double(), want, atol=1e-5)
+        for i in range(n):
+            one = kernels().attention(q[i : i + 1], *kv, start + n - 1, mask[i : i + 1], scale)
+            assert torch.equal(y[i : i + 1], one), i
+
+
 # ---- types the kernels do not handle -----------------------------------------------------------
 
 

@@ -92,19 +92,29 @@ struct Attention {
 // Position i of attention a, its scores of keys 0..limit-1 (limit = start + n with a mask, start + i + 1
 // causally) in score: keeps the visible ones in cache order (score[c] for key seen[c]) and turns them into
 // e^(score - max), in place. Returns (their count, their sum). seen may be null causally (key c is seen[c] = c).
+// lead, when not null, gets how many keys from the first are all visible (seen[c] = c below it): causally all
+// of them; under a token tree's mask the cached prefix, found with memchr, so that only the tree's own keys are
+// tested one by one.
 template <typename T>
-std::pair<int64_t, float> softmax_visible(const Attention<T>& a, int64_t i, float* score, int64_t* seen) {
+std::pair<int64_t, float> softmax_visible(const Attention<T>& a, int64_t i, float* score, int64_t* seen,
+                                          int64_t* lead = nullptr) {
   const int64_t keys = a.start + a.n;
   int64_t count = a.mask ? keys : a.start + i + 1;
   if (a.mask) {
-    count = 0;
-    for (int64_t j = 0; j < keys; ++j)
-      if (a.mask[i * keys + j]) {
+    const bool* row = a.mask + i * keys;
+    const void* hidden = std::memchr(row, 0, keys);  // the first key it does not see (bool: one byte, 0 or 1)
+    count = hidden ? static_cast<const bool*>(hidden) - row : keys;
+    for (int64_t j = 0; j < count; ++j) seen[j] = j;
+    if (lead) *lead = count;
+    for (int64_t j = count; j < keys; ++j)
+      if (row[j]) {
         seen[count] = j;
         score[count++] = score[j];  // count <= j: in place
       }
-  } else if (seen) {
-    for (int64_t j = 0; j < count; ++j) seen[j] = j;
+  } else {
+    if (seen)
+      for (int64_t j = 0; j < count; ++j) seen[j] = j;
+    if (lead) *lead = count;
   }
   vec most = splat(score[0]);  // the maximum, 16 lanes at a time (exact in any order)
   int64_t m = 0;
@@ -156,38 +166,35 @@ void attend_one(const Attention<T>& a, int64_t i, int64_t h, int64_t H, int64_t 
 // A thread's room for one head's rows: scores, visible keys, value sums.
 struct Scratch {
   std::vector<float> score, acc;
-  std::vector<int64_t> seen, count;
+  std::vector<int64_t> seen, count, lead;
   std::vector<float> sum;
 };
 
 #if defined(__AVX512F__)
 // Rows t < TN of one head: acc[t] = sum over row t's visible keys c, in cache order, of p[t][c] * the value
 // row seen[t][c] (rows of 16 V values; seen[t] null: key c is c, causally): each row's multiply-adds one chain in key
-// order, weighted_values' operations, while each value row is read once for the TN rows.
+// order, weighted_values' operations, while each value row is read once for the TN rows. lead[t]: row t sees keys
+// 0..lead[t]-1, all of them (softmax_visible's lead), so up to the least lead every row takes every key untested.
 template <int V, int TN, typename T>
-void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, const T* values, float* const* acc) {
+void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, const int64_t* lead, const T* values,
+                 float* const* acc) {
   __m512 a[TN][V];
   int64_t cur[TN], end = 0;
   for (int t = 0; t < TN; ++t) {
     for (int e = 0; e < V; ++e) a[t][e] = _mm512_setzero_ps();
-    cur[t] = 0;
     if (count[t]) end = std::max(end, seen[t] ? seen[t][count[t] - 1] + 1 : count[t]);
   }
+  const int64_t common = *std::min_element(lead, lead + TN);
   int64_t j = 0;
-  bool causal = true;  // then row t's keys are 0..count[t]-1: up to the fewest, every row takes every key
-  for (int t = 0; t < TN; ++t) causal = causal && !seen[t];
-  if (causal) {
-    const int64_t common = *std::min_element(count, count + TN);
-    for (; j < common; ++j) {
-      __m512 v[V];
-      for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
-      for (int t = 0; t < TN; ++t) {
-        const __m512 w = _mm512_set1_ps(p[t][j]);
-        for (int e = 0; e < V; ++e) a[t][e] = _mm512_fmadd_ps(w, v[e], a[t][e]);
-      }
+  for (; j < common; ++j) {
+    __m512 v[V];
+    for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
+    for (int t = 0; t < TN; ++t) {
+      const __m512 w = _mm512_set1_ps(p[t][j]);
+      for (int e = 0; e < V; ++e) a[t][e] = _mm512_fmadd_ps(w, v[e], a[t][e]);
     }
-    for (int t = 0; t < TN; ++t) cur[t] = common;
   }
+  for (int t = 0; t < TN; ++t) cur[t] = common;
   for (; j < end; ++j) {
     __m512 v[V];
     for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
@@ -228,6 +235,7 @@ void attend_head(const Attention<T>& a, int64_t h, int64_t r0, int64_t r1, int64
   s.seen.resize(n * all);
   s.acc.resize(n * D);
   s.count.resize(n);
+  s.lead.resize(n);
   s.sum.resize(n);
   float widened[16 * D];
   for (int64_t j0 = 0; j0 < keys; j0 += 16) {
@@ -240,9 +248,9 @@ void attend_head(const Attention<T>& a, int64_t h, int64_t r0, int64_t r1, int64
     }
   }
   for (int64_t i = 0; i < n; ++i)
-    std::tie(s.count[i], s.sum[i]) =
-        softmax_visible(a, r0 + i, s.score.data() + i * stride, a.mask ? s.seen.data() + i * all : nullptr);
-  using Fn = void (*)(float* const*, int64_t* const*, const int64_t*, const T*, float* const*);
+    std::tie(s.count[i], s.sum[i]) = softmax_visible(a, r0 + i, s.score.data() + i * stride,
+                                                     a.mask ? s.seen.data() + i * all : nullptr, &s.lead[i]);
+  using Fn = void (*)(float* const*, int64_t* const*, const int64_t*, const int64_t*, const T*, float* const*);
   static constexpr Fn tiles[7] = {nullptr,
                                   tile_values<V, 1, T>,
                                   tile_values<V, 2, T>,
@@ -260,7 +268,7 @@ void attend_head(const Attention<T>& a, int64_t h, int64_t r0, int64_t r1, int64
       seen[t] = a.mask ? s.seen.data() + (i0 + t) * all : nullptr;
       acc[t] = s.acc.data() + (i0 + t) * D;
     }
-    tiles[tn](p, seen, s.count.data() + i0, vg, acc);
+    tiles[tn](p, seen, s.count.data() + i0, s.lead.data() + i0, vg, acc);
   }
   for (int64_t i = 0; i < n; ++i) {
     float* o = a.out + (r0 + i) * H * D + h * D;
