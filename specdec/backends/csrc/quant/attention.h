@@ -130,9 +130,13 @@ std::pair<int64_t, float> softmax_visible(const Attention<T>& a, int64_t i, floa
     total += e;
   }
   float sum = lane_sum(total);
-  for (; c < count; ++c) {
-    score[c] = sexp(score[c] - top);
-    sum += score[c];
+  if (c < count) {  // the last count - c < 16 in one vector (e^x is lane by lane: sexp's bits), added one by one
+    float tail[L];
+    store(tail, vexp(load(score + c) - splat(top)));  // score has room for 16 past the keys; unused lanes dropped
+    for (int l = 0; c < count; ++c, ++l) {
+      score[c] = tail[l];
+      sum += score[c];
+    }
   }
   return {count, sum};
 }
