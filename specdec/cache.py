@@ -96,8 +96,9 @@ class KVCache:
 class LeanKVCache(KVCache):
     """The KV cache of one sequence on the lean path (specdec.backends.lean.LeanModel).
 
-    Keys and values live in per-layer tensors (n_kv_heads, capacity, head_dim), preallocated and
-    doubled when full, never past the context length; `features` (capacity, hidden x (1 +
+    Keys and values live in per-layer tensors (n_kv_heads, capacity, head_dim), views of one
+    (layers, n_kv_heads, capacity, head_dim) tensor each (so a kept tree path moves in one op for
+    all layers), preallocated and doubled when full, never past the context length; `features` (capacity, hidden x (1 +
     len(taps))) holds each cached position's final-normed hidden state, then its hidden states
     after the decoder layers `taps` (none unless asked for), for a feature-level draft head
     (specdec.train.head). Rollback moves the length back; the rows past it are overwritten by the next
@@ -108,12 +109,17 @@ class LeanKVCache(KVCache):
         self.model, self.lean = model, model.lean()
         self.tokens = []
         lm, capacity = self.lean, min(capacity, model.n_ctx)
-        kv = lambda: torch.empty(lm.n_kv, capacity, lm.head_dim, dtype=lm.kv_dtype, device=lm.device)  # noqa: E731
-        self.k = [kv() for _ in lm.layers]  # per layer (n_kv_heads, capacity, head_dim)
-        self.v = [kv() for _ in lm.layers]
+        shape = (len(lm.layers), lm.n_kv, capacity, lm.head_dim)
+        self.keys = torch.empty(shape, dtype=lm.kv_dtype, device=lm.device)
+        self.values = torch.empty_like(self.keys)
+        self._views()
         self.taps: tuple[int, ...] = ()
         self.features = torch.empty(capacity, lm.hidden_size, dtype=lm.dtype, device=lm.device)  # final-normed
         self.tap(taps)
+
+    def _views(self) -> None:
+        """Per layer (n_kv_heads, capacity, head_dim): views of keys and values."""
+        self.k, self.v = list(self.keys.unbind(0)), list(self.values.unbind(0))
 
     def tap(self, layers) -> None:
         """Keep, from now on, the hidden states after these decoder layers (0-based) beside each
@@ -145,8 +151,9 @@ class LeanKVCache(KVCache):
             raise ContextLengthError(f"{end} tokens exceed {self.model.name}'s context of {self.model.n_ctx}")
         if end > self.features.shape[0]:  # double, never past the context
             capacity = min(max(end, 2 * self.features.shape[0]), self.model.n_ctx)
-            self.k = [grown(t, capacity, start, dim=1) for t in self.k]
-            self.v = [grown(t, capacity, start, dim=1) for t in self.v]
+            self.keys = grown(self.keys, capacity, start, dim=2)
+            self.values = grown(self.values, capacity, start, dim=2)
+            self._views()
             self.features = grown(self.features, capacity, start, dim=0)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
         tree = None if parents is None else tree_layout(parents, start, self.lean.device)
@@ -165,11 +172,13 @@ class LeanKVCache(KVCache):
             or start + path[-1] >= len(self.tokens)
         ):
             raise ValueError(f"path {path} is not a root-first path of the tree at {start}")
-        src = torch.tensor(path, device=self.lean.device) + start
-        dst = torch.arange(start, start + len(path), device=self.lean.device)
-        for t in (*self.k, *self.v):
-            t.index_copy_(1, dst, t.index_select(1, src))
-        self.features.index_copy_(0, dst, self.features.index_select(0, src))
+        moved = [i for i, node in enumerate(path) if node != i]  # a chain-first path's head is in place already
+        if moved:
+            src = torch.tensor([path[i] for i in moved], device=self.lean.device) + start
+            dst = torch.tensor(moved, device=self.lean.device) + start
+            for t in (self.keys, self.values):  # every layer's rows at once
+                t.index_copy_(2, dst, t.index_select(2, src))
+            self.features.index_copy_(0, dst, self.features.index_select(0, src))
         self.tokens[start:] = [self.tokens[start + i] for i in path]
 
     def _drop(self, n: int) -> None:
