@@ -96,13 +96,13 @@ class KVCache:
 class LeanKVCache(KVCache):
     """The KV cache of one sequence on the lean path (specdec.backends.lean.LeanModel).
 
-    Keys and values live in per-layer tensors (n_kv_heads, capacity, head_dim), views of one
-    (layers, n_kv_heads, capacity, head_dim) tensor each (so a kept tree path moves in one op for
-    all layers), preallocated and doubled when full, never past the context length; `features` (capacity, hidden x (1 +
-    len(taps))) holds each cached position's final-normed hidden state, then its hidden states
-    after the decoder layers `taps` (none unless asked for), for a feature-level draft head
-    (specdec.train.head). Rollback moves the length back; the rows past it are overwritten by the next
-    forward.
+    Keys and values live in per-layer tensors (n_kv_heads, capacity, head_dim), `k` and `v`: views
+    of `keys` and `values` (layers, n_kv_heads, capacity, head_dim), so that a kept tree path moves
+    in one op for all layers; preallocated and doubled when full, never past the context length.
+    `features` (capacity, hidden x (1 + len(taps))) holds each cached position's final-normed hidden
+    state, then its hidden states after the decoder layers `taps` (none unless asked for), for a
+    feature-level draft head (specdec.train.head). Rollback moves the length back; the rows past it
+    are overwritten by the next forward.
     """
 
     def __init__(self, model: Model, capacity: int = 256, taps: tuple[int, ...] = ()):
