@@ -222,6 +222,13 @@ def test_report_prints_the_timing_noise_as_a_percentage():
     assert "Timing noise" not in markdown_report(stored)
 
 
+def test_report_names_a_draft_vocabulary():
+    stored = results.load(Path(__file__).parent / "data" / "quick_results.json")
+    assert "draft vocabulary" not in markdown_report(stored)
+    stored["pairs"][0]["draft_vocab"] = 65536
+    assert "; draft vocabulary 65,536 tokens." in markdown_report(stored)
+
+
 def test_gemv_status_says_which_kernels_run_and_why(monkeypatch):
     """specdec.backends.gemv.status(), the bench's "products" line, in each of its three states;
     the loader is a stand-in, so this runs with or without a compiler."""

@@ -58,6 +58,7 @@ def _write(tmp_path):
         "draft": "~/drafts/small",
         "dtype": "float32",
         "draft_dtype": "bfloat16",
+        "draft_vocab": 65536,
         "backend": "lean",
         "device": "cpu",
         "workload": "humaneval_dev.jsonl",
@@ -98,7 +99,8 @@ def test_rows_are_the_newest_run_of_each_pair_and_workload(tmp_path):
     )
     model_pair = (
         "| [big + small draft](results/b_new/) | HumanEval dev: 3 x 64 "
-        "| fp32 (draft bf16), lean | Intel Xeon Processor, 2 cores | 5.0 | k = 3: 2.00x | - | 3/3 |"
+        "| fp32 (draft bf16, draft vocabulary 65,536), lean | Intel Xeon Processor, 2 cores | 5.0 | k = 3: 2.00x | - "
+        "| 3/3 |"
     )
     assert rows == [newest_lookup, model_pair]
 

@@ -86,9 +86,11 @@ def _workload_label(run: dict, pair: dict) -> str:
 
 def _precision(pair: dict) -> str:
     text = DTYPES.get(pair["precision"], pair["precision"])
-    draft = pair["draft_precision"]
-    if draft and draft != pair["precision"]:
-        text += f" (draft {DTYPES.get(draft, draft)})"
+    draft, vocab = pair["draft_precision"], pair.get("draft_vocab")
+    notes = [f"draft {DTYPES.get(draft, draft)}"] if draft and draft != pair["precision"] else []
+    notes += [f"draft vocabulary {vocab:,}"] if vocab else []
+    if notes:
+        text += f" ({', '.join(notes)})"
     text += f", {pair.get('backend') or 'hf'}"
     device = pair.get("device") or "cpu"
     return text if device == "cpu" else f"{text}, {device}"

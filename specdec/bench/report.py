@@ -450,7 +450,9 @@ def markdown_report(results: dict) -> str:
             "",
             f"precision {pair['precision']}, backend {pair['backend']}, device {pair['device']}, "
             f"workload {pair['workload']}, {len(pair['prompts'])} prompts"
-            + (f"; draft precision {draft}." if draft else "."),
+            + (f"; draft precision {draft}" if draft else "")
+            + (f"; draft vocabulary {pair['draft_vocab']:,} tokens" if pair.get("draft_vocab") else "")
+            + ".",
             "",
         ]
         for section in (
