@@ -81,6 +81,7 @@ class Acceptance:
         no exploration, and verifying where a noisy estimate happens to be high pays for that
         noise (the winner's curse)."""
         lift = self.lift if lifted else 0.0
+        side = float(optimistic) - float(cautious)  # standard errors added: +1, -1, or 0 (neither, or both)
         shorter = self.per_position(n, cls - 1, lifted=lifted) if cls >= 2 else None
         out, estimate = [], self.prior
         for i in range(min(n, self.k_max)):
@@ -90,7 +91,6 @@ class Acceptance:
             weight = self.reached[cls][i] + self.prior_weight
             estimate = (self.accepted[cls][i] + prior * self.prior_weight) / weight
             error = math.sqrt(estimate * (1.0 - estimate) / weight)  # standard error
-            side = 1.0 if optimistic and not cautious else -1.0 if cautious and not optimistic else 0.0
             out.append(min(1.0, max(0.0, estimate + side * self.explore * error)))
         return out + out[-1:] * (n - len(out))
 
