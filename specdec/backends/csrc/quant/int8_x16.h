@@ -374,18 +374,19 @@ void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
 
 // ---- a part's outputs ---------------------------------------------------------------------------
 
-// y[:, j] for the groups of sixteen rows covering [lo, hi) (multiples of 16) of one regrouped part:
+// y[:, j] for the groups of sixteen rows covering [lo, hi) (multiples of 16) of one regrouped part, input rows
+// m_begin.. of x:
 // tiles[t] computes a group's sixteen outputs for t input rows. A thread goes over a block of groups
 // (about WEIGHT_BLOCK bytes) for each tile of input rows, so many input rows stream the weights
 // from L2; the order changes no output's operations.
 template <typename Rows>
 void grouped_outputs(void (*const* tiles)(const uint8_t*, const Rows&, int64_t, float (*)[GROUP]),
                      const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y,
-                     int64_t N) {
+                     int64_t N, int64_t m_begin) {
   float out[X16_TILE][GROUP];
   const int64_t block = std::max<int64_t>(GROUP, WEIGHT_BLOCK / group_bytes * GROUP);
   for (int64_t j0 = lo; j0 < hi; j0 += block)
-    for (int64_t m0 = 0; m0 < x.M; m0 += X16_TILE) {
+    for (int64_t m0 = m_begin; m0 < x.M; m0 += X16_TILE) {
       const int t = static_cast<int>(std::min<int64_t>(X16_TILE, x.M - m0));
       for (int64_t j = j0; j < std::min(hi, j0 + block); j += GROUP) {
         tiles[t](groups + (j - lo) / GROUP * group_bytes, x, m0, out);
@@ -396,11 +397,11 @@ void grouped_outputs(void (*const* tiles)(const uint8_t*, const Rows&, int64_t, 
 
 template <typename Rows, template <int> class Tile>
 void tiled_outputs(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y,
-                   int64_t N) {
+                   int64_t N, int64_t m_begin = 0) {
   using Fn = void (*)(const uint8_t*, const Rows&, int64_t, float (*)[GROUP]);
   static constexpr Fn tiles[X16_TILE + 1] = {nullptr,       Tile<1>::run, Tile<2>::run, Tile<3>::run, Tile<4>::run,
                                              Tile<5>::run,  Tile<6>::run, Tile<7>::run, Tile<8>::run};
-  grouped_outputs<Rows>(tiles, groups, group_bytes, lo, hi, x, y, N);
+  grouped_outputs<Rows>(tiles, groups, group_bytes, lo, hi, x, y, N, m_begin);
 }
 
 template <int64_t type>
