@@ -9,7 +9,7 @@ import torch
 
 from specdec.backends.qkernel import kernels
 from specdec.bench.kernels import measure, random_matrix, table
-from specdec.bench.rowcost import fit_slope, row_cost
+from specdec.bench.rowcost import fit_slope, product_kernel, row_cost
 from specdec.cli import main
 from specdec.models.load import load_model
 from specdec.models.weights import cache_dir, is_pulled
@@ -53,8 +53,7 @@ def test_row_cost_of_the_packaged_smollm2_counts_its_matrices():
     # tied output layer (49152 x 576): multiply-adds of one row
     layer = (576 + 2 * 192) * 576 + 576 * 576 + 2 * 1536 * 576 + 576 * 1536
     assert cost["macs_per_row"] == 30 * layer + 49152 * 576
-    expected = ("amx" if kernels().amx_available() else "vnni") if model.lean().int8 else "fp32"
-    assert cost["kernel"] == expected  # the tiles are on by default where the CPU has them
+    assert cost["kernel"] == ("vnni" if model.lean().int8 else "fp32")  # tiles take sixteen rows or more
     assert cost["marginal_ms"] == pytest.approx(1.0)
     assert cost["peak_ms"] == pytest.approx(cost["macs_per_row"] / (cost["peak_gmacs"] * 1e9) * 1e3)
     assert cost["fraction"] == pytest.approx(cost["peak_ms"] / 1.0)
@@ -94,3 +93,13 @@ def test_report_gives_the_verify_floor_the_peak_allows():
     costs = {"verify_ms": {"1": 5.0, "2": 6.0, "8": 12.0}, "context_tokens": 64, "draft_ms": {}, "overhead_ms": 0.1}
     text = "\n".join(_costs({"costs": {**costs, "row_cost": row | {"fraction": 0.5}}}))
     assert "At that peak V(8)/V(1) can be no less than 1.70 at this V(1)." in text  # 1 + 7 x 0.5 / 5
+
+
+def test_the_product_kernel_is_amx_only_for_a_tile_of_rows():
+    if not kernels().int8_available():
+        pytest.skip("no AVX512-VNNI here: the int8 products do not run")
+    tile = kernels().amx_rows()
+    assert tile == 16
+    assert product_kernel(False, 32) == "fp32"
+    assert product_kernel(True, tile - 1) == "vnni"  # verify blocks of up to fifteen rows keep VNNI
+    assert product_kernel(True, tile) == ("amx" if kernels().amx_on() else "vnni")

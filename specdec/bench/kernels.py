@@ -93,7 +93,7 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
         raise ValueError(f"no kernel for {', '.join(unknown)}: choose from {', '.join(FP16_FIELDS)}")
     if int8 is None:
         int8 = kernels().int8_available()
-    kind = product_kernel(int8)
+    kind = product_kernel(int8, max(ROWS))
     peak = peak_macs_per_s(kind) / 1e9
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

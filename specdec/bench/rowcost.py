@@ -36,12 +36,15 @@ def peak_macs_per_s(kernel: str) -> float:
     return max(kernels().peak(kind) for _ in range(3))  # the best of three: another process only slows it
 
 
-def product_kernel(int8: bool) -> str:
-    """Which instruction multiplies a forward's rows: "amx" (AMX tiles for the 32-weight types of two
-    or more rows, VNNI for the rest), "vnni" (AVX512-VNNI) or "fp32" (fp32 activations)."""
+def product_kernel(int8: bool, rows: int) -> str:
+    """Which instruction multiplies a forward of up to `rows` rows: "amx" (AMX tiles, sixteen input
+    rows at a time, for the 32-weight types; VNNI for the rest), "vnni" (AVX512-VNNI) or "fp32" (fp32
+    activations)."""
     from specdec.backends.qkernel import kernels
 
-    return ("amx" if kernels().amx_on() else "vnni") if int8 else "fp32"
+    if not int8:
+        return "fp32"
+    return "amx" if kernels().amx_on() and rows >= kernels().amx_rows() else "vnni"
 
 
 def row_cost(model: Model, verify_ms: dict[str, float]) -> dict | None:
@@ -55,7 +58,7 @@ def row_cost(model: Model, verify_ms: dict[str, float]) -> dict | None:
     if model.gguf is None or model.device.type != "cpu" or len(verify_ms) < 2:
         return None
     lean = model.lean()
-    kind = product_kernel(lean.int8)
+    kind = product_kernel(lean.int8, max(int(n) for n in verify_ms))
     peak = peak_macs_per_s(kind)
     marginal = fit_slope({int(n): ms for n, ms in verify_ms.items()})
     macs = lean.macs_per_row()
