@@ -113,13 +113,14 @@ def test_older_attention_rows_equal_one_row_calls(older, cache):
             assert torch.equal(y[i : i + 1], older.attention(q[i : i + 1], kc, vc, start + i, None, scale)), i
 
 
-AMX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the regrouped 32-weight types; Q4_K and Q6_K keep VNNI
+AMX_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K"]  # the regrouped types the tiles take; Q6_K keeps VNNI
 
 
 def _tiles_give_the_vnni_bits(module, qtype: str) -> None:
     """module's int8 products of a regrouped qtype part over 1..35 rows: with the tiles on, the bits of
     the same module's VNNI kernels and of the native build's, every row as alone, on 1 and 2 threads."""
-    K, N = 1184, 112  # 37 blocks of 32; 7 groups of 16 weight rows: tiles of 3, 2 and 1 groups on 1 or 2 threads
+    # 37 blocks of 32 (Q4_K: 5 super-blocks of 256); 7 groups of 16 weight rows: 3, 2 and 1 groups a tile step
+    K, N = 1280 if qtype == "Q4_K" else 1184, 112
     raw = torch.from_numpy(random_blocks(qtype, N, K, seed=21))
     packed, xtype = module.repack(raw, TYPES[qtype], K)
     x = torch.randn(35, K, generator=torch.Generator().manual_seed(22))

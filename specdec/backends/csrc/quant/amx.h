@@ -1,4 +1,5 @@
-// AMX int8 tiles (Intel Sapphire Rapids and later) for the regrouped 32-weight types, two or more input rows.
+// AMX int8 tiles (Intel Sapphire Rapids and later) for the regrouped 32-weight types and Q4_K, sixteen input rows
+// at a time.
 #pragma once
 
 #include "int8_x16.h"
@@ -14,15 +15,18 @@
 
 namespace {
 
-constexpr int AMX_ROWS = 16;  // input rows of a tile (its A and C operands' height)
+constexpr int AMX_ROWS = 16;  // input rows of a tile (its A and C operands' height); fewer rows keep VNNI
 
-// A block of a regrouped 32-weight type is already an AMX B tile: its eight 64-byte vectors (unpacked from
-// nibbles where the type packs them) are eight rows of sixteen weight rows x four consecutive weights. The
-// block's int8 inputs of T input rows are the A tile (T rows of 32 bytes), and one `tdpbsud` (signed inputs,
-// unsigned weights) leaves C[m][r] = sum of input row m's 32 products with weight row r: the integer sum
-// the VNNI kernel builds with eight `vpdpbusd`, exact either way. Every fp32 step after it is the VNNI
-// kernel's, per block and in order, so the AMX and VNNI paths give the same bits, and one row (which takes
-// the VNNI kernel, as llama.cpp's does) has the bits it has inside any tile of rows.
+// A block of a regrouped 32-weight type (a sub-block of Q4_K) is already an AMX B tile: its eight 64-byte vectors
+// (unpacked from nibbles where the type packs them) are eight rows of sixteen weight rows x four consecutive
+// weights. The block's int8 inputs of sixteen input rows are the A tile (rows of 32 bytes), and one `tdpbsud`
+// (signed inputs, unsigned weights) leaves C[m][r] = sum of input row m's 32 products with weight row r: the
+// integer sum the VNNI kernel builds with eight `vpdpbusd`, exact either way. Every step after it is the VNNI
+// kernel's, per block and in order, so the AMX and VNNI paths give the same bits, and a row computed by the VNNI
+// kernels (decoding, verify blocks, the rows past the last sixteen) has the bits it has inside a tile.
+//
+// The tiles pay only for sixteen rows: a block's sums leave the tile for their fp32 scale block by block, and a
+// tile store costs about as much as the product (docs/quantized.md has the measurements).
 //
 // Built with SPECDEC_AMX_EMULATE (the tests' build), the tile operations are plain loops with the
 // instructions' semantics, so that the data flow around them is tested on CPUs without AMX.
@@ -96,7 +100,9 @@ __attribute__((target("amx-tile"))) inline void zero_sums() {
   _tile_zero(5);
   _tile_zero(6);
 }
-__attribute__((target("amx-tile"))) inline void load_inputs(const int8_t* a, int64_t stride) { _tile_loadd(0, a, stride); }
+__attribute__((target("amx-tile"))) inline void load_inputs(const int8_t* a, int64_t stride) {
+  _tile_loadd(0, a, stride);
+}
 
 // C_g += A x B_g (tdpbsud: signed inputs, unsigned weights), then C_g stored to sums[g] (sixteen rows of 64
 // bytes), for the G < 4 groups whose B tiles lie at b[g] (512 bytes each). All loads, then all products, then all
@@ -161,42 +167,49 @@ inline void tile_products(const uint8_t* const* b, int32_t* sums) {
 }
 #endif
 
-// G <= 3 groups of sixteen weight rows times AMX_ROWS input rows (x's rows m0..m0+15), on tiles: out[g][m][r].
-// The C tiles are zeroed once and accumulate every block (no tile zeroing between blocks, which stalls the tile
-// unit); a block's integer sums are the difference of two stored totals, exact in wrapping int32 arithmetic as
-// the tiles' sums are. Then legacy_x16_tile's block_step, block by block: its bits.
+// The tile loop every AMX kernel shares, over G <= 3 groups of sixteen weight rows and AMX_ROWS input rows, a
+// K-step of 32 weights at a time: prepare(s, buffer, tiles) points tiles[g] at group g's B tile for step s
+// (unpacked into buffer[g], 512 bytes, where the weights are packed), the A tile is the 32 int8 inputs of each
+// row at inputs(s) (rows `stride` bytes apart), and finish(s, sums) takes step s's integer sums, sums(g, m) a
+// vector of sixteen int32 (weight rows of group g, input row m), while the tiles multiply step s + 1. The C
+// tiles are zeroed once and accumulate every step (zeroing a tile before each product stalls the tile unit); a
+// step's sums are the difference of two stored totals, exact in wrapping int32 arithmetic as the tiles' sums are.
+template <int G, typename Prepare, typename Inputs, typename Finish>
+void amx_steps(int64_t steps, int64_t stride, Prepare&& prepare, Inputs&& inputs, Finish&& finish) {
+  alignas(64) uint8_t weights[2][G][512];
+  alignas(64) int32_t sums[3][G][AMX_ROWS][GROUP];  // the totals after a step, three in turn
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < AMX_ROWS; ++m) _mm512_store_si512(sums[2][g][m], _mm512_setzero_si512());  // before step 0
+  const auto step_sums = [&sums](int now, int before) {
+    return [&sums, now, before](int g, int m) {
+      return _mm512_sub_epi32(_mm512_load_si512(sums[now][g][m]), _mm512_load_si512(sums[before][g][m]));
+    };
+  };
+  configure_tiles();
+  zero_sums();
+  int previous = 2, before = 2;  // where the totals after steps s - 1 and s - 2 lie
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint8_t* tiles[G];
+    prepare(s, weights[s & 1], tiles);
+    load_inputs(inputs(s), stride);
+    const int now = previous == 2 ? 0 : previous + 1;
+    tile_products<G>(tiles, &sums[now][0][0][0]);
+    if (s > 0) finish(s - 1, step_sums(previous, before));
+    before = previous, previous = now;
+  }
+  finish(steps - 1, step_sums(previous, before));
+}
+
+// G groups of a 32-weight type times x's rows m0..m0+15, on tiles: out[g][m][r]. A step is a block; its fp32
+// steps are legacy_x16_tile's block_step, block by block: its bits.
 template <int64_t type, int G>
 void legacy_amx_groups(const uint8_t* group, int64_t group_bytes, const QRows& x, int64_t m0,
                        float (*out)[AMX_ROWS][GROUP]) {
   constexpr int64_t gb = legacy_group_bytes<type>();
   const int64_t B = x.K / 32, width = x.chunks * 64;
-  alignas(64) uint8_t weights[2][G][512];
-  alignas(64) int32_t sums[3][G][AMX_ROWS][GROUP];  // the totals after block b in sums[b % 3]
   for (int g = 0; g < G; ++g)
-    for (int m = 0; m < AMX_ROWS; ++m) {
-      _mm512_store_si512(sums[2][g][m], _mm512_setzero_si512());  // the totals before block 0
-      _mm512_storeu_ps(out[g][m], _mm512_setzero_ps());
-    }
-  // block b's fp32 steps, from the totals after blocks b (sums[now]) and b - 1 (sums[before])
-  auto finish = [&](int64_t b, int now, int before) {
-    for (int g = 0; g < G; ++g) {
-      const uint8_t* p = group + g * group_bytes + b * gb;
-      const __m512 d = _mm512_cvtph_ps(load32(p));
-      const __m512 mn = has_min<type>() ? _mm512_cvtph_ps(load32(p + 32)) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-      for (int m = 0; m < AMX_ROWS; ++m) {
-        const int64_t blk = (m0 + m) * B + b;
-        const __m512i i = _mm512_sub_epi32(_mm512_load_si512(sums[now][g][m]), _mm512_load_si512(sums[before][g][m]));
-        _mm512_storeu_ps(out[g][m], block_step<type>(_mm512_loadu_ps(out[g][m]),
-                                                     _mm512_add_epi32(offset_term<type>(x, blk), i), d, mn, x, blk));
-      }
-    }
-  };
-  configure_tiles();
-  zero_sums();
-  int previous = 2, before = 2;  // where the totals after blocks b - 1 and b - 2 lie
-  for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* tiles[G];
+    for (int m = 0; m < AMX_ROWS; ++m) _mm512_storeu_ps(out[g][m], _mm512_setzero_ps());
+  const auto prepare = [&](int64_t b, uint8_t (*buffer)[512], const uint8_t** tiles) {
     for (int g = 0; g < G; ++g) {
       const uint8_t* p = group + g * group_bytes + b * gb;
       fetch_lines(p, gb, AHEAD_BLOCKS * gb);
@@ -205,25 +218,106 @@ void legacy_amx_groups(const uint8_t* group, int64_t group_bytes, const QRows& x
       if constexpr (type != Q8_0) {
         __m512i u[8];
         unpack_legacy<type>(q, u);
-        for (int v = 0; v < 8; ++v) _mm512_store_si512(weights[b & 1][g] + 64 * v, u[v]);
-        tiles[g] = weights[b & 1][g];
+        for (int v = 0; v < 8; ++v) _mm512_store_si512(buffer[g] + 64 * v, u[v]);
+        tiles[g] = buffer[g];
       }
     }
-    load_inputs(x.q.data() + m0 * width + 32 * b, width);
-    const int now = previous == 2 ? 0 : previous + 1;
-    tile_products<G>(tiles, &sums[now][0][0][0]);
-    if (b > 0) finish(b - 1, previous, before);  // while the tiles multiply block b
-    before = previous, previous = now;
-  }
-  finish(B - 1, previous, before);
+  };
+  const auto inputs = [&](int64_t b) { return x.q.data() + m0 * width + 32 * b; };
+  const auto finish = [&](int64_t b, auto&& sums) {
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* p = group + g * group_bytes + b * gb;
+      const __m512 d = _mm512_cvtph_ps(load32(p));
+      const __m512 mn = has_min<type>() ? _mm512_cvtph_ps(load32(p + 32)) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int m = 0; m < AMX_ROWS; ++m) {
+        const int64_t blk = (m0 + m) * B + b;
+        const __m512i i = _mm512_add_epi32(offset_term<type>(x, blk), sums(g, m));
+        _mm512_storeu_ps(out[g][m], block_step<type>(_mm512_loadu_ps(out[g][m]), i, d, mn, x, blk));
+      }
+    }
+  };
+  amx_steps<G>(B, width, prepare, inputs, finish);
 }
 
-// y[:, lo..hi) of one regrouped part of a 32-weight type, its input rows sixteen at a time on tiles (three groups
-// of weight rows side by side, sharing each block's input tile) and the rows past the last sixteen on the VNNI
-// kernels; false for other types (Q4_K, Q6_K) and for fewer than sixteen input rows, which keep VNNI.
+// G groups of Q4_K times x's rows m0..m0+15, on tiles: out[g][m][r]. A step is a sub-block (the low or high
+// nibbles of a 512-byte chunk); its sums meet the sub-block's scale in int32 (vpmulld) and the super-block's
+// total meets fp32 once, as in q4k_x16_tile: its bits.
+template <int G>
+void q4k_amx_groups(const uint8_t* group, int64_t group_bytes, const KRows& x, int64_t m0,
+                    float (*out)[AMX_ROWS][GROUP]) {
+  const int64_t S = x.supers, width = x.K;
+  constexpr int64_t ahead = AHEAD_SUPERS * Q4_K_GROUP_BYTES;
+  const __m512i low = _mm512_set1_epi8(15);
+  alignas(64) int32_t total[G][AMX_ROWS][GROUP];
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < AMX_ROWS; ++m) _mm512_storeu_ps(out[g][m], _mm512_setzero_ps());
+  const auto prepare = [&](int64_t s, uint8_t (*buffer)[512], const uint8_t** tiles) {
+    const int64_t sb = s / 8, j = s % 8;
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* p = group + g * group_bytes + sb * Q4_K_GROUP_BYTES;
+      const uint8_t* q = p + 320 + 512 * (j / 2);
+      if (j == 0) fetch_lines(p, 320, ahead);  // d, dmin, the scales and minimums
+      if (j % 2 == 0) fetch_lines(q, 512, ahead);
+      for (int v = 0; v < 8; ++v) {
+        const __m512i packed = _mm512_loadu_si512(q + 64 * v);
+        _mm512_store_si512(buffer[g] + 64 * v, _mm512_and_si512(j % 2 ? _mm512_srli_epi16(packed, 4) : packed, low));
+      }
+      tiles[g] = buffer[g];
+    }
+  };
+  const auto inputs = [&](int64_t s) { return x.q.data() + m0 * width + 256 * (s / 8) + 32 * (s % 8); };
+  const auto finish = [&](int64_t s, auto&& sums) {
+    const int64_t sb = s / 8, j = s % 8;
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* p = group + g * group_bytes + sb * Q4_K_GROUP_BYTES;
+      const __m512i sc = _mm512_cvtepu8_epi32(load16(p + 64 + 16 * j));
+#pragma GCC unroll 16
+      for (int m = 0; m < AMX_ROWS; ++m) {
+        const __m512i t = _mm512_mullo_epi32(sums(g, m), sc);
+        _mm512_store_si512(total[g][m], j == 0 ? t : _mm512_add_epi32(_mm512_load_si512(total[g][m]), t));
+      }
+      if (j < 7) continue;
+      const __m512 d = _mm512_cvtph_ps(load32(p)), dmin = _mm512_cvtph_ps(load32(p + 32));
+      __m512i mins[4];
+      for (int i = 0; i < 4; ++i) mins[i] = _mm512_cvtepu8_epi16(load32(p + 192 + 32 * i));
+      for (int m = 0; m < AMX_ROWS; ++m) {
+        const int64_t r = (m0 + m) * S + sb;
+        __m512i mn = _mm512_setzero_si512();
+        for (int i = 0; i < 4; ++i) mn = _mm512_dpwssd_epi32(mn, mins[i], _mm512_set1_epi32(x.pair32[4 * r + i]));
+        const float dx = x.scale[r];
+        __m512 acc = _mm512_loadu_ps(out[g][m]);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(total[g][m])), _mm512_mul_ps(d, _mm512_set1_ps(dx)),
+                              acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(dmin, _mm512_set1_ps(-dx)), acc);
+        _mm512_storeu_ps(out[g][m], acc);
+      }
+    }
+  };
+  amx_steps<G>(8 * S, width, prepare, inputs, finish);
+}
+
 template <int64_t type>
-void legacy_amx_outputs(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const QRows& x, float* y,
-                        int64_t N) {
+struct LegacyAmx {
+  template <int G>
+  struct At {
+    static void run(const uint8_t* g, int64_t gb, const QRows& x, int64_t m0, float (*out)[AMX_ROWS][GROUP]) {
+      legacy_amx_groups<type, G>(g, gb, x, m0, out);
+    }
+  };
+};
+template <int G>
+struct Q4KAmx {
+  static void run(const uint8_t* g, int64_t gb, const KRows& x, int64_t m0, float (*out)[AMX_ROWS][GROUP]) {
+    q4k_amx_groups<G>(g, gb, x, m0, out);
+  }
+};
+
+// y[:, lo..hi) of one regrouped part, its input rows sixteen at a time on tiles (Groups<G>: three groups of weight
+// rows side by side, sharing each step's input tile) and the rows past the last sixteen on the VNNI kernels (Tile).
+template <typename Rows, template <int> class Groups, template <int> class Tile>
+void amx_part_outputs(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y,
+                      int64_t N) {
   const int64_t full = x.M / AMX_ROWS * AMX_ROWS;
   float out[3][AMX_ROWS][GROUP];
   const int64_t block = std::max<int64_t>(3 * GROUP, WEIGHT_BLOCK / group_bytes / 3 * 3 * GROUP);
@@ -232,26 +326,40 @@ void legacy_amx_outputs(const uint8_t* groups, int64_t group_bytes, int64_t lo, 
       for (int64_t j = j0; j < std::min(hi, j0 + block); j += 3 * GROUP) {
         const int G = static_cast<int>(std::min<int64_t>(3, (std::min(hi, j0 + block) - j) / GROUP));
         const uint8_t* g = groups + (j - lo) / GROUP * group_bytes;
-        if (G == 3) legacy_amx_groups<type, 3>(g, group_bytes, x, m0, out);
-        else if (G == 2) legacy_amx_groups<type, 2>(g, group_bytes, x, m0, out);
-        else legacy_amx_groups<type, 1>(g, group_bytes, x, m0, out);
+        if (G == 3) Groups<3>::run(g, group_bytes, x, m0, out);
+        else if (G == 2) Groups<2>::run(g, group_bytes, x, m0, out);
+        else Groups<1>::run(g, group_bytes, x, m0, out);
         for (int k = 0; k < G; ++k)
           for (int m = 0; m < AMX_ROWS; ++m) std::memcpy(y + (m0 + m) * N + j + GROUP * k, out[k][m], sizeof out[k][m]);
       }
-  if (full < x.M) tiled_outputs<QRows, LegacyTile<type>::template At>(groups, group_bytes, lo, hi, x, y, N, full);
+  if (full < x.M) tiled_outputs<Rows, Tile>(groups, group_bytes, lo, hi, x, y, N, full);
 }
 
-// y[:, lo..hi) of one regrouped part on tiles where amx_outputs can take it (a 32-weight type, at least sixteen
-// input rows); false otherwise, and the VNNI kernels run.
+// y[:, lo..hi) of one regrouped part on tiles where they take it (a 32-weight type or Q4_K, at least sixteen input
+// rows); false otherwise (Q6_K, fewer rows), and the VNNI kernels run.
 bool amx_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const QRows& qx,
-                 float* y, int64_t N) {
-  if (qx.M < AMX_ROWS) return false;
-  switch (regrouped_base(type)) {
-    case Q4_0: legacy_amx_outputs<Q4_0>(groups, group_bytes, lo, hi, qx, y, N); return true;
-    case Q4_1: legacy_amx_outputs<Q4_1>(groups, group_bytes, lo, hi, qx, y, N); return true;
-    case Q5_0: legacy_amx_outputs<Q5_0>(groups, group_bytes, lo, hi, qx, y, N); return true;
-    case Q5_1: legacy_amx_outputs<Q5_1>(groups, group_bytes, lo, hi, qx, y, N); return true;
-    case Q8_0: legacy_amx_outputs<Q8_0>(groups, group_bytes, lo, hi, qx, y, N); return true;
+                 const KRows& kx, float* y, int64_t N) {
+  const int64_t base = regrouped_base(type);
+  if ((base == Q4_K ? kx.M : qx.M) < AMX_ROWS) return false;
+  switch (base) {
+    case Q4_0:
+      amx_part_outputs<QRows, LegacyAmx<Q4_0>::At, LegacyTile<Q4_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
+      return true;
+    case Q4_1:
+      amx_part_outputs<QRows, LegacyAmx<Q4_1>::At, LegacyTile<Q4_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
+      return true;
+    case Q5_0:
+      amx_part_outputs<QRows, LegacyAmx<Q5_0>::At, LegacyTile<Q5_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
+      return true;
+    case Q5_1:
+      amx_part_outputs<QRows, LegacyAmx<Q5_1>::At, LegacyTile<Q5_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
+      return true;
+    case Q8_0:
+      amx_part_outputs<QRows, LegacyAmx<Q8_0>::At, LegacyTile<Q8_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
+      return true;
+    case Q4_K:
+      amx_part_outputs<KRows, Q4KAmx, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
+      return true;
   }
   return false;
 }

@@ -93,7 +93,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (regrouped_bytes(types[p], K)) {
         const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / GROUP * row_bytes;
-        if (!(amx_on() && amx_outputs(types[p], groups, row_bytes, lo, hi, qx, yp, N)))
+        if (!(amx_on() && amx_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N)))
           regrouped_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N);
       } else
 #endif
