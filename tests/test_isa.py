@@ -19,6 +19,9 @@ import torch
 
 from specdec.backends import qkernel
 from specdec.backends.qkernel import TYPES, kernels
+from specdec.cache import new_cache
+from specdec.models.load import load_model
+from specdec.models.weights import cache_dir, is_pulled
 
 from .test_quant import _attention_case, assert_rows_invariant, random_blocks
 
@@ -154,6 +157,26 @@ def test_amx_tiles_give_the_vnni_kernels_bits(qtype):
             "their emulation is tested above"
         )
     _tiles_give_the_vnni_bits(kernels(), qtype)
+
+
+def test_a_prompt_on_tiles_has_the_vnni_logits_on_the_packaged_smollm2():
+    """A 40-token prompt (two tiles of sixteen rows and eight rows on VNNI in every product, the Q8_0
+    output layer included) gives the same logits with the tiles on and off."""
+    if not kernels().amx_available():
+        pytest.skip("no AMX here: the tiles cannot run (their emulation is tested above)")
+    if not is_pulled("smollm2-135m", cache_dir()):
+        pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
+    model = load_model("smollm2-135m")
+    prompt = list(range(300, 340))
+    was = kernels().use_amx(False)
+    try:
+        logits = []
+        for on in (False, True):
+            kernels().use_amx(on)
+            logits.append(new_cache(model).extend(prompt, all_logits=True))
+    finally:
+        kernels().use_amx(was)
+    assert logits[0].shape == (40, model.vocab_size) and torch.equal(logits[0], logits[1])
 
 
 def test_the_tiles_are_off_without_amx_and_stay_off():
