@@ -38,8 +38,8 @@ def peak_macs_per_s(kernel: str) -> float:
 
 def product_kernel(int8: bool, rows: int) -> str:
     """Which instruction multiplies a forward of up to `rows` rows: "amx" (AMX tiles, sixteen input
-    rows at a time, for the 32-weight types; VNNI for the rest), "vnni" (AVX512-VNNI) or "fp32" (fp32
-    activations)."""
+    rows at a time, for the 32-weight types and Q4_K; VNNI for the rest), "vnni" (AVX512-VNNI) or
+    "fp32" (fp32 activations)."""
     from specdec.backends.qkernel import kernels
 
     if not int8:

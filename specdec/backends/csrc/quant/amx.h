@@ -85,7 +85,7 @@ struct alignas(64) TileConfig {  // the LDTILECFG operand, palette 1
   uint8_t rows[16] = {};
 };
 
-// The tiles of amx_groups: A (tile 0) sixteen input rows x 32 bytes, B (tiles 1-3) 8 x 64 bytes, C (tiles 4-6)
+// The tiles of amx_steps: A (tile 0) sixteen input rows x 32 bytes, B (tiles 1-3) 8 x 64 bytes, C (tiles 4-6)
 // sixteen input rows x sixteen int32.
 #if defined(SPECDEC_AMX_INTRINSICS)
 __attribute__((target("amx-tile"))) inline void configure_tiles() {
@@ -119,6 +119,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline void tile_products(const uin
   if constexpr (G > 1) _tile_stored(5, sums + 256, 64);
   if constexpr (G > 2) _tile_stored(6, sums + 512, 64);
 }
+
 // Multiply-adds of `iterations` rounds of four independent tdpbsud (16 x 16 x 64 each) in registers: the peak.
 __attribute__((target("amx-tile,amx-int8"))) inline double amx_peak_macs(int64_t iterations) {
   TileConfig config;
