@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.backends.qkernel import kernels
-from specdec.bench.kernels import measure, random_matrix, table
+from specdec.bench.kernels import measure, measure_tiles, random_matrix, table
 from specdec.bench.rowcost import fit_slope, product_kernel, row_cost
 from specdec.cli import main
 from specdec.models.load import load_model
@@ -103,3 +103,27 @@ def test_the_product_kernel_is_amx_only_for_a_tile_of_rows():
     assert product_kernel(False, 32) == "fp32"
     assert product_kernel(True, tile - 1) == "vnni"  # verify blocks of up to fifteen rows keep VNNI
     assert product_kernel(True, tile) == ("amx" if kernels().amx_on() else "vnni")
+
+
+def test_the_kernels_table_gives_the_tiles_prompt_chunk_times():
+    result = {"kernel": "vnni", "threads": 2, "peak_gmacs": 10.0, "peak_one_thread_gmacs": 8.0, "types": []}
+    tiles = [{"type": "Q4_1", "rows": 128, "tiles_ms": 4.0, "vnni_ms": 5.0}]
+    assert "AMX" not in table({**result, "tiles": []})
+    text = table({**result, "tiles": tiles})
+    assert "128 input rows" in text and "- Q4_1: 4.00 ms on tiles, 5.00 on VNNI (1.25x)" in text
+
+
+def test_measure_tiles_times_both_paths_or_says_why_it_cannot():
+    if not kernels().amx_available():
+        with pytest.raises(RuntimeError, match="no AMX tiles here"):
+            measure_tiles("Q4_1", K=256, megabytes=1, rounds=1)
+        return
+    with pytest.raises(ValueError, match="do not take Q6_K"):
+        measure_tiles("Q6_K", K=256, megabytes=1)
+    was = kernels().use_amx(False)
+    try:
+        row = measure_tiles("Q4_1", K=256, megabytes=1, rounds=2)
+        assert not kernels().amx_on()  # the switch is left as it was
+    finally:
+        kernels().use_amx(was)
+    assert row["type"] == "Q4_1" and row["rows"] == 128 and row["tiles_ms"] > 0 and row["vnni_ms"] > 0

@@ -6,7 +6,9 @@ the int8 path); one product over M input rows is timed for M = 1, 2, 4, 8, 9, in
 by round, the fastest of the rounds kept (another process only slows a round down). Reported per
 type: V(1) and the GB/s it streams the weights at, V(M)/V(1), and an added row's cost (the slope
 over M) as multiply-adds per second and as a share of the product instruction's peak measured in
-the same run (specdec.bench.rowcost). This is the measurement the kernels are tuned by.
+the same run (specdec.bench.rowcost). This is the measurement the kernels are tuned by. Where
+the AMX tiles are on (they take products of sixteen rows or more), each type they take is also
+timed over a prompt chunk's 128 rows with the tiles on and off.
 """
 
 from __future__ import annotations
@@ -42,22 +44,31 @@ def random_matrix(qtype: str, rows: int, K: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(rows, -1))
 
 
+def _matrix(qtype: str, K: int, megabytes: int, int8: bool) -> tuple[torch.Tensor, int, int]:
+    """(part, its type id, rows): a random matrix of about `megabytes` MB of `qtype`, laid out as a
+    model's load lays it out (regrouped sixteen rows at a time for the int8 path)."""
+    from specdec.backends.qkernel import TYPES, kernels
+
+    block, nbytes = block_size(qtype)
+    rows = max(16, int(megabytes * 2**20 / (K // block * nbytes)) // 16 * 16)
+    raw = random_matrix(qtype, rows, K)
+    part, kind = raw, TYPES[qtype]
+    regrouped = kernels().repack(raw, kind, K) if int8 else None
+    if regrouped is not None:
+        part, kind = regrouped
+    return part, kind, rows
+
+
 def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int = 9, int8: bool = True) -> dict:
     """One type's row: {"type", "rows", "K", "mb", "v1_ms", "gbs", "ratio": {M: V(M)/V(1)},
     "marginal_ms", "gmacs"} (gmacs: G multiply-adds per second of an added row). megabytes: the
     matrix's size, by default four times the last-level cache (at least 64 MB)."""
-    from specdec.backends.qkernel import TYPES, kernels
+    from specdec.backends.qkernel import kernels
     from specdec.bench.roofline import last_level_cache_bytes
 
     k = kernels()
-    block, nbytes = block_size(qtype)
     size = megabytes or max(64, 4 * last_level_cache_bytes() // 2**20)
-    rows = max(16, int(size * 2**20 / (K // block * nbytes)) // 16 * 16)
-    raw = random_matrix(qtype, rows, K)
-    part, kind = raw, TYPES[qtype]
-    regrouped = k.repack(raw, kind, K) if int8 else None
-    if regrouped is not None:  # as a model's load lays it out
-        part, kind = regrouped
+    part, kind, rows = _matrix(qtype, K, size, int8)
     inputs = {m: torch.randn(m, K, generator=torch.Generator().manual_seed(m)) for m in ROWS}
     best = {m: float("inf") for m in ROWS}
     for _ in range(rounds):
@@ -80,9 +91,43 @@ def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int
     }
 
 
+TILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")  # the types the AMX tiles take (quant/amx.h)
+PROMPT_ROWS = 128  # a prompt chunk (specdec.batch.PREFILL_CHUNK): rows the tiles run in sixteens
+
+
+def measure_tiles(qtype: str, K: int = 1536, megabytes: int = 32, rounds: int = 9) -> dict:
+    """A prompt chunk's product (PROMPT_ROWS input rows) of `qtype` with the AMX tiles on and off,
+    interleaved round by round, the fastest round of each kept: {"type", "rows", "tiles_ms",
+    "vnni_ms"}. A 32 MB matrix by default: at this many rows the product is bound by arithmetic.
+    Raises RuntimeError where the tiles cannot run (no AMX here), ValueError for a type they do not
+    take."""
+    from specdec.backends.qkernel import kernels
+
+    k = kernels()
+    if not k.amx_available():
+        raise RuntimeError("no AMX tiles here (amx_int8 absent, or Linux refused the tile state)")
+    if qtype not in TILE_TYPES:
+        raise ValueError(f"the AMX tiles do not take {qtype}: they take {', '.join(TILE_TYPES)}")
+    part, kind, _ = _matrix(qtype, K, megabytes, True)
+    x = torch.randn(PROMPT_ROWS, K, generator=torch.Generator().manual_seed(0))
+    best = {True: float("inf"), False: float("inf")}
+    was = k.use_amx(True)
+    try:
+        for _ in range(rounds):
+            for on in (True, False):
+                k.use_amx(on)
+                start = time.perf_counter()
+                k.matmul(x, [part], [kind], None, True)
+                best[on] = min(best[on], time.perf_counter() - start)
+    finally:
+        k.use_amx(was)
+    return {"type": qtype, "rows": PROMPT_ROWS, "tiles_ms": best[True] * 1e3, "vnni_ms": best[False] * 1e3}
+
+
 def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: bool | None = None) -> dict:
     """Every type's row and the peak: {"kernel": "amx", "vnni" or "fp32", "threads", "peak_gmacs",
-    "peak_one_thread_gmacs", "types": [...]}. The peak on one thread beside torch's threads' says how
+    "peak_one_thread_gmacs", "types": [...], "tiles": [measure_tiles of each type the AMX tiles
+    take, where they are on; else empty]}. The peak on one thread beside torch's threads' says how
     much arithmetic the threads add: far less than their count where they share a core's units
     (SMT siblings, as many cloud vCPUs are). int8: None for the int8 path where the CPU has VNNI.
     Raises ValueError for a type the kernels lack."""
@@ -104,11 +149,21 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
     rows = [measure(t, K, megabytes, int8=int8) for t in types]
     for r in rows:
         r["fraction"] = r["gmacs"] / peak
-    return {"kernel": kind, "threads": threads, "peak_gmacs": peak, "peak_one_thread_gmacs": one, "types": rows}
+    tile_mb = min(32, megabytes) if megabytes else 32
+    tiles = [measure_tiles(t, K, tile_mb) for t in types if t in TILE_TYPES] if int8 and kernels().amx_on() else []
+    return {
+        "kernel": kind,
+        "threads": threads,
+        "peak_gmacs": peak,
+        "peak_one_thread_gmacs": one,
+        "types": rows,
+        "tiles": tiles,
+    }
 
 
 def table(result: dict) -> str:
-    """The result as a markdown table, with a line naming the peak."""
+    """The result as a markdown table, with a line naming the peak, and the tiles' prompt-chunk
+    times where they ran."""
     one = result["peak_one_thread_gmacs"]
     lines = [
         f"{result['kernel']} kernels, {result['threads']} threads; the product instruction's peak: "
@@ -126,4 +181,12 @@ def table(result: dict) -> str:
             + " | ".join(f"{r['ratio'][m]:.2f}" for m in ROWS[1:])
             + f" | {r['gmacs']:.0f} | {r['fraction']:.0%} |"
         )
+    if result.get("tiles"):
+        rows = result["tiles"][0]["rows"]
+        lines += ["", f"AMX tiles (products of 16 rows or more; the rows above ran on VNNI), {rows} input rows:"]
+        lines += [
+            f"- {t['type']}: {t['tiles_ms']:.2f} ms on tiles, {t['vnni_ms']:.2f} on VNNI "
+            f"({t['vnni_ms'] / t['tiles_ms']:.2f}x)"
+            for t in result["tiles"]
+        ]
     return "\n".join(lines)
