@@ -116,8 +116,8 @@ __attribute__((target("amx-tile,amx-int8"))) inline void tile_products(const uin
   if constexpr (G > 1) _tile_dpbsud(5, 0, 2);
   if constexpr (G > 2) _tile_dpbsud(6, 0, 3);
   _tile_stored(4, sums, 64);
-  if constexpr (G > 1) _tile_stored(5, sums + 256, 64);
-  if constexpr (G > 2) _tile_stored(6, sums + 512, 64);
+  if constexpr (G > 1) _tile_stored(5, sums + AMX_ROWS * GROUP, 64);
+  if constexpr (G > 2) _tile_stored(6, sums + 2 * AMX_ROWS * GROUP, 64);
 }
 
 // Multiply-adds of `iterations` rounds of four independent tdpbsud (16 x 16 x 64 each) in registers: the peak.
@@ -147,7 +147,7 @@ __attribute__((target("amx-tile,amx-int8"))) inline double amx_peak_macs(int64_t
 }
 #else
 inline double amx_peak_macs(int64_t) { return 0.0; }  // never called: peak() asks amx_ready() and !AMX_EMULATED
-thread_local int32_t emulated_c[3][16 * 16];  // the C tiles
+thread_local int32_t emulated_c[3][AMX_ROWS * GROUP];  // the C tiles
 thread_local const int8_t* emulated_a = nullptr;
 thread_local int64_t emulated_stride = 0;
 inline void configure_tiles() {}
@@ -164,7 +164,7 @@ inline void tile_products(const uint8_t* const* b, int32_t* sums) {
                                        int32_t(b[g][(k / 4) * 64 + 4 * r + k % 4]));
         emulated_c[g][m * GROUP + r] = static_cast<int32_t>(sum);
       }
-  std::memcpy(sums, emulated_c, sizeof(int32_t) * G * 256);
+  std::memcpy(sums, emulated_c, sizeof(int32_t) * G * AMX_ROWS * GROUP);
 }
 #endif
 
