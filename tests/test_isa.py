@@ -19,6 +19,7 @@ import torch
 
 from specdec.backends import qkernel
 from specdec.backends.qkernel import TYPES, kernels
+from specdec.bench.kernels import tile_types
 from specdec.cache import new_cache
 from specdec.models.load import load_model
 from specdec.models.weights import cache_dir, is_pulled
@@ -147,6 +148,12 @@ def _tiles_give_the_vnni_bits(module, qtype: str) -> None:
 def test_emulated_amx_tiles_give_the_vnni_kernels_bits(amx_emulated, qtype):
     assert amx_emulated.amx_available()
     _tiles_give_the_vnni_bits(amx_emulated, qtype)
+
+
+def test_the_tiles_take_the_types_tested_here():
+    if not kernels().int8_available():
+        pytest.skip("no AVX512-VNNI build here: no tile kernels are compiled")
+    assert tile_types() == AMX_TYPES  # a type the tiles take untested here, or one tested they do not take, fails
 
 
 @pytest.mark.parametrize("qtype", AMX_TYPES)

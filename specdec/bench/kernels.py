@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from specdec.batch import PREFILL_CHUNK
 from specdec.bench.rowcost import fit_slope, peak_macs_per_s, product_kernel
 
 # where each type the kernels multiply keeps its fp16 fields in a block (ggml-common.h); sizes from gguf
@@ -91,8 +92,15 @@ def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int
     }
 
 
-TILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K")  # the types the AMX tiles take (quant/amx.h)
-PROMPT_ROWS = 128  # a prompt chunk (specdec.batch.PREFILL_CHUNK): rows the tiles run in sixteens
+PROMPT_ROWS = PREFILL_CHUNK  # a prompt chunk's rows: the tiles run them sixteen at a time
+
+
+def tile_types() -> list[str]:
+    """The GGML types whose products the AMX tiles take (kernels().amx_takes); empty in a build
+    without them."""
+    from specdec.backends.qkernel import TYPES, kernels
+
+    return [t for t, i in TYPES.items() if kernels().amx_takes(i)]
 
 
 def measure_tiles(qtype: str, K: int = 1536, megabytes: int = 32, rounds: int = 9) -> dict:
@@ -106,8 +114,8 @@ def measure_tiles(qtype: str, K: int = 1536, megabytes: int = 32, rounds: int = 
     k = kernels()
     if not k.amx_available():
         raise RuntimeError("no AMX tiles here (amx_int8 absent, or Linux refused the tile state)")
-    if qtype not in TILE_TYPES:
-        raise ValueError(f"the AMX tiles do not take {qtype}: they take {', '.join(TILE_TYPES)}")
+    if qtype not in tile_types():
+        raise ValueError(f"the AMX tiles do not take {qtype}: they take {', '.join(tile_types())}")
     part, kind, _ = _matrix(qtype, K, megabytes, True)
     x = torch.randn(PROMPT_ROWS, K, generator=torch.Generator().manual_seed(0))
     best = {True: float("inf"), False: float("inf")}
@@ -150,7 +158,7 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
     for r in rows:
         r["fraction"] = r["gmacs"] / peak
     tile_mb = min(32, megabytes) if megabytes else 32
-    tiles = [measure_tiles(t, K, tile_mb) for t in types if t in TILE_TYPES] if int8 and kernels().amx_on() else []
+    tiles = [measure_tiles(t, K, tile_mb) for t in types if t in tile_types()] if int8 and kernels().amx_on() else []
     return {
         "kernel": kind,
         "threads": threads,

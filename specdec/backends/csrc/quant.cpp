@@ -56,12 +56,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_ready, "whether the int8 products may use AMX tiles here (CPU and Linux both allow it)");
   m.def("amx_on", &amx_on, "whether the int8 products of amx_rows() or more rows use AMX tiles now");
   m.def("amx_rows", []() { return AMX_ROWS; }, "input rows of a tile: products of fewer rows keep VNNI");
+  m.def("amx_takes", [](int64_t type) { return amx_takes(type); }, "whether the tiles take a GGML type id's products",
+        py::arg("type"));
   m.def("use_amx", &use_amx, "switch the AMX tiles on (where available) or off; returns whether they were on",
         py::arg("on"));
 #else
   m.def("amx_available", []() { return false; }, "whether the int8 products may use AMX tiles here");
   m.def("amx_on", []() { return false; }, "whether the int8 products use AMX tiles now");
   m.def("amx_rows", []() { return 16; }, "input rows of a tile: products of fewer rows keep VNNI");
+  m.def("amx_takes", [](int64_t) { return false; }, "no AMX in this build", py::arg("type"));
   m.def("use_amx", [](bool) { return false; }, "no AMX in this build", py::arg("on"));
 #endif
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGML-quantized matrix as fp32",

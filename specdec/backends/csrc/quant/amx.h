@@ -336,33 +336,25 @@ void amx_part_outputs(const uint8_t* groups, int64_t group_bytes, int64_t lo, in
   if (full < x.M) tiled_outputs<Rows, Tile>(groups, group_bytes, lo, hi, x, y, N, full);
 }
 
-// y[:, lo..hi) of one regrouped part on tiles where they take it (a 32-weight type or Q4_K, at least sixteen input
-// rows); false otherwise (Q6_K, fewer rows), and the VNNI kernels run.
+// Whether the tiles take a GGML type's regrouped products: the 32-weight types and Q4_K (Q6_K keeps VNNI).
+constexpr bool amx_takes(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K;
+}
+
+// y[:, lo..hi) of one regrouped part on tiles where they take it (amx_takes, at least sixteen input rows); false
+// otherwise, and the VNNI kernels run.
 bool amx_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const QRows& qx,
                  const KRows& kx, float* y, int64_t N) {
   const int64_t base = regrouped_base(type);
-  if ((base == Q4_K ? kx.M : qx.M) < AMX_ROWS) return false;
-  switch (base) {
-    case Q4_0:
-      amx_part_outputs<QRows, LegacyAmx<Q4_0>::At, LegacyTile<Q4_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
-      return true;
-    case Q4_1:
-      amx_part_outputs<QRows, LegacyAmx<Q4_1>::At, LegacyTile<Q4_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
-      return true;
-    case Q5_0:
-      amx_part_outputs<QRows, LegacyAmx<Q5_0>::At, LegacyTile<Q5_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
-      return true;
-    case Q5_1:
-      amx_part_outputs<QRows, LegacyAmx<Q5_1>::At, LegacyTile<Q5_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
-      return true;
-    case Q8_0:
-      amx_part_outputs<QRows, LegacyAmx<Q8_0>::At, LegacyTile<Q8_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
-      return true;
-    case Q4_K:
+  if (!amx_takes(base) || (base == Q4_K ? kx.M : qx.M) < AMX_ROWS) return false;
+  dispatch(base, [&]<int64_t t>() {
+    if constexpr (t == Q4_K)
       amx_part_outputs<KRows, Q4KAmx, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
-      return true;
-  }
-  return false;
+    else if constexpr (amx_takes(t))
+      amx_part_outputs<QRows, LegacyAmx<t>::template At, LegacyTile<t>::template At>(groups, group_bytes, lo, hi, qx,
+                                                                                     y, N);
+  });
+  return true;
 }
 
 }  // namespace
