@@ -90,6 +90,7 @@ class Worker:
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.live: dict[int, _Live] = {}  # id(job) -> its state, for the jobs in the batch
         self.owner: dict[int, tuple[_Live, int]] = {}  # id(sequence) -> (its job, its choice index)
+        self.finished: list[_Live] = []  # jobs a step finished, answered once the step is counted
         self.batch = Batch(target, prefill_chunk)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -172,9 +173,11 @@ class Worker:
             except Exception as e:  # never let the worker die, nor a client wait forever (Ctrl-C still stops it)
                 log.exception("a batch step failed")
                 self._fail_all(ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+                self._answer_finished()
                 continue
             if self.on_step is not None:
                 self.on_step(step)
+            self._answer_finished()
 
     def _admit(self) -> None:
         """Take queued jobs while the batch has room (waiting a moment when it is empty)."""
@@ -239,7 +242,14 @@ class Worker:
                 self.metrics.record(g.stats, latency)
                 if self.on_done is not None:
                     self.on_done(g.stats)
+            self.finished.append(live)
+
+    def _answer_finished(self) -> None:
+        """Answer the jobs the last step finished, after the step's metrics (on_step), so that a
+        client that scrapes /metrics after its answer sees every step that made it."""
+        for live in self.finished:
             live.job.push("done", [live.done[j] for j in range(len(live.seqs))])
+        self.finished.clear()
 
     def _fail_all(self, error: ApiError) -> None:
         """After a failed step: answer every job in the batch and start a new batch."""
