@@ -43,7 +43,8 @@ from specdec.models.load import Model, synchronize
 from specdec.options import GenerationOptions, options_from
 from specdec.round import Proposal
 
-PREFILL_CHUNK = 128  # prompt tokens a step's forward takes, over all joining sequences
+PREFILL_CHUNK = 128  # prompt tokens a step's forward takes at least, over all joining sequences, while any wait
+PREFILL_RATIO = 16  # and at least this many per decoding sequence (see Batch.prefill_budget)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class _Slot:
     seq: Decoding
     on_commit: Callable[[Decoding, list[int]], None] | None
     on_finish: Callable[[Decoding, Generation], None] | None
-    blocks: list[list[int]]  # prompt blocks still to feed
+    prompt: list[int]  # prompt tokens still to feed
     joined: float = field(default_factory=time.perf_counter)
     ready: bool = False
 
@@ -73,16 +74,26 @@ class _Slot:
 class Batch:
     """Decodings of one target decoded together, a step at a time (see the module's docstring).
 
-    prefill_chunk: prompt tokens a step feeds, over all joining sequences, oldest first (on a
-    backend whose kernels are not batch-invariant a prompt goes in one block, as generate feeds
-    it). calibrate: time the verify-cost curve for a k="auto" sequence's context when it is not
-    yet timed (as generate does; it stalls that one step). Raises ValueError for prefill_chunk < 1.
+    prefill_chunk, prefill_ratio: a step feeds the joining sequences' prompts, oldest first, up to
+    prefill_budget() tokens (on a backend whose kernels are not batch-invariant a prompt goes in one
+    block, as generate feeds it). calibrate: time the verify-cost curve for a k="auto" sequence's
+    context when it is not yet timed (as generate does; it stalls that one step). Raises ValueError
+    for prefill_chunk < 1 or prefill_ratio < 0.
     """
 
-    def __init__(self, target: Model, prefill_chunk: int = PREFILL_CHUNK, calibrate: bool = True):
+    def __init__(
+        self,
+        target: Model,
+        prefill_chunk: int = PREFILL_CHUNK,
+        calibrate: bool = True,
+        prefill_ratio: int = PREFILL_RATIO,
+    ):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_ratio < 0:
+            raise ValueError(f"prefill_ratio must be >= 0, got {prefill_ratio}")
         self.target, self.prefill_chunk, self.calibrate = target, prefill_chunk, calibrate
+        self.prefill_ratio = prefill_ratio
         self.slots: list[_Slot] = []
         # chunked prefill only where a prompt's cache rows have the same bits in any chunks
         self.invariant = target.backend == "lean" and getattr(target.lean(), "batch_invariant", False)
@@ -101,12 +112,21 @@ class Batch:
     ) -> None:
         """Let a new Decoding join at the next step. on_commit(seq, tokens) is called after each of
         its rounds with the tokens committed; on_finish(seq, generation) once, when it ends."""
-        chunk = self.prefill_chunk if self.invariant else None
-        self.slots.append(_Slot(seq, on_commit, on_finish, seq.prefill_blocks(chunk)))
+        blocks = seq.prefill_blocks()  # one block, or none
+        self.slots.append(_Slot(seq, on_commit, on_finish, blocks[0] if blocks else []))
 
     def remove(self, seq: Decoding) -> None:
         """Drop a sequence (its client went away): its rows leave from the next step on."""
         self.slots = [s for s in self.slots if s.seq is not seq]
+
+    def prefill_budget(self, decoding: int) -> int:
+        """Prompt tokens a step with `decoding` decoding sequences feeds at most: prefill_chunk, or
+        prefill_ratio per decoding sequence where that is more. A step's time grows with its rows, so
+        the decoders' rows stay a bounded share of it (1 / (1 + prefill_ratio) with many decoders)
+        and a burst of prompts goes in at nearly the speed of prefill alone, while a few decoders
+        keep short steps (Sarathi-Serve's token budget, Agrawal et al. 2024, here scaled with the
+        decoders rather than fixed)."""
+        return max(self.prefill_chunk, self.prefill_ratio * decoding)
 
     def step(self) -> Step:
         """One forward over every active sequence's rows; commits each decoding sequence's round
@@ -115,16 +135,16 @@ class Batch:
         if not self.slots:
             raise ValueError("the batch is empty: add() a sequence first")
         for s in list(self.slots):  # a sequence with nothing to feed, or finished from the start
-            if not s.blocks and not s.ready:
+            if not s.prompt and not s.ready:
                 self._ready(s)
         decoding = [s for s in self.slots if s.ready]
-        prefill, budget = [], self.prefill_chunk
+        prefill, budget = [], self.prefill_budget(len(decoding))  # (slot, its prompt tokens this step)
         for s in self.slots:
             if not s.ready and budget > 0:
-                prefill.append(s)
-                budget -= len(s.blocks[0])
+                prefill.append((s, min(budget, len(s.prompt)) if self.invariant else len(s.prompt)))
+                budget -= prefill[-1][1]
         shared = len(self.slots) > 1
-        rows = len(decoding) + sum(len(s.blocks[0]) for s in prefill)
+        rows = len(decoding) + sum(n for _, n in prefill)
         proposals: list[Proposal] = []
         for s in decoding:
             costs = s.seq.verify_costs
@@ -137,7 +157,9 @@ class Batch:
         if not decoding and not prefill:  # every sequence ended before its first round
             return Step(0, 0, 0, [], 0.0, 0)
         forward = [s.seq.verify_rows(p) for s, p in zip(decoding, proposals)]
-        forward += [s.seq.prefill_rows(s.blocks.pop(0)) for s in prefill]
+        forward += [s.seq.prefill_rows(s.prompt[:n]) for s, n in prefill]
+        for s, n in prefill:
+            s.prompt = s.prompt[n:]
         blocks = [r.tokens for r in forward]
         synchronize(self.target.device)
         t0 = time.perf_counter()
@@ -159,8 +181,8 @@ class Batch:
             self.costs.observe(rows, forward_s * 1e3)
         if decoding:
             self.rate = self._rate(committed, forward_s * 1e3, rows, sum(len(b) for b in blocks[: len(decoding)]))
-        for s in prefill:
-            if not s.blocks:
+        for s, _ in prefill:
+            if not s.prompt:
                 self._ready(s)
         for s in decoding:
             if s.seq.finished:
@@ -208,13 +230,14 @@ def generate_batch(
     *,
     drafters: Seq[Drafter] | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    prefill_ratio: int = PREFILL_RATIO,
     **option_fields,
 ) -> list[Generation]:
     """specdec.engine.generate of several prompts at once, batched (see the module's docstring):
     each Generation's tokens are those generate(target, prompt, ...) gives for its prompt alone.
     drafter: a registry name (or None), built for each prompt; or drafters=[...], one Drafter per
     prompt (a drafter's state is its sequence's). options or option_fields: generate's.
-    prefill_chunk: Batch's. With k="auto" each sequence has its own policy over a fork of one
+    prefill_chunk, prefill_ratio: Batch's. With k="auto" each sequence has its own policy over a fork of one
     verify-cost curve (VerifyCosts.fork). Raises what generate raises, before any forward runs."""
     options = options_from(options, option_fields)
     if drafters is not None and len(drafters) != len(prompts):
@@ -222,7 +245,7 @@ def generate_batch(
     if drafters is None and not isinstance(drafter, (str, type(None))):
         raise ValueError("a Drafter object cannot serve several sequences at once: pass its name, or drafters=[...]")
     costs = VerifyCosts.for_model(target) if options.k == "auto" else None
-    batch = Batch(target, prefill_chunk)
+    batch = Batch(target, prefill_chunk, prefill_ratio=prefill_ratio)
     out: dict[int, Generation] = {}
     seqs = []
     for i, prompt in enumerate(prompts):

@@ -214,7 +214,17 @@ def _add_serve(sub) -> None:
         "--max-batch", type=int, default=64, help="sequences decoded at once in one continuous batch (default 64)"
     )
     sv.add_argument(
-        "--prefill-chunk", type=int, default=128, help="prompt tokens a batch step feeds (chunked prefill; default 128)"
+        "--prefill-chunk",
+        type=int,
+        default=128,
+        help="prompt tokens a batch step feeds at least while prompts wait (chunked prefill; default 128)",
+    )
+    sv.add_argument(
+        "--prefill-ratio",
+        type=int,
+        default=16,
+        help="and at least this many per decoding sequence, so that a burst of prompts is not held back by the "
+        "decoders' rows (default 16; 0: --prefill-chunk alone)",
     )
     sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
     sv.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")

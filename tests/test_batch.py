@@ -74,7 +74,7 @@ def test_each_sequence_of_a_batch_equals_its_solo_run_fp32(backend):
 
 def test_sequences_join_and_leave_between_steps():
     target = _quant()
-    batch = Batch(target, prefill_chunk=6)
+    batch = Batch(target, prefill_chunk=6, prefill_ratio=0)  # a fixed budget of 6 prompt tokens a step
     done, streamed = {}, {}
     kw = dict(drafter="prompt-lookup", k=3, max_new_tokens=12)
 
@@ -107,6 +107,35 @@ def test_sequences_join_and_leave_between_steps():
     assert steps[2].prefilling == 1 and steps[2].rows == 1 + steps[2].drafted[0] + 6
     with pytest.raises(ValueError, match="empty"):
         batch.step()
+
+
+def test_the_prompt_budget_grows_with_the_decoders_and_is_cut_to_the_token():
+    # budget max(4, 5 x decoding sequences): two decoders let 10 prompt tokens in, over the joining
+    # sequences oldest first, the last one cut mid-prompt; every output is still its solo run's
+    target = _quant()
+    batch = Batch(target, prefill_chunk=4, prefill_ratio=5)
+    assert [batch.prefill_budget(n) for n in (0, 1, 2, 3)] == [4, 5, 10, 15]
+    kw = dict(drafter="prompt-lookup", k=2, max_new_tokens=10)
+    done = {}
+    for i in (0, 4):  # prompts of 5 and 1 tokens
+        batch.add(Decoding(target, PROMPTS[i], kw["drafter"], GenerationOptions(k=2, max_new_tokens=10)),
+                  on_finish=lambda _s, g, i=i: done.__setitem__(i, g))  # fmt: skip
+    first = batch.step()
+    # prompt 4 has nothing to feed and decodes at once; prompt 0's 4 tokens (but its last) fit the budget of 5
+    assert (first.decoding, first.prefilling, first.rows) == (1, 1, 1 + sum(first.drafted) + 4)
+    for i in (2, 1):  # 11 and 22 prompt tokens to feed
+        batch.add(Decoding(target, PROMPTS[i], kw["drafter"], GenerationOptions(k=2, max_new_tokens=10)),
+                  on_finish=lambda _s, g, i=i: done.__setitem__(i, g))  # fmt: skip
+    second = batch.step()
+    assert second.decoding == 2 and second.prefilling == 1
+    assert second.rows == 2 + sum(second.drafted) + 10  # prompt 2's first 10 tokens, none of prompt 1's
+    third = batch.step()  # prompt 2's last token, then 9 of prompt 1's
+    assert third.prefilling == 2 and third.rows == third.decoding + sum(third.drafted) + 10
+    batch.run()
+    for i in (0, 4, 2, 1):
+        _same(done[i], generate(target, PROMPTS[i], **kw))
+    with pytest.raises(ValueError, match="prefill_ratio"):
+        Batch(target, prefill_ratio=-1)
 
 
 def test_a_batch_refuses_a_shared_drafter_object():

@@ -883,6 +883,8 @@ def test_bad_server_options_are_refused(tiny, capsys):
         create_app(tiny, "model")
     with pytest.raises(ValueError, match="max_queue"):
         create_app(tiny, max_queue=0)
+    with pytest.raises(ValueError, match="prefill_ratio must be >= 0"):
+        create_app(tiny, prefill_ratio=-1)
     assert main(["serve", "-k", "-1"]) == 2
     assert "k (draft length) must be >= 0" in capsys.readouterr().err
 

@@ -45,6 +45,7 @@ def run(args) -> int:
         api_key=args.api_key,
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
+        prefill_ratio=args.prefill_ratio,
     )
     print(
         f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "

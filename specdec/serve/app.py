@@ -42,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.adaptive import VerifyCosts
-from specdec.batch import PREFILL_CHUNK
+from specdec.batch import PREFILL_CHUNK, PREFILL_RATIO
 from specdec.decoding import Generation
 from specdec.drafters import Drafter
 from specdec.drafters.factory import REGISTERED, drafter_from_options, options_for
@@ -93,6 +93,7 @@ class Server:
         cache=None,
         max_batch: int = MAX_BATCH,
         prefill_chunk: int = PREFILL_CHUNK,
+        prefill_ratio: int = PREFILL_RATIO,
     ):
         self.target, self.drafters, self.drafter, self.k = target, dict(drafters), drafter, k
         self.model_name, self.max_queue, self.max_tokens, self.max_batch = model_name, max_queue, max_tokens, max_batch
@@ -108,7 +109,7 @@ class Server:
             registry=self.metrics.registry,
         )
         self.worker = Worker(
-            target, costs, self.metrics, max_batch, max_queue, prefill_chunk, self.metrics.step,
+            target, costs, self.metrics, max_batch, max_queue, prefill_chunk, prefill_ratio, self.metrics.step,
             on_done=lambda stats: forced.inc(stats.forced),
         )  # fmt: skip
         self.inline = False  # run_server steps the batch in the calling thread
@@ -817,6 +818,7 @@ def create_app(
     max_tokens: int = 256,
     max_batch: int = MAX_BATCH,
     prefill_chunk: int = PREFILL_CHUNK,
+    prefill_ratio: int = PREFILL_RATIO,
     max_ngram: int = 3,
     min_ngram: int = 1,
     cache=None,
@@ -833,7 +835,9 @@ def create_app(
     built-in names). model_name: the id clients send as "model" (default: target.name).
     max_batch: sequences decoded at once in one continuous batch (specdec.batch; a request with
     n choices is n sequences); max_queue: requests that may wait beyond them; past it the server
-    answers 429. prefill_chunk: prompt tokens a step feeds (chunked prefill).
+    answers 429. prefill_chunk, prefill_ratio: while prompts wait, a step feeds the larger of
+    prefill_chunk and prefill_ratio per decoding sequence of their tokens (chunked prefill,
+    specdec.batch.Batch.prefill_budget).
     max_tokens: the default of a request's max_tokens (a request asking for more than the context
     holds gets a 400). api_key: when given, every /v1/ request must send `Authorization: Bearer
     <api_key>` (else 401), as vLLM's and llama.cpp's servers do. max_body_bytes: larger request
@@ -860,6 +864,8 @@ def create_app(
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    if prefill_ratio < 0:
+        raise ValueError(f"prefill_ratio must be >= 0, got {prefill_ratio}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if api_key is not None and not api_key.strip():
@@ -868,7 +874,7 @@ def create_app(
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     server = Server(
         target, available, drafter, k, model_name or target.name, max_queue, max_tokens, cache, max_batch,
-        prefill_chunk,
+        prefill_chunk, prefill_ratio,
     )  # fmt: skip
 
     app = FastAPI(

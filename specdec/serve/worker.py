@@ -81,17 +81,19 @@ class Worker:
         max_batch: int,
         max_queue: int,
         prefill_chunk: int,
+        prefill_ratio: int,
         on_step: Callable[[Step], None] | None = None,
         on_done: Callable[[RunStats], None] | None = None,
     ):
         self.target, self.costs, self.metrics = target, costs, metrics
-        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.prefill = (prefill_chunk, prefill_ratio)  # Batch's prompt budget per step
         self.on_step, self.on_done = on_step, on_done
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.live: dict[int, _Live] = {}  # id(job) -> its state, for the jobs in the batch
         self.owner: dict[int, tuple[_Live, int]] = {}  # id(sequence) -> (its job, its choice index)
         self.finished: list[_Live] = []  # jobs a step finished, answered once the step is counted
-        self.batch = Batch(target, prefill_chunk)
+        self.batch = Batch(target, prefill_chunk, prefill_ratio=prefill_ratio)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._inline = False  # run() steps in a caller's thread
@@ -258,4 +260,4 @@ class Worker:
             live.job.push("error", error)
         self.live.clear()
         self.owner.clear()
-        self.batch = Batch(self.target, self.prefill_chunk)
+        self.batch = Batch(self.target, self.prefill[0], prefill_ratio=self.prefill[1])
