@@ -25,9 +25,12 @@ def _item(cache: LeanKVCache, tokens: list[int], keep: int, parents: list[int] |
     return BatchItem(torch.tensor(tokens), cache.k, cache.v, cache.features, start, keep, tree)
 
 
-def _check(model, prompts: list[list[int]], steps: list[tuple[list[int], list[int] | None]]) -> None:
+def _check(
+    model, prompts: list[list[int]], steps: list[tuple[list[int], list[int] | None]], solo_threads: int = 1
+) -> None:
     """Prefill each prompt in its own cache, twice; then one batched forward of `steps` (tokens and
-    parents per request) against each request's forward alone: logits, keys, values and features."""
+    parents per request, on two threads) against each request's forward alone (on solo_threads):
+    logits, keys, values and features."""
     lean = model.lean()
     assert isinstance(lean, QuantModel)
     taps = (0, 1)  # EAGLE's feature taps after layers 0 and 1: written per request too
@@ -39,7 +42,7 @@ def _check(model, prompts: list[list[int]], steps: list[tuple[list[int], list[in
     items = [_item(c, tokens, len(tokens), parents) for c, (tokens, parents) in zip(batch, steps)]
     torch.set_num_threads(2)
     got = lean.forward_batch(items, taps)
-    torch.set_num_threads(1)  # the solo forwards on another thread count
+    torch.set_num_threads(solo_threads)  # the solo forwards, by default on another thread count
     for r, (c, (tokens, parents)) in enumerate(zip(alone, steps)):
         item = _item(c, tokens, len(tokens), parents)
         want = lean.forward(item.ids, c.k, c.v, c.features, item.start, item.keep, item.tree, taps=taps)
@@ -99,3 +102,16 @@ def test_a_batched_forward_gives_each_request_its_solo_bits_smollm2():
     prompts = [model.encode(text, chat=True) for text in ("Name three colours.", "Count to ten: one, two,", "Hi")]
     steps = [([504, 260, 1083], None), ([28], None), ([30, 2377, 253, 216, 28], [-1, 0, 1, 1, 3])]
     _check(model, prompts, steps)
+
+
+def test_one_token_requests_that_share_key_heads_keep_their_solo_bits_smollm2():
+    # eight one-token requests: each attention task takes a key head's three query heads together (the group's keys
+    # and values read once); a request alone on two threads gives each query head a task of its own
+    spec = REGISTRY["smollm2-135m"]
+    if not is_pulled(spec.name, cache_dir()):
+        pytest.skip(f"{spec.name} is not pulled: run `specdec models pull {spec.name}`")
+    model = load_model(spec.name)
+    texts = ["Name three colours.", "Count to ten: one, two,", "Hi", "Why is the sky blue?", "2 + 2 =", "Say yes.",
+             "Write a haiku about rain.", "Translate 'cat' to French."]  # fmt: skip
+    prompts = [model.encode(text, chat=True) for text in texts]
+    _check(model, prompts, [([28 + i], None) for i in range(8)], solo_threads=2)

@@ -1,9 +1,20 @@
-// Attention over a KV cache, one task per (request, head), keys visited in cache order.
+// Attention over a KV cache, one task per (request, key head) where it can, keys visited in cache order.
 #pragma once
 
 #include "common.h"
 
 namespace {
+
+// Software prefetch of the cache rows a scan reaches KEYS_AHEAD keys later (keys and values are read in cache
+// order, each row once per task; the hardware's stream prefetch alone left the loads waiting on memory once
+// several sequences' caches no longer fit the last-level cache). Changes no output's bits; past a cache's end it
+// is harmless (a prefetch never faults).
+constexpr int64_t KEYS_AHEAD = 32;
+template <typename T>
+inline void fetch_rows(const T* rows, int64_t count, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(rows);
+  for (int64_t o = 0; o < count * D * static_cast<int64_t>(sizeof(T)); o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
 
 #if defined(__AVX512F__)
 // Lane t of the result: the sum of acc[t]'s 16 lanes, by one fixed tree (halves of 128-bit quarters, then
@@ -191,6 +202,7 @@ void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, co
   const int64_t common = *std::min_element(lead, lead + TN);
   int64_t j = 0;
   for (; j < common; ++j) {
+    fetch_rows(values + (j + KEYS_AHEAD) * 16 * V, 1, 16 * V);
     __m512 v[V];
     for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
     for (int t = 0; t < TN; ++t) {
@@ -200,6 +212,7 @@ void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, co
   }
   for (int t = 0; t < TN; ++t) cur[t] = common;
   for (; j < end; ++j) {
+    fetch_rows(values + (j + KEYS_AHEAD) * 16 * V, 1, 16 * V);
     __m512 v[V];
     for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
     for (int t = 0; t < TN; ++t)
@@ -222,38 +235,44 @@ inline void row_scores(const Attention<T>& a, int64_t i, int64_t h, const K* kb,
                     score + j0);
 }
 
-// Rows r0..r1-1 of attention a for head h of H (D = 16 V): the rows' scores key block by key block, so each block
-// of keys serves all of them from L1 (an fp16 block widened once for them: the same values, so the same scores),
-// then the values in tiles of rows. Every row's operations are attend_one's: the same bits as the row alone, in any
-// range of rows.
+// Rows r0..r1-1 of attention a for the query heads h0..h1-1 of H (D = 16 V), all of one key head (grouped-query
+// attention's group): the pairs (row, head), row by row, share each key block from L1 (an fp16 block widened once for
+// them: the same values, so the same scores), then the value rows in tiles of pairs, so a group's keys and values
+// are read once for all its heads. Every pair's operations are attend_one's: the same bits as the row alone, in any
+// range of rows and heads.
 template <int V, typename T>
-void attend_head(const Attention<T>& a, int64_t h, int64_t r0, int64_t r1, int64_t H, int64_t KVH, float sc,
-                 Scratch& s) {
+void attend_head(const Attention<T>& a, int64_t h0, int64_t h1, int64_t r0, int64_t r1, int64_t H, int64_t KVH,
+                 float sc, Scratch& s) {
   constexpr int64_t D = 16 * V;
   constexpr int TILE_ROWS = 24 / V;  // accumulators: TILE_ROWS * V registers
-  const int64_t g = h / (H / KVH), n = r1 - r0, all = a.start + a.n, stride = all + 16;
+  const int64_t g = h0 / (H / KVH), hn = h1 - h0, n = (r1 - r0) * hn, all = a.start + a.n, stride = all + 16;
   const int64_t keys = a.mask ? all : a.start + r1;  // the keys any of the rows may see
   const T* kg = a.kp + g * a.cap * D;
   const T* vg = a.vp + g * a.cap * D;
   s.score.resize(n * stride);
-  s.seen.resize(n * all);
+  s.seen.resize(a.mask ? n * all : 0);
   s.acc.resize(n * D);
   s.count.resize(n);
   s.lead.resize(n);
   s.sum.resize(n);
   float widened[16 * D];
-  for (int64_t j0 = 0; j0 < keys; j0 += 16) {
-    if (std::is_same_v<T, float> || n == 1) {
-      for (int64_t i = 0; i < n; ++i) row_scores<V>(a, r0 + i, h, kg + j0 * D, j0, sc, s.score.data() + i * stride);
+  for (int64_t j0 = 0; j0 < keys; j0 += 16) {  // pair p: row r0 + p / hn, head h0 + p % hn
+    if (j0 + KEYS_AHEAD < keys) fetch_rows(kg + (j0 + KEYS_AHEAD) * D, 16, D);
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t p = 0; p < n; ++p)
+        row_scores<V>(a, r0 + p / hn, h0 + p % hn, kg + j0 * D, j0, sc, s.score.data() + p * stride);
+    } else if (n == 1) {
+      row_scores<V>(a, r0, h0, kg + j0 * D, j0, sc, s.score.data());
     } else {
       for (int64_t e = 0; e < std::min<int64_t>(16, keys - j0) * D; e += 16) store(widened + e, load(kg + j0 * D + e));
-      for (int64_t i = 0; i < n; ++i)
-        row_scores<V>(a, r0 + i, h, static_cast<const float*>(widened), j0, sc, s.score.data() + i * stride);
+      for (int64_t p = 0; p < n; ++p)
+        row_scores<V>(a, r0 + p / hn, h0 + p % hn, static_cast<const float*>(widened), j0, sc,
+                      s.score.data() + p * stride);
     }
   }
-  for (int64_t i = 0; i < n; ++i)
-    std::tie(s.count[i], s.sum[i]) = softmax_visible(a, r0 + i, s.score.data() + i * stride,
-                                                     a.mask ? s.seen.data() + i * all : nullptr, &s.lead[i]);
+  for (int64_t p = 0; p < n; ++p)
+    std::tie(s.count[p], s.sum[p]) = softmax_visible(a, r0 + p / hn, s.score.data() + p * stride,
+                                                     a.mask ? s.seen.data() + p * all : nullptr, &s.lead[p]);
   using Fn = void (*)(float* const*, int64_t* const*, const int64_t*, const int64_t*, const T*, float* const*);
   static constexpr Fn tiles[7] = {nullptr,
                                   tile_values<V, 1, T>,
@@ -274,44 +293,52 @@ void attend_head(const Attention<T>& a, int64_t h, int64_t r0, int64_t r1, int64
     }
     tiles[tn](p, seen, s.count.data() + i0, s.lead.data() + i0, vg, acc);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    float* o = a.out + (r0 + i) * H * D + h * D;
-    for (int64_t e = 0; e < D; ++e) o[e] = s.acc[i * D + e] / s.sum[i];
+  for (int64_t p = 0; p < n; ++p) {
+    float* o = a.out + (r0 + p / hn) * H * D + (h0 + p % hn) * D;
+    for (int64_t e = 0; e < D; ++e) o[e] = s.acc[p * D + e] / s.sum[p];
   }
 }
 #endif
 
-// One task of attend_all: rows r0..r1-1 of part r, head h; cost, about the scores it computes.
+// One task of attend_all: rows r0..r1-1 of part r, query heads h0..h1-1 (of one key head); cost, about the scores
+// it computes.
 struct AttentionTask {
   size_t r;
-  int64_t h, r0, r1;
+  int64_t h0, h1, r0, r1;
   double cost;
 };
 
-// The tasks of several attentions: one per (attention, head), a long one (a prompt chunk's rows) cut into runs of
-// rows so that no task outweighs an eighth of a thread's share, rows being independent of one another. A run keeps
-// at least MIN_RUN rows: each run widens an fp16 head's keys again, which a verify block's few rows would feel.
+// The tasks of several attentions: one per (attention, key head), its query heads together, so that a group's keys
+// and values are read once for all of them, unless that outweighs half a thread's share: then the group's heads go in
+// fewer at a time (as many as divide it evenly). A task that still outweighs an eighth of a thread's share, a prompt
+// chunk's, is cut into runs of rows, rows and heads being independent of one another. A run keeps at least MIN_RUN
+// rows: each run widens an fp16 head's keys again, which a verify block's few rows would feel.
 constexpr int64_t MIN_RUN = 16;
 
 template <typename T>
-std::vector<AttentionTask> attention_tasks(const std::vector<Attention<T>>& parts, int64_t H, int threads) {
+std::vector<AttentionTask> attention_tasks(const std::vector<Attention<T>>& parts, int64_t H, int64_t KVH,
+                                           int threads) {
   const auto cost = [](const Attention<T>& a, int64_t r0, int64_t r1) {  // keys seen, plus a row's fixed work
     const int64_t rows = r1 - r0;
     const double seen = a.mask ? double(rows) * (a.start + a.n) : double(rows) * a.start + double(r0 + r1 + 1) * rows / 2;
     return seen + 16.0 * rows;
   };
+  const int64_t G = H / KVH;  // query heads per key head
   double total = 0;
   for (const Attention<T>& a : parts) total += H * cost(a, 0, a.n);
   const double most = std::max(1.0, total / (8.0 * threads));
   std::vector<AttentionTask> tasks;
   for (size_t r = 0; r < parts.size(); ++r) {
     const Attention<T>& a = parts[r];
+    const double head = cost(a, 0, a.n);
+    int64_t heads = G;  // query heads a task takes: the most of the group that keep it within half a thread's share
+    while (heads > 1 && (G % heads || heads * head > total / (2.0 * threads))) --heads;
     const int64_t pieces =
-        std::max<int64_t>(1, std::min<int64_t>(a.n / MIN_RUN, static_cast<int64_t>(std::ceil(cost(a, 0, a.n) / most))));
-    for (int64_t h = 0; h < H; ++h)
+        std::max<int64_t>(1, std::min<int64_t>(a.n / MIN_RUN, static_cast<int64_t>(std::ceil(heads * head / most))));
+    for (int64_t h = 0; h < H; h += heads)
       for (int64_t p = 0; p < pieces; ++p) {
         const int64_t r0 = a.n * p / pieces, r1 = a.n * (p + 1) / pieces;
-        tasks.push_back({r, h, r0, r1, cost(a, r0, r1)});
+        tasks.push_back({r, h, h + heads, r0, r1, heads * cost(a, r0, r1)});
       }
   }
   return tasks;
@@ -320,8 +347,8 @@ std::vector<AttentionTask> attention_tasks(const std::vector<Attention<T>>& part
 // Several attentions (one per request of a batched forward, Vaswani et al. 2017) in one parallel
 // region: the tasks of attention_tasks, each thread a run of them of about equal cost (a prompt chunk's
 // rows beside many one-row requests would otherwise keep one thread busy while the other waits). With
-// AVX-512 and D = 64 or 128 a task's rows share each key block (attend_head), else they go one at a time
-// (attend_one). Grouped-query heads share a key head. The visible keys are visited in cache order, so a
+// AVX-512 and D = 64 or 128 a task's (row, query head) pairs share each key block (attend_head), else they go one
+// at a time (attend_one). The visible keys are visited in cache order, so a
 // token sees the same keys in the same order however many positions, or other requests, the call has.
 template <typename T>
 void attend_all(const std::vector<Attention<T>>& parts, int64_t H, int64_t D, int64_t KVH, float sc) {
@@ -331,7 +358,7 @@ void attend_all(const std::vector<Attention<T>>& parts, int64_t H, int64_t D, in
   const bool by_head = false;
 #endif
   const int threads = std::max(1, at::get_num_threads());
-  const std::vector<AttentionTask> tasks = attention_tasks(parts, H, threads);
+  const std::vector<AttentionTask> tasks = attention_tasks(parts, H, KVH, threads);
   std::vector<double> middle;  // the cost of the tasks before each, and half its own
   double total = 0;
   for (const AttentionTask& t : tasks) {
@@ -349,17 +376,18 @@ void attend_all(const std::vector<Attention<T>>& parts, int64_t H, int64_t D, in
 #if defined(__AVX512F__)
       if (by_head) {
         if (D == 64)
-          attend_head<4>(a, t.h, t.r0, t.r1, H, KVH, sc, s);
+          attend_head<4>(a, t.h0, t.h1, t.r0, t.r1, H, KVH, sc, s);
         else
-          attend_head<8>(a, t.h, t.r0, t.r1, H, KVH, sc, s);
+          attend_head<8>(a, t.h0, t.h1, t.r0, t.r1, H, KVH, sc, s);
         continue;
       }
 #endif
       s.score.resize(a.start + a.n + 16);
       s.acc.resize(D);
       s.seen.resize(a.start + a.n);
-      for (int64_t row = t.r0; row < t.r1; ++row)
-        attend_one(a, row, t.h, H, D, KVH, sc, s.score.data(), s.seen.data(), s.acc.data());
+      for (int64_t h = t.h0; h < t.h1; ++h)
+        for (int64_t row = t.r0; row < t.r1; ++row)
+          attend_one(a, row, h, H, D, KVH, sc, s.score.data(), s.seen.data(), s.acc.data());
     }
   });
 }
