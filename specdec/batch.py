@@ -43,8 +43,8 @@ from specdec.models.load import Model, synchronize
 from specdec.options import GenerationOptions, options_from
 from specdec.round import Proposal
 
-PREFILL_CHUNK = 128  # prompt tokens a step's forward takes at least, over all joining sequences, while any wait
-PREFILL_RATIO = 16  # and at least this many per decoding sequence (see Batch.prefill_budget)
+PREFILL_CHUNK = 128  # prompt tokens a step's forward may take, over all joining sequences
+PREFILL_RATIO = 16  # or this many per decoding sequence where that is more (Batch.prefill_budget)
 
 
 @dataclass
@@ -237,8 +237,8 @@ def generate_batch(
     each Generation's tokens are those generate(target, prompt, ...) gives for its prompt alone.
     drafter: a registry name (or None), built for each prompt; or drafters=[...], one Drafter per
     prompt (a drafter's state is its sequence's). options or option_fields: generate's.
-    prefill_chunk, prefill_ratio: Batch's. With k="auto" each sequence has its own policy over a fork of one
-    verify-cost curve (VerifyCosts.fork). Raises what generate raises, before any forward runs."""
+    prefill_chunk, prefill_ratio: Batch's. With k="auto" each sequence has its own policy over a
+    fork of one verify-cost curve (VerifyCosts.fork). Raises what generate raises, before any forward runs."""
     options = options_from(options, option_fields)
     if drafters is not None and len(drafters) != len(prompts):
         raise ValueError(f"drafters: one per prompt, got {len(drafters)} for {len(prompts)} prompts")

@@ -217,14 +217,14 @@ def _add_serve(sub) -> None:
         "--prefill-chunk",
         type=int,
         default=128,
-        help="prompt tokens a batch step feeds at least while prompts wait (chunked prefill; default 128)",
+        help="prompt tokens a batch step may feed while prompts wait (chunked prefill; default 128)",
     )
     sv.add_argument(
         "--prefill-ratio",
         type=int,
         default=16,
-        help="and at least this many per decoding sequence, so that a burst of prompts is not held back by the "
-        "decoders' rows (default 16; 0: --prefill-chunk alone)",
+        help="or this many per decoding sequence where that is more, so that a burst of prompts is not held back by "
+        "the decoders' rows (default 16; 0: --prefill-chunk alone)",
     )
     sv.add_argument("--served-model-name", help="the model id clients send (default: the --target spec)")
     sv.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
