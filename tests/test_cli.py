@@ -42,10 +42,24 @@ def test_compare_separates_decoding_from_prefill():
     # 100 tokens each, the same 1 s prefill: decoding 2 s (plain) vs 1 s (speculative)
     plain = RunStats(k=0, new_tokens=100, prefill_s=1.0, total_s=3.0)
     spec = RunStats(k=4, new_tokens=100, prefill_s=1.0, total_s=2.0)
-    lines = compare_lines(plain, spec)
+    lines = compare_lines([plain], [spec])
     assert lines[0].startswith("plain decoding:  50.0 tokens/s decoding, 33.3 end to end")
     assert "prefill 1000 ms" in lines[1]
     assert lines[2] == "speed-up:        2.00x decoding, 1.50x end to end (prefill included)"
+
+
+def test_compare_reports_the_median_run_of_each_path():
+    # three runs a path, one of each slowed by a noisy neighbour: the medians ignore them
+    plains = [RunStats(k=0, new_tokens=100, prefill_s=1.0, total_s=t) for t in (3.0, 5.0, 3.0)]
+    specs = [RunStats(k=4, new_tokens=100, prefill_s=1.0, total_s=t) for t in (2.0, 2.0, 4.0)]
+    lines = compare_lines(plains, specs)
+    assert lines[0].startswith("plain decoding:  50.0 tokens/s decoding, 33.3 end to end")
+    assert lines[1].startswith("speculative:     100.0 tokens/s decoding, 50.0 end to end")
+    assert lines[2] == (
+        "speed-up:        2.00x decoding, 1.50x end to end (prefill included; medians of 3 runs each, alternated)"
+    )
+    with pytest.raises(ValueError, match="at least one run"):
+        compare_lines([], specs)
 
 
 def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):

@@ -4,6 +4,7 @@ and compares speed and tokens."""
 from __future__ import annotations
 
 import io
+import statistics
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,8 @@ from specdec.grammar import Grammar, GrammarError
 from specdec.models.load import load_model
 from specdec.options import GenerationOptions
 from specdec.textstream import TextDeltas
+
+COMPARE_RUNS = 3  # --compare times each path this many times, alternately, and reports the medians
 
 # the flag of each grammar kind (specdec.cli's _grammar_options)
 GRAMMAR_FLAGS = {
@@ -70,29 +73,43 @@ def run(args) -> int:
 
 def _generate(args, target, drafter, ids: list[int], run: GenerationOptions) -> int:
     """The runs of `specdec generate` once the models are loaded: run holds the generation options
-    that the speculative run and --compare's plain one share (like with like)."""
-    policy = None
+    that the speculative run and --compare's plain one share (like with like). --compare runs
+    each path COMPARE_RUNS times, alternately (this one streamed, the others to nowhere), each
+    speculative run with a policy of its own (-k auto learns acceptance as it goes)."""
+    costs = None
     if args.k == "auto" and drafter is not None:  # -k auto: over this machine's cached verify-cost curve
-        policy = AdaptiveK(VerifyCosts.for_model(target, args.cache_dir), k_max=args.k_max)
+        costs = VerifyCosts.for_model(target, args.cache_dir)
+
+    def speculative(options: GenerationOptions, stream):
+        policy = AdaptiveK(costs.fork(), k_max=args.k_max) if costs is not None else None
+        return generate(target, ids, drafter, options, policy=policy, stream=stream)
+
+    def plain():  # like with like: the plain run streams its text too (to nowhere)
+        quiet = TextStreamer(target.tokenizer, args.stop, out=io.StringIO())
+        out = generate(target, ids, None, run, stream=quiet)
+        quiet.finish(out.text)
+        return out
+
     if args.compare:  # warm up both paths so neither pays first-call costs in the timing
-        generate(target, ids, drafter, run.replace(max_new_tokens=4), policy=policy)
+        speculative(run.replace(max_new_tokens=4), None)
         generate(target, ids, None, run.replace(max_new_tokens=4))
 
     print(f"# target {args.target}, drafter {args.drafter}, k {args.k}, prompt {len(ids)} tokens", file=sys.stderr)
     streamer = TextStreamer(target.tokenizer, args.stop)
-    spec = generate(target, ids, drafter, run, policy=policy, stream=streamer)
+    spec = speculative(run, streamer)
     streamer.finish(spec.text)
     print("\n--- speculative" if args.k else "\n--- plain")
     print(spec.stats.summary())
     if args.grammar is not None:  # RunStats.summary() leaves the grammar's forced tokens out
         print(f"grammar ({args.grammar.kind}): {spec.stats.forced} tokens forced, verified as free drafts")
-    if args.compare:  # like with like: the plain run streams its text too (to nowhere)
-        quiet = TextStreamer(target.tokenizer, args.stop, out=io.StringIO())
-        plain = generate(target, ids, None, run, stream=quiet)
-        quiet.finish(plain.text)
+    if args.compare:
+        plains, specs = [plain()], [spec]
+        for _ in range(COMPARE_RUNS - 1):
+            specs.append(speculative(run, TextStreamer(target.tokenizer, args.stop, out=io.StringIO())))
+            plains.append(plain())
         print("--- compare")
-        print("\n".join(compare_lines(plain.stats, spec.stats)))
-        print(_identical_line(target, ids, plain.tokens, spec.tokens, args.temperature))
+        print("\n".join(compare_lines([r.stats for r in plains], [r.stats for r in specs])))
+        print(_identical_line(target, ids, plains[0].tokens, spec.tokens, args.temperature))
     return 0
 
 
@@ -154,21 +171,27 @@ def workload_prompt(path: Path, category: str | None, row: int) -> str:
     return prompts[row].text
 
 
-def compare_lines(plain, spec) -> list[str]:
-    """--compare's speed lines for two runs' RunStats: tokens per second while decoding (after
-    prefill: what speculation changes) and end to end (prefill included), and both ratios."""
+def compare_lines(plains: list, specs: list) -> list[str]:
+    """--compare's speed lines for each path's runs (RunStats, one or more): the median over its
+    runs of tokens per second while decoding (after prefill: what speculation changes) and end to
+    end (prefill included), and the ratios of those medians. Raises ValueError for no runs."""
+    if not plains or not specs:
+        raise ValueError("compare_lines needs at least one run of each path")
 
-    def speed(s) -> str:
-        return (
-            f"{s.decode_tokens_per_s:.1f} tokens/s decoding, {s.tokens_per_s:.1f} end to end "
-            f"({s.new_tokens} tokens, prefill {s.prefill_s * 1e3:.0f} ms)"
-        )
+    def speed(runs) -> tuple[float, float, str]:
+        decoding = statistics.median(s.decode_tokens_per_s for s in runs)
+        total = statistics.median(s.tokens_per_s for s in runs)
+        prefill = statistics.median(s.prefill_s for s in runs)
+        text = f"{decoding:.1f} tokens/s decoding, {total:.1f} end to end "
+        text += f"({runs[0].new_tokens} tokens, prefill {prefill * 1e3:.0f} ms)"
+        return decoding, total, text
 
+    (pd, pt, plain), (sd, st, spec) = speed(plains), speed(specs)
+    runs = f"; medians of {len(plains)} runs each, alternated" if len(plains) > 1 else ""
     return [
-        f"plain decoding:  {speed(plain)}",
-        f"speculative:     {speed(spec)}",
-        f"speed-up:        {spec.decode_tokens_per_s / plain.decode_tokens_per_s:.2f}x decoding, "
-        f"{spec.tokens_per_s / plain.tokens_per_s:.2f}x end to end (prefill included)",
+        f"plain decoding:  {plain}",
+        f"speculative:     {spec}",
+        f"speed-up:        {sd / pd:.2f}x decoding, {st / pt:.2f}x end to end (prefill included{runs})",
     ]
 
 
