@@ -105,8 +105,10 @@ def test_a_batched_forward_gives_each_request_its_solo_bits_smollm2():
 
 
 def test_one_token_requests_that_share_key_heads_keep_their_solo_bits_smollm2():
-    # eight one-token requests: each attention task takes a key head's three query heads together (the group's keys
-    # and values read once); a request alone on two threads gives each query head a task of its own
+    # eight one-token requests, each attention task a key head's three query heads together (the group's keys and
+    # values read once), against each request alone on two threads (its groups shared out over the threads); that a
+    # group's heads have the bits of one head at a time, test_quant's attention tests hold (one row: grouped; a block
+    # of rows: a head at a time)
     spec = REGISTRY["smollm2-135m"]
     if not is_pulled(spec.name, cache_dir()):
         pytest.skip(f"{spec.name} is not pulled: run `specdec models pull {spec.name}`")

@@ -309,8 +309,9 @@ struct AttentionTask {
 };
 
 // The tasks of several attentions: one per (attention, key head), its query heads together, so that a group's keys
-// and values are read once for all of them, unless that outweighs half a thread's share: then the group's heads go in
-// fewer at a time (as many as divide it evenly). A task that still outweighs an eighth of a thread's share, a prompt
+// and values are read once for all of them, unless that outweighs half a thread's share (a whole one for a single row,
+// whose heads are all that can share them): then the group's heads go in fewer at a time (as many as divide it
+// evenly). A task that still outweighs an eighth of a thread's share, a prompt
 // chunk's, is cut into runs of rows, rows and heads being independent of one another. A run keeps at least MIN_RUN
 // rows: each run widens an fp16 head's keys again, which a verify block's few rows would feel.
 constexpr int64_t MIN_RUN = 16;
@@ -331,8 +332,9 @@ std::vector<AttentionTask> attention_tasks(const std::vector<Attention<T>>& part
   for (size_t r = 0; r < parts.size(); ++r) {
     const Attention<T>& a = parts[r];
     const double head = cost(a, 0, a.n);
-    int64_t heads = G;  // query heads a task takes: the most of the group that keep it within half a thread's share
-    while (heads > 1 && (G % heads || heads * head > total / (2.0 * threads))) --heads;
+    int64_t heads = G;  // query heads a task takes: the most of the group that keep it within its share
+    const double share = a.n == 1 ? total / threads : total / (2.0 * threads);
+    while (heads > 1 && (G % heads || heads * head > share)) --heads;
     const int64_t pieces =
         std::max<int64_t>(1, std::min<int64_t>(a.n / MIN_RUN, static_cast<int64_t>(std::ceil(heads * head / most))));
     for (int64_t h = 0; h < H; h += heads)
