@@ -112,8 +112,7 @@ class Batch:
     ) -> None:
         """Let a new Decoding join at the next step. on_commit(seq, tokens) is called after each of
         its rounds with the tokens committed; on_finish(seq, generation) once, when it ends."""
-        blocks = seq.prefill_blocks()  # one block, or none
-        self.slots.append(_Slot(seq, on_commit, on_finish, blocks[0] if blocks else []))
+        self.slots.append(_Slot(seq, on_commit, on_finish, seq.unfed()))
 
     def remove(self, seq: Decoding) -> None:
         """Drop a sequence (its client went away): its rows leave from the next step on."""

@@ -72,8 +72,8 @@ class Decoding:
     reads the target's cache, GrammarError (a ValueError) for
     a grammar llguidance cannot follow, TypeError for a drafter that is not a specdec Drafter.
 
-    The steps, for a driver (specdec.engine, specdec.batch): `prefill_blocks()` (the prompt but its
-    last token), each fed with `feed(block)` or, batched, as `prefill_rows(block)`; `ready()` after
+    The steps, for a driver (specdec.engine, specdec.batch): `unfed()` (the prompt but its last
+    token), fed with `feed(block)` or, batched, in chunks as `prefill_rows(chunk)`; `ready()` after
     them; then while not `finished`: `step()` alone, or batched `next_round()` (a Proposal), a
     forward over its `verify_rows()`, and `commit(proposal, scores, verify_s)`; at the end
     `result()`.
@@ -151,22 +151,19 @@ class Decoding:
         """The verify-cost curve its k="auto" policy plans with (None without one)."""
         return self.policy.costs if self.policy else None
 
-    def prefill_blocks(self, chunk: int | None = None) -> list[list[int]]:
-        """The prompt but its last token and what the cache already holds, in blocks of at most
-        `chunk` tokens (None: one block), to feed to the cache in order; the last prompt token is the
-        first of the first round."""
-        rest = self.prompt[len(self.kv) : -1]
-        if not rest:
-            return []
-        chunk = chunk or len(rest)
-        return [rest[i : i + chunk] for i in range(0, len(rest), chunk)]
+    def unfed(self) -> list[int]:
+        """The prompt tokens still to feed to the cache: the prompt but its last token and what the
+        cache already holds (the last prompt token is the first of the first round). A driver feeds
+        them in one block or in chunks, in order: the cache gets the same bits either way on a
+        batch-invariant backend."""
+        return self.prompt[len(self.kv) : -1]
 
     def feed(self, block: list[int]) -> None:
-        """Run a prompt block (of prefill_blocks()) through the target into the cache, alone."""
+        """Run a prompt block (unfed() or a chunk of it) through the target into the cache, alone."""
         self.kv.extend(block, all_logits=False)  # the cache holds all committed tokens but the last
 
     def prefill_rows(self, block: list[int]) -> Rows:
-        """A prompt block (of prefill_blocks()) as rows of a batched forward, no logits kept."""
+        """A prompt block (unfed() or a chunk of it) as rows of a batched forward, no logits kept."""
         return Rows(self.kv, block, False, None)
 
     def ready(self, calibrate: bool = True) -> None:

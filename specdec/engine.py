@@ -92,8 +92,8 @@ def _rounds(target, input_ids, drafter, options, stream, policy) -> Generator[in
     paused = 0.0  # seconds suspended at a yield
     start = time.perf_counter()
     seq = Decoding(target, input_ids, drafter, options, policy)
-    for block in seq.prefill_blocks():
-        seq.feed(block)
+    if rest := seq.unfed():
+        seq.feed(rest)
     seq.ready()
     synchronize(target.device)
     seq.stats.prefill_s = time.perf_counter() - start

@@ -110,7 +110,7 @@ def test_on_the_quantized_backend_a_turn_continues_from_the_previous_turns_cache
     class Spy(answers_module.Decoding):
         def __init__(self, target, input_ids, *args, cache=None, **kwargs):
             super().__init__(target, input_ids, *args, cache=cache, **kwargs)
-            fed.append([list(input_ids), sum(len(b) for b in self.prefill_blocks()), None])
+            fed.append([list(input_ids), len(self.unfed()), None])
 
         def result(self, total_s):
             generation = super().result(total_s)

@@ -259,7 +259,7 @@ def test_a_decoding_continues_from_an_earlier_ones_cache(drafter):
     held = len(done["kv"])
     assert held >= len(PROMPTS[1])  # the first turn's prompt and output (all but its last token)
     continued = Decoding(target, follow, drafter, opts, cache=done["kv"])
-    assert sum(len(b) for b in continued.prefill_blocks(8)) == len(follow) - 1 - held
+    assert len(continued.unfed()) == len(follow) - 1 - held
     got = generate_batch(target, [follow], prefill_chunk=8, drafter=drafter, k=opts.k, max_new_tokens=12, logprobs=2)
     batch = Batch(target, prefill_chunk=8)
     out = {}
@@ -268,7 +268,7 @@ def test_a_decoding_continues_from_an_earlier_ones_cache(drafter):
     _same(out["g"], got[0])
     other = [t for t in prompt_ids(6, seed=8) if t != follow[0]] or [follow[0] + 1]
     moved = Decoding(target, other, None, opts, cache=continued.kv)  # shares nothing: starts over
-    assert len(moved.kv) == 0 and sum(len(b) for b in moved.prefill_blocks()) == len(other) - 1
+    assert len(moved.kv) == 0 and len(moved.unfed()) == len(other) - 1
 
 
 def test_a_head_reading_the_target_cache_refuses_a_given_cache():

@@ -25,12 +25,9 @@ def _item(cache: LeanKVCache, tokens: list[int], keep: int, parents: list[int] |
     return BatchItem(torch.tensor(tokens), cache.k, cache.v, cache.features, start, keep, tree)
 
 
-def _check(
-    model, prompts: list[list[int]], steps: list[tuple[list[int], list[int] | None]], solo_threads: int = 1
-) -> None:
+def _check(model, prompts: list[list[int]], steps: list[tuple[list[int], list[int] | None]]) -> None:
     """Prefill each prompt in its own cache, twice; then one batched forward of `steps` (tokens and
-    parents per request, on two threads) against each request's forward alone (on solo_threads):
-    logits, keys, values and features."""
+    parents per request) against each request's forward alone: logits, keys, values and features."""
     lean = model.lean()
     assert isinstance(lean, QuantModel)
     taps = (0, 1)  # EAGLE's feature taps after layers 0 and 1: written per request too
@@ -42,7 +39,7 @@ def _check(
     items = [_item(c, tokens, len(tokens), parents) for c, (tokens, parents) in zip(batch, steps)]
     torch.set_num_threads(2)
     got = lean.forward_batch(items, taps)
-    torch.set_num_threads(solo_threads)  # the solo forwards, by default on another thread count
+    torch.set_num_threads(1)  # the solo forwards on another thread count
     for r, (c, (tokens, parents)) in enumerate(zip(alone, steps)):
         item = _item(c, tokens, len(tokens), parents)
         want = lean.forward(item.ids, c.k, c.v, c.features, item.start, item.keep, item.tree, taps=taps)
@@ -104,16 +101,28 @@ def test_a_batched_forward_gives_each_request_its_solo_bits_smollm2():
     _check(model, prompts, steps)
 
 
-def test_one_token_requests_that_share_key_heads_keep_their_solo_bits_smollm2():
-    # eight one-token requests, each attention task a key head's three query heads together (the group's keys and
-    # values read once), against each request alone on two threads (its groups shared out over the threads); that a
-    # group's heads have the bits of one head at a time, test_quant's attention tests hold (one row: grouped; a block
-    # of rows: a head at a time)
+def test_one_token_requests_grouped_by_key_head_have_the_bits_of_a_block_row_smollm2():
+    # eight one-token requests in one forward: an attention task takes a key head's three query heads together (the
+    # group's keys and values read once). The same position as the second row of a two-row block alone, on two
+    # threads, goes a query head a task: the logits and the cache rows must have the same bits.
     spec = REGISTRY["smollm2-135m"]
     if not is_pulled(spec.name, cache_dir()):
         pytest.skip(f"{spec.name} is not pulled: run `specdec models pull {spec.name}`")
     model = load_model(spec.name)
+    lean = model.lean()
     texts = ["Name three colours.", "Count to ten: one, two,", "Hi", "Why is the sky blue?", "2 + 2 =", "Say yes.",
              "Write a haiku about rain.", "Translate 'cat' to French."]  # fmt: skip
     prompts = [model.encode(text, chat=True) for text in texts]
-    _check(model, prompts, [([28 + i], None) for i in range(8)], solo_threads=2)
+    torch.set_num_threads(2)
+    batch = [LeanKVCache(model, capacity=96) for _ in prompts]
+    for c, p in zip(batch, prompts):
+        c.extend(p)
+    got = lean.forward_batch([_item(c, [28 + i], 1) for i, c in enumerate(batch)])
+    for i, p in enumerate(prompts):
+        alone = LeanKVCache(model, capacity=96)
+        alone.extend(p[:-1])
+        item = _item(alone, [p[-1], 28 + i], 2)
+        want = lean.forward(item.ids, alone.k, alone.v, alone.features, item.start, item.keep, item.tree)
+        assert torch.equal(got[i][0], want[1]), i
+        end = len(p) + 1
+        assert all(torch.equal(x[:, :end], y[:, :end]) for x, y in zip(batch[i].k + batch[i].v, alone.k + alone.v)), i

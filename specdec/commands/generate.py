@@ -84,9 +84,12 @@ def _generate(args, target, drafter, ids: list[int], run: GenerationOptions) -> 
         policy = AdaptiveK(costs.fork(), k_max=args.k_max) if costs is not None else None
         return generate(target, ids, drafter, options, policy=policy, stream=stream)
 
-    def plain():  # like with like: the plain run streams its text too (to nowhere)
+    def plain(stream):
+        return generate(target, ids, None, run, stream=stream)
+
+    def quietly(go):  # like with like: a timed run streams its text as the shown one does, to nowhere
         quiet = TextStreamer(target.tokenizer, args.stop, out=io.StringIO())
-        out = generate(target, ids, None, run, stream=quiet)
+        out = go(quiet)
         quiet.finish(out.text)
         return out
 
@@ -103,10 +106,10 @@ def _generate(args, target, drafter, ids: list[int], run: GenerationOptions) -> 
     if args.grammar is not None:  # RunStats.summary() leaves the grammar's forced tokens out
         print(f"grammar ({args.grammar.kind}): {spec.stats.forced} tokens forced, verified as free drafts")
     if args.compare:
-        plains, specs = [plain()], [spec]
+        plains, specs = [quietly(plain)], [spec]
         for _ in range(COMPARE_RUNS - 1):
-            specs.append(speculative(run, TextStreamer(target.tokenizer, args.stop, out=io.StringIO())))
-            plains.append(plain())
+            specs.append(quietly(lambda stream: speculative(run, stream)))
+            plains.append(quietly(plain))
         print("--- compare")
         print("\n".join(compare_lines([r.stats for r in plains], [r.stats for r in specs])))
         print(_identical_line(target, ids, plains[0].tokens, spec.tokens, args.temperature))

@@ -87,13 +87,13 @@ class Worker:
     ):
         self.target, self.costs, self.metrics = target, costs, metrics
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.prefill = (prefill_chunk, prefill_ratio)  # Batch's prompt budget per step
+        self.prefill_chunk, self.prefill_ratio = prefill_chunk, prefill_ratio
         self.on_step, self.on_done = on_step, on_done
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.live: dict[int, _Live] = {}  # id(job) -> its state, for the jobs in the batch
         self.owner: dict[int, tuple[_Live, int]] = {}  # id(sequence) -> (its job, its choice index)
         self.finished: list[_Live] = []  # jobs a step finished, answered once the step is counted
-        self.batch = Batch(target, prefill_chunk, prefill_ratio=prefill_ratio)
+        self.batch = self._new_batch()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._inline = False  # run() steps in a caller's thread
@@ -166,18 +166,16 @@ class Worker:
     # -- the thread --
     def _work(self, until: Callable[[], bool] = lambda: False) -> None:
         while not self._stop.is_set() and not until():
+            step = None
             try:
                 self._admit()
                 self._drop_cancelled()
-                if not len(self.batch):
-                    continue
-                step = self.batch.step()
+                if len(self.batch):
+                    step = self.batch.step()
             except Exception as e:  # never let the worker die, nor a client wait forever (Ctrl-C still stops it)
                 log.exception("a batch step failed")
                 self._fail_all(ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
-                self._answer_finished()
-                continue
-            if self.on_step is not None:
+            if step is not None and self.on_step is not None:
                 self.on_step(step)
             self._answer_finished()
 
@@ -260,4 +258,7 @@ class Worker:
             live.job.push("error", error)
         self.live.clear()
         self.owner.clear()
-        self.batch = Batch(self.target, self.prefill[0], prefill_ratio=self.prefill[1])
+        self.batch = self._new_batch()
+
+    def _new_batch(self) -> Batch:
+        return Batch(self.target, self.prefill_chunk, prefill_ratio=self.prefill_ratio)

@@ -7,8 +7,7 @@ namespace {
 
 // Software prefetch of the cache rows a scan reaches KEYS_AHEAD keys later (keys and values are read in cache
 // order, each row once per task; the hardware's stream prefetch alone left the loads waiting on memory once
-// several sequences' caches no longer fit the last-level cache). Changes no output's bits; past a cache's end it
-// is harmless (a prefetch never faults).
+// several sequences' caches no longer fit the last-level cache). Changes no output's bits.
 constexpr int64_t KEYS_AHEAD = 32;
 template <typename T>
 inline void fetch_rows(const T* rows, int64_t count, int64_t D) {
@@ -202,7 +201,7 @@ void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, co
   const int64_t common = *std::min_element(lead, lead + TN);
   int64_t j = 0;
   for (; j < common; ++j) {
-    fetch_rows(values + (j + KEYS_AHEAD) * 16 * V, 1, 16 * V);
+    if (j + KEYS_AHEAD < end) fetch_rows(values + (j + KEYS_AHEAD) * 16 * V, 1, 16 * V);
     __m512 v[V];
     for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
     for (int t = 0; t < TN; ++t) {
@@ -212,7 +211,7 @@ void tile_values(float* const* p, int64_t* const* seen, const int64_t* count, co
   }
   for (int t = 0; t < TN; ++t) cur[t] = common;
   for (; j < end; ++j) {
-    fetch_rows(values + (j + KEYS_AHEAD) * 16 * V, 1, 16 * V);
+    if (j + KEYS_AHEAD < end) fetch_rows(values + (j + KEYS_AHEAD) * 16 * V, 1, 16 * V);
     __m512 v[V];
     for (int e = 0; e < V; ++e) v[e] = (__m512)load(values + j * 16 * V + 16 * e);
     for (int t = 0; t < TN; ++t)
