@@ -24,9 +24,10 @@ from types import SimpleNamespace
 
 import torch
 
-from specdec.backends.lean import BatchItem, rope_inv_freq
+from specdec.backends.lean import BatchItem
+from specdec.models.arch import ARCHS, plan
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = tuple(ARCHS)
 # The KV cache's dtypes, the default first: fp16 halves the bytes attention reads (measured in
 # docs/quantized.md); every element widens to fp32 exactly, so the forward stays batch-invariant.
 KV_DTYPES = (torch.float16, torch.float32)
@@ -102,13 +103,16 @@ class QuantLinear:
         return QuantLinear([part], int8=self.int8)  # part: the fields QuantLinear reads of a QTensor
 
 
-def layer_weights(norm_in, norm_post, qkv: QuantLinear, o: QuantLinear, gate_up: QuantLinear, down: QuantLinear):
+def layer_weights(
+    norm_in, norm_post, qkv: QuantLinear, o: QuantLinear, gate_up: QuantLinear, down: QuantLinear, **arch
+):
     """The kernels' Layer (one decoder layer's weights for `layers` and `head_step`): the norms'
     weights (d,) fp32 (norm_in empty: no input norm, as an EAGLE-1 head's layer) and the four
-    products."""
+    products; `arch`: the Layer's keywords for what differs from Llama's layer (q_norm, k_norm,
+    attn_out_norm, ffn_out_norm, rope, window, gelu, scale, residual; quant/layers.h)."""
     return qkv.kernels.Layer(
         norm_in, norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
-        gate_up.data, gate_up.types, down.data, down.types,
+        gate_up.data, gate_up.types, down.data, down.types, **arch,
     )  # fmt: skip
 
 
@@ -127,56 +131,62 @@ class OutputRows:
 
 
 class _Layer:
-    def __init__(self, t: dict, i: int, fallback: set[str], int8: bool, mapped):
+    """Decoder layer i of a GGUF file's tensors t, as its Plan says (specdec.models.arch), for the kernels."""
+
+    def __init__(self, t: dict, i: int, plan, fallback: set[str], int8: bool, mapped):
+        arch = plan.arch
+
         def get(name):
-            if f"blk.{i}.{name}" not in t:
-                raise ValueError(f"the GGUF file has no tensor blk.{i}.{name}: not a complete Llama/Qwen2 model")
             return t[f"blk.{i}.{name}"]
 
-        def bias(name):
-            b = t.get(f"blk.{i}.{name}.bias")
-            return None if b is None else b.data
+        def vector(name):
+            return get(name).data.float().contiguous() if f"blk.{i}.{name}" in t else torch.empty(0)
 
-        self.qkv = QuantLinear(
-            [get("attn_q.weight"), get("attn_k.weight"), get("attn_v.weight")],
-            [bias("attn_q"), bias("attn_k"), bias("attn_v")],
-            fallback,
-            int8,
-            mapped=mapped,
-        )
-        self.o = QuantLinear([get("attn_output.weight")], None, fallback, int8, mapped=mapped)
-        self.gate_up = QuantLinear([get("ffn_gate.weight"), get("ffn_up.weight")], None, fallback, int8, mapped=mapped)
-        self.down = QuantLinear([get("ffn_down.weight")], None, fallback, int8, mapped=mapped)
-        self.norm_in = get("attn_norm.weight").data.float().contiguous()
-        self.norm_post = get("ffn_norm.weight").data.float().contiguous()
-        self.weights = layer_weights(self.norm_in, self.norm_post, self.qkv, self.o, self.gate_up, self.down)
+        def linear(names, biases=None):
+            return QuantLinear([get(f"{n}.weight") for n in names], biases, fallback, int8, mapped=mapped)
+
+        if arch.fused:  # Phi-3: attn_qkv holds q, k and v; ffn_up holds the gate then the up projection
+            self.qkv, self.gate_up = linear(["attn_qkv"]), linear(["ffn_up"])
+        else:
+            biases = [
+                t[f"blk.{i}.{n}.bias"].data if f"blk.{i}.{n}.bias" in t else None
+                for n in ("attn_q", "attn_k", "attn_v")
+            ]
+            self.qkv = linear(["attn_q", "attn_k", "attn_v"], biases)
+            self.gate_up = linear(["ffn_gate", "ffn_up"])
+        self.o, self.down = linear(["attn_output"]), linear(["ffn_down"])
+        self.norm_in, self.norm_post = vector("attn_norm.weight"), vector("ffn_norm.weight")
+        self.weights = layer_weights(
+            self.norm_in, self.norm_post, self.qkv, self.o, self.gate_up, self.down,
+            q_norm=vector("attn_q_norm.weight"), k_norm=vector("attn_k_norm.weight"),
+            attn_out_norm=vector("post_attention_norm.weight"), ffn_out_norm=vector("post_ffw_norm.weight"),
+            rope=plan.layer_rope[i], window=plan.layer_window[i], gelu=arch.gelu, scale=plan.attn_scale,
+            residual=plan.residual_scale,
+        )  # fmt: skip
 
 
 class QuantModel:
-    """A Llama/Qwen2 GGUF model (specdec.models.gguf.GGUFModel) laid out for the batch-invariant
-    quantized forward, with its transformers `config` for the shapes. Memory: the weights are the
-    memory-mapped file's blocks, except llama's q and k rows (un-permuted) and, with int8
-    activations, the quantized matrices regrouped sixteen rows at a time (their file pages released).
-    activations: "int8" rounds each input row of a product to int8 per block and multiplies with
-    integer dot products (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the
-    dequantized weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the
-    CPU has VNNI. kv_dtype: the KV cache's, one of KV_DTYPES (None: the first, fp16). Raises
-    ValueError for another architecture than llama or qwen2, a tensor missing from the file, int8
-    asked of a CPU without VNNI, or another kv_dtype."""
+    """A GGUF model (specdec.models.gguf.GGUFModel) of an architecture in specdec.models.arch.ARCHS,
+    laid out for the batch-invariant quantized forward as its description says (`plan`; `config`,
+    the transformers config, is not read). Memory: the weights are the memory-mapped file's blocks,
+    except interleaved q and k rows (un-permuted) and, with int8 activations, the quantized matrices
+    regrouped sixteen rows at a time (their file pages released). activations: "int8" rounds each
+    input row of a product to int8 per block and multiplies with integer dot products
+    (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the dequantized weights
+    (the --dtype float32 model's logits up to rounding), "auto" int8 where the CPU has VNNI.
+    kv_dtype: the KV cache's, one of KV_DTYPES (None: the first, fp16). Raises GGUFError (a
+    ValueError) for a file its architecture's description does not fully read (specdec.models.arch.plan),
+    ValueError for int8 asked of a CPU without VNNI or another kv_dtype."""
 
     dtype = torch.float32
     device = torch.device("cpu")
     batch_invariant = True  # a row's bits never depend on the other rows of its forward
     screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
 
-    def __init__(self, gguf, config, activations: str = "auto", kv_dtype: torch.dtype | None = None):
+    def __init__(self, gguf, config=None, activations: str = "auto", kv_dtype: torch.dtype | None = None):
         from specdec.backends.qkernel import kernels
 
-        if gguf.arch not in SUPPORTED:
-            raise ValueError(
-                f"{gguf.path.name}: the quantized backend runs {', '.join(SUPPORTED)} models, not {gguf.arch!r}; "
-                "run it with --dtype float32"
-            )
+        self.plan = plan(gguf)  # the architecture's description applied to this file; refuses what it cannot run
         self.kernels = kernels()
         if activations not in ("auto", "int8", "fp32"):
             raise ValueError(f"activations must be 'auto', 'int8' or 'fp32', not {activations!r}")
@@ -188,24 +198,19 @@ class QuantModel:
             raise ValueError(f"kv_dtype must be torch.float16 or torch.float32, not {kv_dtype!r}")
         self.kv_dtype = kv_dtype or KV_DTYPES[0]  # keys and values are rounded to it as they are written
         self.rows: dict[int, int] = {}  # never padded: a forward's cost is its own (specdec.backends.rows)
-        c = config
-        self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
-        self.hidden_size = c.hidden_size
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        self.inv_freq = rope_inv_freq(float(theta), self.head_dim)
-        self.eps = float(c.rms_norm_eps)
+        p = self.plan
+        self.n_heads, self.n_kv, self.hidden_size, self.head_dim, self.eps = (
+            p.n_heads,
+            p.n_kv,
+            p.hidden,
+            p.head_dim,
+            p.eps,
+        )
+        self.inv_freq = p.ropes[0]  # the global layers' rotary frequencies
         t = gguf.tensors
-        missing = [
-            name
-            for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight")
-            if name not in t
-        ]
-        if missing:
-            raise ValueError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {gguf.arch} model file")
         fallback: set[str] = set()
         self.embed_tensor = t["token_embd.weight"]
-        self.layers = [_Layer(t, i, fallback, self.int8, gguf.mapped) for i in range(c.num_hidden_layers)]
+        self.layers = [_Layer(t, i, p, fallback, self.int8, gguf.mapped) for i in range(p.n_layers)]
         self.norm = t["output_norm.weight"].data.float().contiguous()
         self.lm_head = QuantLinear(
             [t.get("output.weight", self.embed_tensor)], None, fallback, self.int8, mapped=gguf.mapped
@@ -229,8 +234,10 @@ class QuantModel:
         return f"specdec quant, {activations}, {kv} KV cache, batch-invariant"
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file."""
-        return self.kernels.dequantize_rows(self.embedding.raw[0], self.embedding.raw_types[0], self.hidden_size, ids)
+        """The input embeddings of token ids (n,): (n, hidden) fp32, dequantized from the file and
+        times the architecture's embedding scale (Gemma's sqrt(d), Granite's multiplier)."""
+        rows = self.kernels.dequantize_rows(self.embedding.raw[0], self.embedding.raw_types[0], self.hidden_size, ids)
+        return rows if self.plan.embed_scale == 1.0 else rows.mul_(self.plan.embed_scale)
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (n,) of the output layer's weight, dequantized: (n, hidden) fp32 (a draft head's
@@ -296,13 +303,15 @@ class QuantModel:
         layout = [
             r.tree if r.tree is not None else (torch.arange(r.start, r.start + len(r.ids)), None) for r in requests
         ]  # positions (n,) and mask (n, start + n), or None: causal, which the kernels follow without a mask
-        rope = k.rope_table(_cat([positions for positions, _ in layout]), self.inv_freq)  # shared by the layers
+        positions = _cat([positions for positions, _ in layout])
+        ropes = [k.rope_table(positions, inv_freq) for inv_freq in self.plan.ropes]  # shared by the layers
+        windows = [_window_mask(r.start, pos, mask, self.plan.window) for r, (pos, mask) in zip(requests, layout)]
         h = self.embed_rows(_cat([r.ids for r in requests]))  # (rows, d)
         counts = [len(r.ids) for r in requests]
         h = k.layers(
             h, [layer.weights for layer in self.layers], [r.keys for r in requests], [r.values for r in requests],
-            [r.start for r in requests], counts, rope, [mask for _, mask in layout], self.n_heads, self.eps,
-            self.int8, list(taps), [r.features for r in requests],
+            [r.start for r in requests], counts, ropes, [mask for _, mask in layout], windows, self.n_heads,
+            self.eps, self.int8, list(taps), [r.features for r in requests],
         )  # fmt: skip
         h = k.rms_norm(h, self.norm, self.eps)
         d, kept, offset = h.shape[1], [], 0
@@ -310,7 +319,23 @@ class QuantModel:
             r.features[r.start : r.start + n, :d] = h[offset : offset + n]
             kept.append(h[offset + n - r.keep : offset + n])
             offset += n
-        return list(self.lm_head(_cat(kept)).split([r.keep for r in requests]))
+        logits = self.lm_head(_cat(kept))
+        if self.plan.logit_scale != 1.0:  # Granite: elementwise, so each row keeps its bits
+            logits.mul_(self.plan.logit_scale)
+        return list(logits.split([r.keep for r in requests]))
+
+
+def _window_mask(start: int, positions: torch.Tensor, mask: torch.Tensor | None, window: int) -> torch.Tensor | None:
+    """The mask (n, start + n) of a sliding-window layer for one request's new rows at `positions` (n,)
+    over its cache, whose first `start` keys sit at positions 0..start-1: what `mask` (None: causal)
+    lets a row see, less every key `window` or more positions behind it (llama.cpp's standard sliding
+    window). None when it hides nothing more (no window, or no row that far from position 0)."""
+    if not window or int(positions.max()) < window:
+        return None
+    n = len(positions)
+    key_positions = torch.cat([torch.arange(start), positions])
+    seen = mask if mask is not None else torch.ones(n, start + n, dtype=torch.bool).tril(start)
+    return seen & (positions[:, None] - key_positions[None, :] < window)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

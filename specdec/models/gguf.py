@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from specdec.errors import GGUFError
+from specdec.models.arch import ARCHS
 from specdec.models.registry import REGISTRY
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -153,8 +154,9 @@ def _parse_header(blob: np.ndarray, path: Path):
 
 def read_gguf(path: str | os.PathLike) -> GGUFModel:
     """Read a GGUF file's metadata and map its tensors (see QTensor), checking every tensor lies within
-    the file. For arch "llama", attn_q/attn_k rows (and biases) are un-permuted as transformers'
-    GGUF loader does, undoing llama.cpp's convert_hf_to_gguf.py LlamaModel.permute.
+    the file. For the architectures whose converter interleaves q and k for ggml's rope (llama,
+    granite, smollm3: specdec.models.arch.Arch.rope_interleaved), attn_q/attn_k rows (and biases)
+    are un-permuted as transformers' GGUF loader does, undoing convert_hf_to_gguf.py's permute.
 
     Raises GGUFError (a ValueError) naming the file and the fix: missing, not GGUF, unsupported version,
     truncated, or malformed (unknown tensor type, more than 2 dimensions, a row length that is not a
@@ -178,12 +180,12 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     arch = fields.get("general.architecture")
     if not isinstance(arch, str):
         raise _fail(path, "its metadata has no general.architecture")
-    heads = {}  # the row permutation transformers' LlamaTensorProcessor undoes: the "llama" architecture only
-    if arch == "llama":
-        n_head = fields.get("llama.attention.head_count")
+    heads = {}  # the row permutation of q and k for ggml's interleaved rope (llama, granite, smollm3)
+    if arch in ARCHS and ARCHS[arch].rope_interleaved:
+        n_head = fields.get(f"{arch}.attention.head_count")
         if not isinstance(n_head, int) or n_head < 1:
-            raise _fail(path, "its metadata has no llama.attention.head_count")
-        heads = {".attn_q.": n_head, ".attn_k.": fields.get("llama.attention.head_count_kv", n_head)}
+            raise _fail(path, f"its metadata has no {arch}.attention.head_count")
+        heads = {".attn_q.": n_head, ".attn_k.": fields.get(f"{arch}.attention.head_count_kv", n_head)}
     tensors = {}
     for name, shape, type_id, offset in entries:
         try:
@@ -224,38 +226,37 @@ def _unpermute(a: np.ndarray, n_head: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2)).reshape(a.shape)
 
 
+# transformers' model type for each architecture the quantized backend runs (its config gives shapes)
+_HF_TYPES = {"gemma3": "gemma3_text"}
+
+
 def hf_config(model: GGUFModel):
-    """The transformers config (LlamaConfig or Qwen2Config) transformers builds from this file, read
-    from the metadata (llama.cpp's `<arch>.*` and `tokenizer.ggml.*` keys). Raises GGUFError for
-    another architecture or a missing key."""
+    """A transformers config of the file's architecture with its shapes (layers, heads, widths, vocabulary,
+    special tokens), read from the metadata (llama.cpp's `<arch>.*` and `tokenizer.ggml.*` keys) as
+    specdec.models.arch.plan reads them. Raises GGUFError for an architecture the quantized backend does
+    not run or a file it refuses."""
     from transformers import AutoConfig
 
-    arch = model.arch
-    if arch not in ("llama", "qwen2"):
-        raise GGUFError(f"{model.path}: architecture {arch!r}; specdec runs GGUF files of llama and qwen2")
+    from specdec.models.arch import plan
 
-    def key(name, default=_MISSING):
-        return model.metadata(f"{arch}.{name}", default)
-
-    heads, hidden = key("attention.head_count"), key("embedding_length")
+    p = plan(model)
     config = {
-        "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
-        "head_dim": key("rope.dimension_count", hidden // heads) if arch == "llama" else hidden // heads,
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},
-        "max_position_embeddings": key("context_length"),
-        "vocab_size": key("vocab_size", None) or model.metadata("tokenizer.ggml.tokens"),
+        "hidden_size": p.hidden,
+        "intermediate_size": model.metadata(f"{model.arch}.feed_forward_length"),
+        "num_hidden_layers": p.n_layers,
+        "num_attention_heads": p.n_heads,
+        "num_key_value_heads": p.n_kv,
+        "head_dim": p.head_dim,
+        "rms_norm_eps": p.eps,
+        "max_position_embeddings": model.metadata(f"{model.arch}.context_length"),
+        "vocab_size": model.fields.get(f"{model.arch}.vocab_size") or model.metadata("tokenizer.ggml.tokens"),
         "tie_word_embeddings": "output.weight" not in model.tensors,
         "_model_name_or_path": model.fields.get("general.name", ""),
     }
     for name in ("bos", "eos", "unknown", "padding"):
         if (token := model.fields.get(f"tokenizer.ggml.{name}_token_id")) is not None:
             config[{"unknown": "unk", "padding": "pad"}.get(name, name) + "_token_id"] = token
-    return AutoConfig.for_model(arch, **config)
+    return AutoConfig.for_model(_HF_TYPES.get(model.arch, model.arch), **config)
 
 
 def hf_tokenizer(model: GGUFModel, cache_folder: str | os.PathLike | None = None):

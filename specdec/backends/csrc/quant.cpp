@@ -71,26 +71,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
   m.def("swiglu", &swiglu, "silu(gate) * up");
+  m.def("geglu", &geglu, "gelu_tanh(gate) * up");
   m.def("rope_table", &rope_table, "cos and sin of the rotary angles at positions");
   m.def("rope", &rope, "rotary embedding in place, rotate-half layout");
   m.def("attention", &attention, "causal or masked attention over a KV cache, one task per position and head",
         py::call_guard<py::gil_scoped_release>());
-  py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "the weights of one Llama/Qwen2 decoder layer")
+  py::class_<Layer, std::shared_ptr<Layer>>(m, "Layer", "the weights of one decoder layer and how its architecture runs it")
       .def(py::init([](torch::Tensor norm_in, torch::Tensor norm_post, std::vector<torch::Tensor> qkv,
                        std::vector<int64_t> qkv_types, c10::optional<torch::Tensor> qkv_bias,
                        std::vector<torch::Tensor> o, std::vector<int64_t> o_types, std::vector<torch::Tensor> gate_up,
                        std::vector<int64_t> gate_up_types, std::vector<torch::Tensor> down,
-                       std::vector<int64_t> down_types) {
+                       std::vector<int64_t> down_types, torch::Tensor q_norm, torch::Tensor k_norm,
+                       torch::Tensor attn_out_norm, torch::Tensor ffn_out_norm, int64_t rope, bool window, bool gelu,
+                       double scale, double residual) {
+             TORCH_CHECK(q_norm.numel() == 0 || k_norm.numel() > 0, "quant.Layer: a q norm needs a k norm");
              return std::make_shared<Layer>(Layer{norm_in, norm_post, qkv, o, gate_up, down, qkv_types, o_types,
-                                                  gate_up_types, down_types, qkv_bias});
+                                                  gate_up_types, down_types, qkv_bias, q_norm, k_norm, attn_out_norm,
+                                                  ffn_out_norm, rope, window, gelu, scale, residual});
            }),
            py::arg("norm_in"), py::arg("norm_post"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_bias"),
            py::arg("o"), py::arg("o_types"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"),
-           py::arg("down_types"));
+           py::arg("down_types"), py::arg("q_norm") = torch::empty({0}), py::arg("k_norm") = torch::empty({0}),
+           py::arg("attn_out_norm") = torch::empty({0}), py::arg("ffn_out_norm") = torch::empty({0}),
+           py::arg("rope") = 0, py::arg("window") = false, py::arg("gelu") = false, py::arg("scale") = 0.0,
+           py::arg("residual") = 1.0);
   m.def("layers", &layers, "the decoder stack over one or more requests' new positions, h updated in place",
         py::call_guard<py::gil_scoped_release>(), py::arg("h"), py::arg("stack"), py::arg("keys"), py::arg("values"),
         py::arg("starts"), py::arg("counts"),
-        py::arg("rope"), py::arg("masks"), py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"),
+        py::arg("ropes"), py::arg("masks"), py::arg("windows"), py::arg("H"), py::arg("eps"), py::arg("int8"), py::arg("taps"),
         py::arg("features"));
   py::class_<Head, std::shared_ptr<Head>>(m, "Head", "an EAGLE draft head's weights: fc, one decoder layer, output rows")
       .def(py::init([](std::vector<torch::Tensor> fc, std::vector<int64_t> fc_types, std::shared_ptr<Layer> layer,

@@ -32,9 +32,9 @@ std::vector<torch::Tensor> head_step(const Head& w, torch::Tensor features, torc
   const auto embeds = dequantize_rows(w.embed, w.embed_type, features.size(1), ids);  // (T, d)
   TORCH_CHECK(start >= 0 && start + T <= k_cache.size(1), "quant.head_step: the head's cache is too short");
   auto h = matmul(torch::cat({embeds, features}, 1), w.fc, w.fc_types, c10::nullopt, int8);  // (T, d)
-  const std::vector<Segment> segments{{0, T, start, nullptr}};
+  const std::vector<Segment> segments{{0, T, start, nullptr, nullptr}};
   const auto rope = rope_table(torch::arange(start, start + T, torch::kLong), inv_freq);
-  decoder_layer(h, *w.layer, segments, {&k_cache}, {&v_cache}, rope, H, eps, int8);
+  decoder_layer(h, *w.layer, segments, {&k_cache}, {&v_cache}, {rope}, H, eps, int8);
   return {h, matmul(h.narrow(0, T - 1, 1), w.out, w.out_types, c10::nullopt, int8)};
 }
 

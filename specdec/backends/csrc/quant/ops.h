@@ -24,6 +24,25 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+// RMSNorm in place over `groups` consecutive runs of `width` floats from column `col` of each of n rows
+// (row i at x + i * stride), every run times the same weight w (width,): a q/k norm a head at a time
+// (Qwen3, Gemma 3: width D, groups H) or over the whole projection (OLMo 2: width H * D, one group).
+// Each run is reduced alone, in the order rms_norm uses, so a row's bits do not depend on the others.
+void rms_norm_runs(float* x, int64_t n, int64_t stride, int64_t col, int64_t width, int64_t groups,
+                   const torch::Tensor& w, double eps) {
+  TORCH_CHECK(w.numel() == width && w.scalar_type() == torch::kFloat && w.is_contiguous(),
+              "quant: a q/k norm's weight must be fp32 (", width, ",)");
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n, row_grain(width * groups), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        float* r = x + i * stride + col + g * width;
+        const float inv = 1.0f / std::sqrt(dot(r, r, width) / static_cast<float>(width) + static_cast<float>(eps));
+        for (int64_t e = 0; e < width; ++e) r[e] = (r[e] * inv) * wp[e];
+      }
+  });
+}
+
 // SwiGLU (Shazeer 2020): gate_up (n, 2F), the gate then the up projection -> silu(gate) * up, (n, F).
 torch::Tensor swiglu(torch::Tensor gate_up) {
   gate_up = gate_up.contiguous();
@@ -41,6 +60,34 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
         store(o + e, gv / (splat(1.0f) + vexp(-gv)) * load(u + e));
       }
       for (; e < F; ++e) o[e] = g[e] / (1.0f + sexp(-g[e])) * u[e];
+    }
+  });
+  return y;
+}
+
+// GEGLU with the tanh approximation of GELU (Shazeer 2020; Gemma's gelu_pytorch_tanh): gate_up (n, 2F),
+// the gate then the up projection -> gelu_tanh(gate) * up, (n, F). tanh(y) = 1 - 2 / (e^(2y) + 1) through
+// our own exp, so every lane and the scalar tail compute the same function.
+torch::Tensor geglu(torch::Tensor gate_up) {
+  gate_up = gate_up.contiguous();
+  const int64_t n = gate_up.size(0), F = gate_up.size(1) / 2;
+  auto y = torch::empty({n, F}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr float c = 0.7978845608028654f, a = 0.044715f;  // sqrt(2 / pi), the cubic's coefficient
+  at::parallel_for(0, n, row_grain(2 * F), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float *g = gp + i * 2 * F, *u = g + F;
+      float* o = yp + i * F;
+      int64_t e = 0;
+      for (; e + L <= F; e += L) {
+        const vec x = load(g + e), t = splat(1.0f) - splat(2.0f) / (vexp(splat(2.0f * c) * (x + splat(a) * x * x * x)) + splat(1.0f));
+        store(o + e, splat(0.5f) * x * (splat(1.0f) + t) * load(u + e));
+      }
+      for (; e < F; ++e) {
+        const float x = g[e], t = 1.0f - 2.0f / (sexp(2.0f * c * (x + a * x * x * x)) + 1.0f);
+        o[e] = 0.5f * x * (1.0f + t) * u[e];
+      }
     }
   });
   return y;

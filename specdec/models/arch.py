@@ -1,0 +1,249 @@
+"""The GGUF architectures the quantized backend runs, one small description each, and the reading of a
+file's metadata and tensor list against its description (`plan`).
+
+Each description says how a decoder layer differs from Llama's (pre-norm attention and SwiGLU, rotary
+embedding, residuals), following llama.cpp's GGUF semantics (its `src/models/<arch>.cpp` and the
+converter's `conversion/*.py`): which norms and where, the activation, q/k norms, the rope layout,
+multipliers, the sliding-window pattern. The one forward (specdec.backends.quant) and the C++ layer
+step (quant/layers.h) follow it; nothing else is architecture-specific.
+
+A file is refused, naming the tensor or key, when it holds anything its description does not read: a
+tensor no step uses (like Llama 3's `rope_freqs` before it was read), or a metadata key that changes
+the maths (a rope scaling type, soft-capping, a partial rotary dimension) that is not handled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.errors import GGUFError
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one GGUF architecture's decoder layer differs from Llama's.
+
+    rope_interleaved: the converter permuted q/k rows for ggml's interleaved ("NORM") rotary layout;
+    they are read back in rotate-half order (llama, granite, smollm3). pre_norms: RMSNorm before
+    attention (attn_norm) and the feed-forward (ffn_norm); post_norms: RMSNorm of each block's output
+    before its residual add (post_attention_norm, post_ffw_norm). qk_norm: attn_q_norm/attn_k_norm
+    before the rotation, (D,) a head at a time or the whole projection's width. gelu: GELU-tanh gate
+    instead of SiLU. embed_sqrt_d: embeddings times sqrt(d) (Gemma). window_pattern: with a sliding
+    window, layer i is local unless i % pattern == pattern - 1 (0: no window read). no_rope_every:
+    layer i has no rotary embedding when (i + 1) % it == 0 (SmolLM3). fused: attn_qkv holds q, k, v
+    and ffn_up holds gate then up (Phi-3). qkv_bias: q, k and v may have biases (Qwen2).
+    multipliers: Granite's embedding, attention, residual and logit scales. freq_factors: a
+    rope_freqs tensor may divide the angles (Llama 3's rope scaling). keys: the `<arch>.` metadata
+    keys read beyond the common ones."""
+
+    name: str
+    rope_interleaved: bool = False
+    pre_norms: bool = True
+    post_norms: bool = False
+    qk_norm: bool = False
+    gelu: bool = False
+    embed_sqrt_d: bool = False
+    window_pattern: int = 0
+    no_rope_every: int = 0
+    fused: bool = False
+    qkv_bias: bool = False
+    multipliers: bool = False
+    freq_factors: bool = False
+    keys: frozenset[str] = frozenset()
+
+
+_SCALES = frozenset({"embedding_scale", "residual_scale", "attention.scale", "logit_scale"})
+_WINDOW = frozenset({"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa"})
+
+ARCHS: dict[str, Arch] = {
+    a.name: a
+    for a in [
+        Arch("llama", rope_interleaved=True, freq_factors=True, keys=frozenset({"attention.scale"})),
+        Arch("qwen2", qkv_bias=True),
+        Arch("qwen3", qk_norm=True),
+        Arch("gemma3", post_norms=True, qk_norm=True, gelu=True, embed_sqrt_d=True, window_pattern=6, keys=_WINDOW),
+        Arch("granite", rope_interleaved=True, freq_factors=True, multipliers=True, keys=_SCALES),
+        Arch("olmo2", pre_norms=False, post_norms=True, qk_norm=True),
+        Arch("smollm3", rope_interleaved=True, no_rope_every=4),
+        Arch("phi3", fused=True, keys=frozenset({"attention.sliding_window"})),  # llama.cpp ignores Phi-3's window
+    ]
+}
+
+# Keys every architecture reads (or that say nothing the forward needs: the training context, the
+# fine-tune flag, the width of a key or value head when it equals head_dim, which is checked).
+_COMMON = frozenset(
+    {
+        "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+        "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+        "attention.key_length", "attention.value_length", "rope.dimension_count", "rope.freq_base",
+        "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+        "rope.scaling.finetuned", "expert_count", "expert_used_count",
+    }
+)  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """One file's decoder as the forward runs it: shapes, per-layer choices, multipliers.
+
+    ropes: the rotary frequency sets (D/2,) fp32 (inv_freq, frequency factors and linear scaling
+    applied); layer_rope[i]: the index of layer i's set, -1 for none; layer_window[i]: layer i attends
+    over the last `window` positions only. attn_scale: the q.k scale (0: 1/sqrt(D)); embed_scale,
+    residual_scale: multipliers of the embeddings and of each block's output; logit_scale: the logits
+    are multiplied by it (Granite's 1 / logit_scale)."""
+
+    arch: Arch
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    eps: float
+    ropes: list[torch.Tensor]
+    layer_rope: list[int]
+    layer_window: list[bool]
+    window: int = 0
+    attn_scale: float = 0.0
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
+    tensors: set[str] = field(default_factory=set, repr=False)
+
+
+def supported() -> list[str]:
+    """The architecture names the quantized backend runs."""
+    return list(ARCHS)
+
+
+def plan(gguf) -> Plan:
+    """The Plan of a read GGUF file (specdec.models.gguf.GGUFModel). Raises GGUFError naming the file
+    and the reason for an architecture not in ARCHS, a metadata key of the architecture that its
+    description does not read, a value the forward does not handle (a rope scaling type other than
+    none or linear, soft-capping, a partial rotary dimension, experts), a missing tensor, or a tensor
+    no step reads."""
+    arch = ARCHS.get(gguf.arch)
+    if arch is None:
+        raise GGUFError(
+            f"{gguf.path.name}: architecture {gguf.arch!r} is not run by specdec's quantized backend, which runs "
+            f"{', '.join(ARCHS)}; run it on transformers with --dtype float32"
+        )
+    prefix = f"{arch.name}."
+    unknown = sorted(k for k in gguf.fields if k.startswith(prefix) and k[len(prefix) :] not in _COMMON | arch.keys)
+    if unknown:
+        raise GGUFError(
+            f"{gguf.path.name}: metadata key {unknown[0]!r} changes what specdec's {arch.name} forward "
+            "would compute, and it does not read it; the file is refused rather than run wrongly"
+        )
+
+    def key(name, default=None):
+        value = gguf.fields.get(prefix + name, default)
+        if value is None:
+            raise GGUFError(f"{gguf.path.name}: the GGUF metadata has no {prefix + name!r}; not a complete model")
+        return value
+
+    for name in ("expert_count", "expert_used_count"):
+        if key(name, 0):
+            raise GGUFError(f"{gguf.path.name}: {prefix + name} = {key(name)}: mixture-of-experts files are not run")
+    hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    n_kv = int(key("attention.head_count_kv", n_heads))
+    head_dim = int(key("attention.key_length", hidden // n_heads))
+    for name in ("attention.value_length", "rope.dimension_count"):
+        if int(key(name, head_dim)) != head_dim:
+            raise GGUFError(
+                f"{gguf.path.name}: {prefix + name} = {key(name)} differs from the head width "
+                f"{head_dim}; specdec rotates and attends over whole heads only"
+            )
+    n_layers = int(key("block_count"))
+    p = Plan(
+        arch, n_layers, hidden, n_heads, n_kv, head_dim, float(key("attention.layer_norm_rms_epsilon")), [], [], []
+    )
+    _rope_and_window(gguf, p, key)
+    if arch.embed_sqrt_d:
+        p.embed_scale = math.sqrt(hidden)
+    if arch.multipliers:
+        p.embed_scale = float(key("embedding_scale", 1.0))
+        p.residual_scale = float(key("residual_scale", 1.0))
+        p.attn_scale = float(key("attention.scale", 0.0))
+        p.logit_scale = 1.0 / float(key("logit_scale", 1.0))
+    elif arch.name == "llama":
+        p.attn_scale = float(key("attention.scale", 0.0))
+    elif arch.name == "gemma3" and n_layers == 62:  # llama.cpp: Gemma 3 27B scales q by 1/sqrt(d / heads)
+        p.attn_scale = 1.0 / math.sqrt(hidden / n_heads)
+    p.tensors = _expected_tensors(gguf, arch, n_layers)
+    return p
+
+
+def _rope_and_window(gguf, p: Plan, key) -> None:
+    """The rotary frequency sets and which layers take which, and the sliding window, into p."""
+    arch, D = p.arch, p.head_dim
+    scaling = key("rope.scaling.type", "none")
+    factor = float(key("rope.scaling.factor", 1.0))
+    if scaling not in ("none", "linear") or (scaling == "none" and factor != 1.0):
+        raise GGUFError(
+            f"{gguf.path.name}: rope scaling {scaling!r} (factor {factor}) is not handled by specdec's "
+            "forward (it handles none, linear and Llama 3's rope_freqs); the file is refused"
+        )
+    scale = 1.0 / factor if scaling == "linear" else 1.0
+    base = float(key("rope.freq_base", 10000.0))
+    inv = 1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    factors = gguf.tensors.get("rope_freqs.weight")
+    if factors is not None:
+        if not arch.freq_factors:
+            raise GGUFError(
+                f"{gguf.path.name}: tensor 'rope_freqs.weight' is not read by specdec's {arch.name} forward"
+            )
+        if tuple(factors.shape) != (D // 2,):
+            raise GGUFError(
+                f"{gguf.path.name}: tensor 'rope_freqs.weight' has shape {tuple(factors.shape)}, not ({D // 2},)"
+            )
+        inv = inv / factors.data.double()
+    p.ropes = [(inv * scale).float()]
+    p.layer_rope = [0] * p.n_layers
+    if arch.no_rope_every:
+        p.layer_rope = [-1 if (i + 1) % arch.no_rope_every == 0 else 0 for i in range(p.n_layers)]
+    p.layer_window = [False] * p.n_layers
+    window = int(key("attention.sliding_window", 0))
+    if arch.window_pattern and window > 0:
+        pattern = key("attention.sliding_window_pattern", arch.window_pattern)
+        local = (
+            [bool(x) for x in pattern]
+            if isinstance(pattern, list)
+            else [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(p.n_layers)]
+        )
+        if len(local) != p.n_layers:
+            raise GGUFError(f"{gguf.path.name}: the sliding-window pattern has {len(local)} layers, not {p.n_layers}")
+        p.window, p.layer_window = window, local
+        local_base = float(key("rope.freq_base_swa", 10000.0))  # local layers: their own base, never scaled
+        p.ropes.append((1.0 / local_base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)).float())
+        p.layer_rope = [1 if w else r for w, r in zip(local, p.layer_rope)]
+
+
+def _expected_tensors(gguf, arch: Arch, n_layers: int) -> set[str]:
+    """The tensor names arch's forward reads from this file; raises GGUFError for one missing or extra."""
+    required = ["attn_output", "ffn_down", "ffn_up"]
+    required += ["attn_qkv"] if arch.fused else ["attn_q", "attn_k", "attn_v", "ffn_gate"]
+    required += ["attn_norm", "ffn_norm"] if arch.pre_norms else []
+    required += ["post_attention_norm", "post_ffw_norm"] if arch.post_norms else []
+    required += ["attn_q_norm", "attn_k_norm"] if arch.qk_norm else []
+    optional = [f"{p}.bias" for p in ("attn_q", "attn_k", "attn_v")] if arch.qkv_bias else []
+    expected = {"token_embd.weight", "output_norm.weight"}
+    for i in range(n_layers):
+        names = [f"blk.{i}.{n}.weight" for n in required]
+        missing = [n for n in names if n not in gguf.tensors]
+        if missing:
+            raise GGUFError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {arch.name} model file")
+        expected.update(names, (f"blk.{i}.{n}" for n in optional))
+    missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in gguf.tensors]
+    if missing:
+        raise GGUFError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {arch.name} model file")
+    expected |= {"output.weight"} | ({"rope_freqs.weight"} if arch.freq_factors else set())
+    extra = sorted(set(gguf.tensors) - expected)
+    if extra:
+        raise GGUFError(
+            f"{gguf.path.name}: tensor {extra[0]!r} is not read by specdec's {arch.name} forward; "
+            "the file is refused rather than run without it"
+        )
+    return expected
