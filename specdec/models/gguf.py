@@ -249,7 +249,7 @@ def hf_config(model: GGUFModel):
         "head_dim": p.head_dim,
         "rms_norm_eps": p.eps,
         "max_position_embeddings": model.metadata(f"{model.arch}.context_length"),
-        "vocab_size": model.fields.get(f"{model.arch}.vocab_size") or model.metadata("tokenizer.ggml.tokens"),
+        "vocab_size": model.tensors["token_embd.weight"].shape[0],  # the logits' width
         "tie_word_embeddings": "output.weight" not in model.tensors,
         "_model_name_or_path": model.fields.get("general.name", ""),
     }
