@@ -248,6 +248,10 @@ def hf_config(model: GGUFModel):
         "num_key_value_heads": p.n_kv,
         "head_dim": p.head_dim,
         "rms_norm_eps": p.eps,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(model.fields.get(f"{model.arch}.rope.freq_base", 10000.0)),
+        },
         "max_position_embeddings": model.metadata(f"{model.arch}.context_length"),
         "vocab_size": model.tensors["token_embd.weight"].shape[0],  # the logits' width
         "tie_word_embeddings": "output.weight" not in model.tensors,
