@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specdec.backends.qkernel import TYPES
+from specdec.models.arch import ARCHS
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 
@@ -28,4 +30,7 @@ def _list(args) -> int:
             f"{name:<20} {'yes' if is_pulled(name, root) else 'no':<7} {e.size / 1e6:>8.0f} "
             f"{on_disk / 1e6:>11.0f}  {e.description}"
         )
+    print(f"GGUF architectures run natively (at the file's precision): {', '.join(ARCHS)}")
+    print(f"GGML types multiplied in their blocks: {', '.join(TYPES)}; other types are dequantized to fp32 at load")
+    print("other architectures run dequantized on transformers (--dtype float32)")
     return 0

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import torch
 
 from specdec.backends.quant import KV_DTYPES
-from specdec.errors import ModelNotFoundError, TokenizerMismatchError
+from specdec.errors import GGUFError, ModelNotFoundError, SpecdecError, TokenizerMismatchError
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, convert_gguf, converted_folder, gguf_path, is_pulled, pull, sha256_of
 
@@ -268,7 +268,13 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str, kv_dty
             "running its weights dequantized to float32 on transformers",
             file=sys.stderr,
         )
-        return _load_transformers(spec, gguf_file, root, torch.float32, backend, torch.device("cpu"))
+        try:
+            return _load_transformers(spec, gguf_file, root, torch.float32, backend, torch.device("cpu"))
+        except Exception as e:  # transformers' own error, from deep inside it: said in one line instead
+            if isinstance(e, SpecdecError):
+                raise
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise GGUFError(f"{spec}: transformers could not load this {gguf.arch!r} file either ({first})") from None
     config = hf_config(gguf)
     tokenizer = hf_tokenizer(gguf, root / "gguf-meta")
     marked = [gguf.fields.get(f"tokenizer.ggml.{n}_token_id") for n in ("eot", "eom")]  # end of turn, of message
