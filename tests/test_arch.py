@@ -42,8 +42,8 @@ def _layer_tensors(a, i: int) -> dict[str, tuple[int, ...]]:
     if a.post_norms:
         t |= {"post_attention_norm.weight": (D_MODEL,), "post_ffw_norm.weight": (D_MODEL,)}
     if a.qk_norm:  # OLMo 2 normalises the whole projection, the others a head at a time
-        t |= {"attn_q_norm.weight": (q if a.name == "olmo2" else HEAD_DIM,)}
-        t |= {"attn_k_norm.weight": (kv if a.name == "olmo2" else HEAD_DIM,)}
+        t |= {"attn_q_norm.weight": (q if a.qk_norm == "whole" else HEAD_DIM,)}
+        t |= {"attn_k_norm.weight": (kv if a.qk_norm == "whole" else HEAD_DIM,)}
     return {f"blk.{i}.{name}": shape for name, shape in t.items()}
 
 
@@ -195,6 +195,10 @@ def test_what_the_description_does_not_read_is_refused(files, tmp_path):
     tensors = dict(g.tensors)
     del tensors["blk.2.ffn_gate.weight"]
     assert "no tensor 'blk.2.ffn_gate.weight'" in _refusal(files["llama"], tensors=tensors)
+    wrong = dataclasses.replace(g.tensors["blk.1.attn_k.weight"], shape=(HEAD_DIM, D_MODEL))
+    assert "'blk.1.attn_k.weight' has shape (16, 64), not (32, 64)" in _refusal(
+        files["llama"], tensors={**g.tensors, "blk.1.attn_k.weight": wrong}
+    )
     assert "'mamba' is not run" in _refusal(files["llama"], arch="mamba")
     gemma = read_gguf(files["gemma3"])
     assert "'gemma3.final_logit_softcapping'" in _refusal(

@@ -30,7 +30,7 @@ class Arch:
     they are read back in rotate-half order (llama, granite, smollm3). pre_norms: RMSNorm before
     attention (attn_norm) and the feed-forward (ffn_norm); post_norms: RMSNorm of each block's output
     before its residual add (post_attention_norm, post_ffw_norm). qk_norm: attn_q_norm/attn_k_norm
-    before the rotation, (D,) a head at a time or the whole projection's width. gelu: GELU-tanh gate
+    before the rotation, "head": (D,) a head at a time, "whole": over the whole projection. gelu: GELU-tanh gate
     instead of SiLU. embed_sqrt_d: embeddings times sqrt(d) (Gemma). window_pattern: with a sliding
     window, layer i is local unless i % pattern == pattern - 1 (0: no window read). no_rope_every:
     layer i has no rotary embedding when (i + 1) % it == 0 (SmolLM3). fused: attn_qkv holds q, k, v
@@ -43,7 +43,7 @@ class Arch:
     rope_interleaved: bool = False
     pre_norms: bool = True
     post_norms: bool = False
-    qk_norm: bool = False
+    qk_norm: str = ""
     gelu: bool = False
     embed_sqrt_d: bool = False
     window_pattern: int = 0
@@ -63,10 +63,10 @@ ARCHS: dict[str, Arch] = {
     for a in [
         Arch("llama", rope_interleaved=True, freq_factors=True, keys=frozenset({"attention.scale"})),
         Arch("qwen2", qkv_bias=True),
-        Arch("qwen3", qk_norm=True),
-        Arch("gemma3", post_norms=True, qk_norm=True, gelu=True, embed_sqrt_d=True, window_pattern=6, keys=_WINDOW),
+        Arch("qwen3", qk_norm="head"),
+        Arch("gemma3", post_norms=True, qk_norm="head", gelu=True, embed_sqrt_d=True, window_pattern=6, keys=_WINDOW),
         Arch("granite", rope_interleaved=True, freq_factors=True, multipliers=True, keys=_SCALES),
-        Arch("olmo2", pre_norms=False, post_norms=True, qk_norm=True),
+        Arch("olmo2", pre_norms=False, post_norms=True, qk_norm="whole"),
         Arch("smollm3", rope_interleaved=True, no_rope_every=4),
         Arch("phi3", fused=True, keys=frozenset({"attention.sliding_window"})),  # llama.cpp ignores Phi-3's window
     ]
@@ -172,7 +172,7 @@ def plan(gguf) -> Plan:
         p.attn_scale = float(key("attention.scale", 0.0))
     elif arch.name == "gemma3" and n_layers == 62:  # llama.cpp: Gemma 3 27B scales q by 1/sqrt(d / heads)
         p.attn_scale = 1.0 / math.sqrt(hidden / n_heads)
-    p.tensors = _expected_tensors(gguf, arch, n_layers)
+    p.tensors = _expected_tensors(gguf, p)
     return p
 
 
@@ -221,29 +221,54 @@ def _rope_and_window(gguf, p: Plan, key) -> None:
         p.layer_rope = [1 if w else r for w, r in zip(local, p.layer_rope)]
 
 
-def _expected_tensors(gguf, arch: Arch, n_layers: int) -> set[str]:
-    """The tensor names arch's forward reads from this file; raises GGUFError for one missing or extra."""
-    required = ["attn_output", "ffn_down", "ffn_up"]
-    required += ["attn_qkv"] if arch.fused else ["attn_q", "attn_k", "attn_v", "ffn_gate"]
-    required += ["attn_norm", "ffn_norm"] if arch.pre_norms else []
-    required += ["post_attention_norm", "post_ffw_norm"] if arch.post_norms else []
-    required += ["attn_q_norm", "attn_k_norm"] if arch.qk_norm else []
-    optional = [f"{p}.bias" for p in ("attn_q", "attn_k", "attn_v")] if arch.qkv_bias else []
-    expected = {"token_embd.weight", "output_norm.weight"}
-    for i in range(n_layers):
-        names = [f"blk.{i}.{n}.weight" for n in required]
-        missing = [n for n in names if n not in gguf.tensors]
-        if missing:
-            raise GGUFError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {arch.name} model file")
-        expected.update(names, (f"blk.{i}.{n}" for n in optional))
-    missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in gguf.tensors]
-    if missing:
-        raise GGUFError(f"{gguf.path.name} has no tensor {missing[0]!r}: not a complete {arch.name} model file")
-    expected |= {"output.weight"} | ({"rope_freqs.weight"} if arch.freq_factors else set())
+def _layer_shapes(arch: Arch, p: Plan, ffn: int) -> dict[str, tuple[int, ...]]:
+    """Tensor name (after `blk.i.`) -> shape (torch order) of a layer of arch; optional ones end in '?'."""
+    d, q, kv = p.hidden, p.n_heads * p.head_dim, p.n_kv * p.head_dim
+    shapes = {"attn_output.weight": (d, q), "ffn_down.weight": (d, ffn)}
+    if arch.fused:
+        shapes |= {"attn_qkv.weight": (q + 2 * kv, d), "ffn_up.weight": (2 * ffn, d)}
+    else:
+        shapes |= {"attn_q.weight": (q, d), "attn_k.weight": (kv, d), "attn_v.weight": (kv, d)}
+        shapes |= {"ffn_gate.weight": (ffn, d), "ffn_up.weight": (ffn, d)}
+    if arch.pre_norms:
+        shapes |= {"attn_norm.weight": (d,), "ffn_norm.weight": (d,)}
+    if arch.post_norms:
+        shapes |= {"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
+    if arch.qk_norm:
+        whole = arch.qk_norm == "whole"
+        shapes |= {
+            "attn_q_norm.weight": (q if whole else p.head_dim,),
+            "attn_k_norm.weight": (kv if whole else p.head_dim,),
+        }
+    if arch.qkv_bias:
+        shapes |= {"attn_q.bias?": (q,), "attn_k.bias?": (kv,), "attn_v.bias?": (kv,)}
+    return shapes
+
+
+def _expected_tensors(gguf, p: Plan) -> set[str]:
+    """The tensor names p's forward reads from this file; raises GGUFError for one missing, of another
+    shape, or that no step reads."""
+    arch, name = p.arch, gguf.path.name
+    vocab = gguf.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in gguf.tensors else 0
+    shapes = {
+        "token_embd.weight": (vocab, p.hidden),
+        "output_norm.weight": (p.hidden,),
+        "output.weight?": (vocab, p.hidden),
+    }
+    layer = _layer_shapes(arch, p, int(gguf.metadata(f"{arch.name}.feed_forward_length")))
+    for i in range(p.n_layers):
+        shapes |= {f"blk.{i}.{n}": shape for n, shape in layer.items()}
+    for key, shape in shapes.items():
+        t = gguf.tensors.get(key.rstrip("?"))
+        if t is None and not key.endswith("?"):
+            raise GGUFError(f"{name} has no tensor {key!r}: not a complete {arch.name} model file")
+        if t is not None and tuple(t.shape) != shape:
+            raise GGUFError(f"{name}: tensor {t.name!r} has shape {tuple(t.shape)}, not {shape} as the metadata says")
+    expected = {key.rstrip("?") for key in shapes} | ({"rope_freqs.weight"} if arch.freq_factors else set())
     extra = sorted(set(gguf.tensors) - expected)
     if extra:
         raise GGUFError(
-            f"{gguf.path.name}: tensor {extra[0]!r} is not read by specdec's {arch.name} forward; "
+            f"{name}: tensor {extra[0]!r} is not read by specdec's {arch.name} forward; "
             "the file is refused rather than run without it"
         )
     return expected
