@@ -305,6 +305,8 @@ class QuantModel:
         ]  # positions (n,) and mask (n, start + n), or None: causal, which the kernels follow without a mask
         positions = _cat([positions for positions, _ in layout])
         ropes = [k.rope_table(positions, inv_freq) for inv_freq in self.plan.ropes]  # shared by the layers
+        if self.plan.rope_scale != 1.0:  # Phi-3's long-rope attention factor: cos and sin scaled, elementwise
+            ropes = [table.mul_(self.plan.rope_scale) for table in ropes]
         windows = [_window_mask(r.start, pos, mask, self.plan.window) for r, (pos, mask) in zip(requests, layout)]
         h = self.embed_rows(_cat([r.ids for r in requests]))  # (rows, d)
         counts = [len(r.ids) for r in requests]

@@ -36,7 +36,8 @@ class Arch:
     layer i has no rotary embedding when (i + 1) % it == 0 (SmolLM3). fused: attn_qkv holds q, k, v
     and ffn_up holds gate then up (Phi-3). qkv_bias: q, k and v may have biases (Qwen2).
     multipliers: Granite's embedding, attention, residual and logit scales. freq_factors: a
-    rope_freqs tensor may divide the angles (Llama 3's rope scaling). keys: the `<arch>.` metadata
+    rope_freqs tensor may divide the angles (Llama 3's rope scaling). long_rope: Phi-3's long and
+    short rope factors and its attention factor, which scales cos and sin. keys: the `<arch>.` metadata
     keys read beyond the common ones."""
 
     name: str
@@ -52,6 +53,7 @@ class Arch:
     qkv_bias: bool = False
     multipliers: bool = False
     freq_factors: bool = False
+    long_rope: bool = False
     keys: frozenset[str] = frozenset()
 
 
@@ -68,7 +70,9 @@ ARCHS: dict[str, Arch] = {
         Arch("granite", rope_interleaved=True, freq_factors=True, multipliers=True, keys=_SCALES),
         Arch("olmo2", pre_norms=False, post_norms=True, qk_norm="whole"),
         Arch("smollm3", rope_interleaved=True, no_rope_every=4),
-        Arch("phi3", fused=True, keys=frozenset({"attention.sliding_window"})),  # llama.cpp ignores Phi-3's window
+        Arch(
+            "phi3", fused=True, long_rope=True, keys=frozenset({"attention.sliding_window", "rope.scaling.attn_factor"})
+        ),  # llama.cpp ignores Phi-3's window
     ]
 }
 
@@ -93,7 +97,8 @@ class Plan:
     applied); layer_rope[i]: the index of layer i's set, -1 for none; layer_window[i]: layer i attends
     over the last `window` positions only. attn_scale: the q.k scale (0: 1/sqrt(D)); embed_scale,
     residual_scale: multipliers of the embeddings and of each block's output; logit_scale: the logits
-    are multiplied by it (Granite's 1 / logit_scale)."""
+    are multiplied by it (Granite's 1 / logit_scale); rope_scale: the rotation's cos and sin are (Phi-3's
+    long-rope attention factor)."""
 
     arch: Arch
     n_layers: int
@@ -110,6 +115,7 @@ class Plan:
     embed_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    rope_scale: float = 1.0
     tensors: set[str] = field(default_factory=set, repr=False)
 
 
@@ -189,17 +195,9 @@ def _rope_and_window(gguf, p: Plan, key) -> None:
     scale = 1.0 / factor if scaling == "linear" else 1.0
     base = float(key("rope.freq_base", 10000.0))
     inv = 1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-    factors = gguf.tensors.get("rope_freqs.weight")
+    factors = _frequency_factors(gguf, p, key)
     if factors is not None:
-        if not arch.freq_factors:
-            raise GGUFError(
-                f"{gguf.path.name}: tensor 'rope_freqs.weight' is not read by specdec's {arch.name} forward"
-            )
-        if tuple(factors.shape) != (D // 2,):
-            raise GGUFError(
-                f"{gguf.path.name}: tensor 'rope_freqs.weight' has shape {tuple(factors.shape)}, not ({D // 2},)"
-            )
-        inv = inv / factors.data.double()
+        inv = inv / factors.double()
     p.ropes = [(inv * scale).float()]
     p.layer_rope = [0] * p.n_layers
     if arch.no_rope_every:
@@ -245,6 +243,27 @@ def _layer_shapes(arch: Arch, p: Plan, ffn: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _frequency_factors(gguf, p: Plan, key) -> torch.Tensor | None:
+    """The factors (D/2,) that divide the rotary frequencies, or None: Llama 3's rope_freqs, or Phi-3's
+    long-rope factors, the long ones where the file's context exceeds its original one (as llama.cpp
+    picks them for a full context), with their attention factor into p.rope_scale. A factor tensor of
+    another shape, or on an architecture that does not read it, is refused."""
+    names = ["rope_freqs.weight"] if p.arch.freq_factors else []
+    names += ["rope_factors_long.weight", "rope_factors_short.weight"] if p.arch.long_rope else []
+    for name in names:
+        if name in gguf.tensors and tuple(gguf.tensors[name].shape) != (p.head_dim // 2,):
+            shape = tuple(gguf.tensors[name].shape)
+            raise GGUFError(f"{gguf.path.name}: tensor {name!r} has shape {shape}, not ({p.head_dim // 2},)")
+    if "rope_freqs.weight" in names and "rope_freqs.weight" in gguf.tensors:
+        return gguf.tensors["rope_freqs.weight"].data
+    if p.arch.long_rope and "rope_factors_long.weight" in gguf.tensors:
+        context = int(key("context_length"))
+        long = context > int(key("rope.scaling.original_context_length", context))
+        p.rope_scale = float(key("rope.scaling.attn_factor", 1.0))
+        return gguf.tensors[f"rope_factors_{'long' if long else 'short'}.weight"].data
+    return None
+
+
 def _expected_tensors(gguf, p: Plan) -> set[str]:
     """The tensor names p's forward reads from this file; raises GGUFError for one missing, of another
     shape, or that no step reads."""
@@ -265,6 +284,7 @@ def _expected_tensors(gguf, p: Plan) -> set[str]:
         if t is not None and tuple(t.shape) != shape:
             raise GGUFError(f"{name}: tensor {t.name!r} has shape {tuple(t.shape)}, not {shape} as the metadata says")
     expected = {key.rstrip("?") for key in shapes} | ({"rope_freqs.weight"} if arch.freq_factors else set())
+    expected |= {"rope_factors_long.weight", "rope_factors_short.weight"} if arch.long_rope else set()
     extra = sorted(set(gguf.tensors) - expected)
     if extra:
         raise GGUFError(
