@@ -14,7 +14,11 @@ from specdec.backends import gemv
 
 
 def _packs(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    """Whether oneDNN takes this weight reordered: fp32, or bf16 where the CPU has oneDNN's bf16
+    instructions (without them its reorder raises: an AVX2-only CPU runs bf16 with F.linear)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:
