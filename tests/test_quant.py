@@ -22,7 +22,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from specdec import generate, make_drafter
 from specdec.backends.lean import tree_layout
-from specdec.backends.qkernel import TYPES, kernels
+from specdec.backends.qkernel import INT8_TYPES, TYPES, kernels
 from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.bench.kernels import FP16_FIELDS as KERNEL_FP16_FIELDS
 from specdec.cache import LeanKVCache
@@ -36,9 +36,9 @@ from specdec.train.head import PACKAGED
 
 from .conftest import make_model, prompt_ids, remake
 
-QTYPES = [name for name in TYPES if name != "F32"]
+QTYPES = list(INT8_TYPES)  # the types with int8 kernels; the others' are the fp32 path's (tests/test_qtypes.py)
 # Where each block type keeps its fp16 fields (ggml-common.h): scale d, and min m / dmin where it has one.
-FP16_FIELDS = {**KERNEL_FP16_FIELDS, "Q5_K": (0, 2)}  # Q5_K: not a kernel type, the fallback test's
+FP16_FIELDS = {**KERNEL_FP16_FIELDS, "TQ1_0": (52,), "TQ2_0": (64,)}  # TQ*: not kernel types, the fallback tests'
 
 
 @pytest.fixture(autouse=True)
@@ -58,10 +58,11 @@ def random_blocks(qtype: str, rows: int, K: int, seed: int) -> np.ndarray:
     """(rows, K / block * bytes) uint8 rows of `qtype`: every byte random (so every code a block can
     hold occurs, -128 in Q8_0, every 6-bit scale of Q4_K, ...) except the fp16 fields, which are
     finite values of either sign; plus, where gguf can quantize the type, rows it quantized from
-    Gaussian weights (what real files hold). F32: Gaussian weights."""
+    Gaussian weights (what real files hold). F32, F16, BF16: Gaussian weights."""
     g = np.random.default_rng(seed)
-    if qtype == "F32":
-        return g.standard_normal((rows, K)).astype(np.float32).view(np.uint8)
+    if qtype in ("F32", "F16", "BF16"):
+        weights = g.standard_normal((rows, K)).astype(np.float32)
+        return np.ascontiguousarray(gguf_quantize(weights, GGMLQuantizationType[qtype])).view(np.uint8)
     block, nbytes = _block(qtype)
     raw = g.integers(0, 256, (rows, K // block, nbytes), dtype=np.uint8)
     for at in FP16_FIELDS[qtype]:
@@ -429,21 +430,21 @@ def test_attention_under_any_mask_sees_exactly_its_keys():
 
 def test_quant_linear_dequantizes_other_types_to_fp32():
     K = 256
-    f16 = np.random.default_rng(12).standard_normal((7, K)).astype(np.float16)
-    q5k = random_blocks("Q5_K", 6, K, seed=13)
+    tq2 = random_blocks("TQ2_0", 7, K, seed=12)
+    tq1 = random_blocks("TQ1_0", 6, K, seed=13)
     q4 = random_blocks("Q4_0", 5, K, seed=14)
     parts = [
-        QTensor("a", "F16", (7, K), torch.from_numpy(f16.view(np.uint8))),
-        QTensor("b", "Q5_K", (6, K), torch.from_numpy(q5k)),
+        QTensor("a", "TQ2_0", (7, K), torch.from_numpy(tq2)),
+        QTensor("b", "TQ1_0", (6, K), torch.from_numpy(tq1)),
         QTensor("c", "Q4_0", (5, K), torch.from_numpy(q4)),
     ]
     bias = [torch.randn(7), None, torch.randn(5)]
     fallback: set[str] = set()
     linear = QuantLinear(parts, bias, fallback)
-    assert fallback == {"F16", "Q5_K"}
+    assert fallback == {"TQ2_0", "TQ1_0"}
     assert linear.types == [TYPES["F32"], TYPES["F32"], TYPES["Q4_0"]] and linear.out_features == 18
     assert linear.data[2].data_ptr() == parts[2].data.data_ptr()  # a kernel type is not copied
-    w = torch.cat([torch.from_numpy(f16.astype(np.float32)), reference("Q5_K", q5k), reference("Q4_0", q4)])
+    w = torch.cat([reference("TQ2_0", tq2), reference("TQ1_0", tq1), reference("Q4_0", q4)])
     b = torch.cat([bias[0], torch.zeros(6), bias[2]])
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(15))
     assert torch.equal(linear(x), matmul(x, [fp32_part(w[:13]), parts[2].data], [0, TYPES["Q4_0"]], b))
@@ -587,18 +588,18 @@ def test_logits_are_the_fp32_dequantized_models_up_to_rounding(smol):
 
 
 def test_a_type_the_kernels_do_not_handle_is_dequantized_and_said_once(smol, capsys):
-    """ffn_down of two layers turned F16 (the fp16 of their weights): the model says once that it
-    dequantizes F16, and its logits are those of the same weights given as F32 blocks."""
+    """ffn_down of two layers turned TQ2_0 (gguf's quantization of their weights): the model says once
+    that it dequantizes TQ2_0, and its logits are those of the same weights given as F32 blocks."""
     capsys.readouterr()
     tensors16, tensors32 = dict(smol.gguf.tensors), dict(smol.gguf.tensors)
     for i in (0, 5):
         t = smol.gguf.tensors[f"blk.{i}.ffn_down.weight"]
-        w16 = t.dequantize().half()
-        tensors16[t.name] = QTensor(t.name, "F16", t.shape, w16.contiguous().view(torch.uint8))
-        tensors32[t.name] = QTensor(t.name, "F32", t.shape, fp32_part(w16.float()))
+        blocks = gguf_quantize(t.dequantize().numpy(), GGMLQuantizationType.TQ2_0)
+        tensors16[t.name] = QTensor(t.name, "TQ2_0", t.shape, torch.from_numpy(blocks))
+        tensors32[t.name] = QTensor(t.name, "F32", t.shape, fp32_part(reference("TQ2_0", blocks)))
     m16 = QuantModel(dataclasses.replace(smol.gguf, tensors=tensors16), smol.config)
     m32 = QuantModel(dataclasses.replace(smol.gguf, tensors=tensors32), smol.config)
-    assert m16.fallback == ["F16"] and m32.fallback == []
+    assert m16.fallback == ["TQ2_0"] and m32.fallback == []
     ids = torch.tensor(_ids(smol)[:20])
 
     def run(m):
@@ -609,7 +610,7 @@ def test_a_type_the_kernels_do_not_handle_is_dequantized_and_said_once(smol, cap
     assert torch.equal(run(m16), run(m32))
     run(m16)
     err = capsys.readouterr().err
-    assert err.count("dequantized to fp32") == 1 and "F16" in err.splitlines()[0], err
+    assert err.count("dequantized to fp32") == 1 and "TQ2_0" in err.splitlines()[0], err
 
 
 def test_activations_are_named_or_refused(smol):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.backends.qkernel import kernels
-from specdec.bench.kernels import measure, measure_tiles, random_matrix, table
+from specdec.backends.qkernel import TYPES, kernels
+from specdec.bench.kernels import FLOATS, FP16_FIELDS, measure, measure_tiles, random_matrix, table
 from specdec.bench.rowcost import fit_slope, product_kernel, row_cost
 from specdec.cli import main
 from specdec.models.load import load_model
@@ -66,6 +66,19 @@ def test_random_matrix_has_the_types_layout_and_finite_scales():
     assert torch.isfinite(kernels().dequantize_rows(w, 12, 512, ids)).all()
 
 
+def test_kernels_times_every_type_the_kernels_multiply(capsys):
+    """Each of the kernels' types has a random matrix that decodes finite (F32, F16 and BF16: values), so
+    `--types` takes it; where int8 activations run, a type without int8 kernels says its row ran the fp32 kernel."""
+    assert set(TYPES) == {*FP16_FIELDS, *FLOATS}
+    for name, kind in TYPES.items():
+        w = random_matrix(name, 16, 256)
+        assert torch.isfinite(kernels().dequantize_rows(w, kind, 256, torch.arange(16))).all(), name
+    assert main(["kernels", "--types", "Q5_K,BF16,Q4_K", "--columns", "256", "--mb", "1"]) == 0
+    out = capsys.readouterr().out
+    fp32 = " (fp32 kernel)" if kernels().int8_available() else ""
+    assert f"| Q5_K{fp32} |" in out and f"| BF16{fp32} |" in out and "| Q4_K |" in out
+
+
 def test_kernels_table_for_one_type(capsys):
     row = measure("Q4_1", K=256, megabytes=1, rounds=2, int8=kernels().int8_available())
     assert row["rows"] % 16 == 0 and set(row["ratio"]) == {1, 2, 4, 8, 9}
@@ -80,8 +93,8 @@ def test_kernels_table_for_one_type(capsys):
 
 
 def test_kernels_refuses_what_it_cannot_time():
-    with pytest.raises(SystemExit, match="no kernel for Q2_K"):
-        main(["kernels", "--types", "Q2_K", "--mb", "1"])
+    with pytest.raises(SystemExit, match="no kernel for IQ2_XXS"):
+        main(["kernels", "--types", "IQ2_XXS", "--mb", "1"])
     with pytest.raises(SystemExit, match="multiple of 256"):
         main(["kernels", "--columns", "100"])
 

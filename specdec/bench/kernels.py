@@ -1,14 +1,16 @@
 """`specdec kernels`: the quantized backend's products, one GGML type at a time, against the CPU.
 
-For each type a matrix of random blocks (finite fp16 scales, every other byte random) larger than
-the last-level cache, laid out as a model's load lays it out (regrouped sixteen rows at a time for
-the int8 path); one product over M input rows is timed for M = 1, 2, 4, 8, 9, interleaved round
-by round, the fastest of the rounds kept (another process only slows a round down). Reported per
-type: V(1) and the GB/s it streams the weights at, V(M)/V(1), and an added row's cost (the slope
-over M) as multiply-adds per second and as a share of the product instruction's peak measured in
-the same run (specdec.bench.rowcost). This is the measurement the kernels are tuned by. Where
-the AMX tiles are on (they take products of sixteen rows or more), each type they take is also
-timed over a prompt chunk's 128 rows with the tiles on and off.
+For each type a matrix of random blocks (finite fp16 scales, every other byte random; F32, F16 and
+BF16 random values) larger than the last-level cache, laid out as a model's load lays it out
+(regrouped sixteen rows at a time for the int8 path; a type without int8 kernels, such as Q5_K,
+runs the fp32-activation kernel there too, and its row says so); one product over M input rows is
+timed for M = 1, 2, 4, 8, 9, interleaved round by round, the fastest of the rounds kept (another
+process only slows a round down). Reported per type: V(1) and the GB/s it streams the weights at,
+V(M)/V(1), and an added row's cost (the slope over M) as multiply-adds per second and as a share
+of the product instruction's peak measured in the same run (specdec.bench.rowcost). This is the
+measurement the kernels are tuned by. Where the AMX tiles are on (they take products of sixteen
+rows or more), each type they take is also timed over a prompt chunk's 128 rows with the tiles on
+and off.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ import time
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
 
 from specdec.batch import PREFILL_CHUNK
 from specdec.bench.rowcost import fit_slope, peak_macs_per_s, product_kernel
 
-# where each type the kernels multiply keeps its fp16 fields in a block (ggml-common.h); sizes from gguf
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+# where each block type the kernels multiply keeps its fp16 fields in a block (ggml-common.h); sizes from gguf
+FP16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q5_K": (0, 2), "IQ4_NL": (0,), "IQ4_XS": (0,),
+}  # fmt: skip
+FLOATS = ("F32", "F16", "BF16")  # every element a value: F32 is what a type without kernels is multiplied as
 
 
 def block_size(qtype: str) -> tuple[int, int]:
@@ -36,9 +43,13 @@ ROWS = (1, 2, 4, 8, 9)
 
 
 def random_matrix(qtype: str, rows: int, K: int, seed: int = 0) -> torch.Tensor:
-    """(rows, K / block * bytes) uint8 blocks of `qtype`: random bytes, fp16 fields finite (|x| < 0.02)."""
+    """(rows, K / block * bytes) uint8 blocks of `qtype`: random bytes, fp16 fields finite (|x| < 0.02);
+    F32, F16 and BF16: such values."""
     block, nbytes = block_size(qtype)
     g = np.random.default_rng(seed)
+    if qtype in FLOATS:
+        values = g.uniform(-0.02, 0.02, (rows, K)).astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(quantize(values, GGMLQuantizationType[qtype])).view(np.uint8))
     raw = g.integers(0, 256, (rows, K // block, nbytes), dtype=np.uint8)
     for at in FP16_FIELDS[qtype]:
         raw[..., at : at + 2] = g.uniform(-0.02, 0.02, (rows, K // block, 1)).astype(np.float16).view(np.uint8)
@@ -62,9 +73,10 @@ def _matrix(qtype: str, K: int, megabytes: int, int8: bool) -> tuple[torch.Tenso
 
 def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int = 9, int8: bool = True) -> dict:
     """One type's row: {"type", "rows", "K", "mb", "v1_ms", "gbs", "ratio": {M: V(M)/V(1)},
-    "marginal_ms", "gmacs"} (gmacs: G multiply-adds per second of an added row). megabytes: the
-    matrix's size, by default four times the last-level cache (at least 64 MB)."""
-    from specdec.backends.qkernel import kernels
+    "marginal_ms", "gmacs", "int8"} (gmacs: G multiply-adds per second of an added row; int8: whether
+    its activations were int8, false for a type without int8 kernels). megabytes: the matrix's size,
+    by default four times the last-level cache (at least 64 MB)."""
+    from specdec.backends.qkernel import INT8_TYPES, kernels
     from specdec.bench.roofline import last_level_cache_bytes
 
     k = kernels()
@@ -89,6 +101,7 @@ def measure(qtype: str, K: int = 1536, megabytes: int | None = None, rounds: int
         "ratio": {m: ms[m] / ms[1] for m in ROWS},
         "marginal_ms": marginal,
         "gmacs": rows * K / (marginal * 1e-3) / 1e9 if marginal > 0 else float("inf"),
+        "int8": int8 and qtype in INT8_TYPES,
     }
 
 
@@ -141,9 +154,10 @@ def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: 
     Raises ValueError for a type the kernels lack."""
     from specdec.backends.qkernel import kernels
 
-    unknown = [t for t in types if t not in FP16_FIELDS]
+    timed = [*FP16_FIELDS, *FLOATS]
+    unknown = [t for t in types if t not in timed]
     if unknown:
-        raise ValueError(f"no kernel for {', '.join(unknown)}: choose from {', '.join(FP16_FIELDS)}")
+        raise ValueError(f"no kernel for {', '.join(unknown)}: choose from {', '.join(timed)}")
     if int8 is None:
         int8 = kernels().int8_available()
     kind = product_kernel(int8, max(ROWS))
@@ -184,8 +198,10 @@ def table(result: dict) -> str:
         "|---|---|---:|---:|" + "---:|" * (len(ROWS) - 1) + "---:|---:|",
     ]
     for r in result["types"]:
+        fp32 = result["kernel"] != "fp32" and not r.get("int8", True)  # no int8 kernel for the type
+        name = f"{r['type']} (fp32 kernel)" if fp32 else r["type"]
         lines.append(
-            f"| {r['type']} | {r['rows']} x {r['K']}, {r['mb']:.0f} MB | {r['v1_ms']:.2f} | {r['gbs']:.1f} | "
+            f"| {name} | {r['rows']} x {r['K']}, {r['mb']:.0f} MB | {r['v1_ms']:.2f} | {r['gbs']:.1f} | "
             + " | ".join(f"{r['ratio'][m]:.2f}" for m in ROWS[1:])
             + f" | {r['gmacs']:.0f} | {r['fraction']:.0%} |"
         )

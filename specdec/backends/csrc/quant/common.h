@@ -13,7 +13,7 @@
 #include <unistd.h>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__) || defined(__SSSE3__)
 #include <immintrin.h>
 #endif
 
@@ -39,7 +39,17 @@ inline vec load(const float* p) {
   return v;
 }
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
-inline vec splat(float s) { return vec{} + s; }
+// s in every lane, -0 included (vec{} + s, zeros plus s, would make it +0). With AVX2 alone, from two
+// 8-lane halves: GCC keeps a 16-lane vector as two, and a 16-lane broadcast made Q4_K's decoding 16% slower.
+inline vec splat(float s) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  typedef float eight __attribute__((vector_size(32)));
+  const eight h = (eight)_mm256_set1_ps(s);
+  return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return s - vec{};
+#endif
+}
 
 // A KV cache holds fp32 or fp16 (c10::Half: IEEE binary16). An fp16 element widens to fp32 exactly, so
 // what attention computes from it depends on the stored bits alone, whichever path widens it.
@@ -149,7 +159,17 @@ inline float sexp(float x) {  // the same e^x for one value, through lane 0
 }
 
 
-enum Type : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+// GGML type ids (ggml.h).
+enum Type : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+};
+
+// Whether the int8 path (AVX512-VNNI) has kernels for a type. The others, F32 included, run the
+// fp32-activation kernel there too: their rows are neither regrouped nor met with int8 inputs.
+constexpr bool has_int8_kernel(int64_t type) {
+  return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K || type == Q6_K;
+}
 
 struct Layout {
   int64_t block;  // elements per block
@@ -158,7 +178,9 @@ struct Layout {
 
 inline Layout layout(int64_t type) {
   switch (type) {
-    case F32: return {32, 128};
+    case F32: return {32, 128};  // plain values go 32 at a time too, as the decoders emit them
+    case F16: return {32, 64};
+    case BF16: return {32, 64};
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
     case Q5_0: return {32, 22};
@@ -166,6 +188,11 @@ inline Layout layout(int64_t type) {
     case Q8_0: return {32, 34};
     case Q4_K: return {256, 144};
     case Q6_K: return {256, 210};
+    case Q2_K: return {256, 84};
+    case Q3_K: return {256, 110};
+    case Q5_K: return {256, 176};
+    case IQ4_NL: return {32, 18};
+    case IQ4_XS: return {256, 136};
   }
   TORCH_CHECK(false, "specdec quant: unsupported GGML type ", type);
 }

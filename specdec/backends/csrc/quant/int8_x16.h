@@ -446,9 +446,10 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
 }
 
 // A matrix's rows regrouped sixteen at a time for the int8 kernels: (the regrouped tensor, its type id)
-// for the quantized types, rows (N, row bytes) with N a multiple of 16; None for F32, which goes a row at a time.
+// for the types with int8 kernels, rows (N, row bytes) with N a multiple of 16; None for the others (F32,
+// Q5_K, ...), which go a row at a time with fp32 activations.
 c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
-  if (type == F32) return c10::nullopt;
+  if (!has_int8_kernel(type)) return c10::nullopt;
   const Layout lay = layout(type);
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % lay.block == 0 &&
                   rows.size(1) == K / lay.block * lay.bytes && rows.size(0) % GROUP == 0,

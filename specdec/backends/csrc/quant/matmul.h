@@ -67,7 +67,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   for (int64_t t : types) {
     const bool regrouped = regrouped_bytes(t, K) != 0;
     const int64_t base = regrouped ? regrouped_base(t) : t;
-    if (base == F32) continue;
+    if (!has_int8_kernel(base)) continue;  // F32, Q5_K, ...: fp32 activations, no int8 rounding for them
     (base == Q4_K || base == Q6_K ? super : legacy) = true;
     row_at_a_time |= !regrouped && base != Q4_K && base != Q6_K;
   }
@@ -104,7 +104,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
             part_outputs_k<t>(rows, row_bytes, lo, hi, kx, yp, N);
             return;
           }
-        } else if constexpr (t != F32) {
+        } else if constexpr (has_int8_kernel(t)) {
           if (int8) {
             constexpr int32_t o = offset_of<t>();
             part_outputs_q8<t>(rows, row_bytes, lo, hi, qx, o ? biases[o].data() : nullptr, yp, N);
