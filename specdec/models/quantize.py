@@ -62,7 +62,29 @@ def quantize_model(hf: torch.nn.Module, qtype: str, name: str) -> GGUFModel:
     if "output.weight" in tensors and hf.config.tie_word_embeddings:
         del tensors["output.weight"]  # tied: the embedding's blocks serve as the output layer
     size = sum(t.data.numel() * t.data.element_size() for t in tensors.values())
-    return GGUFModel(Path(name), arch, tensors, size)
+    return GGUFModel(Path(name), arch, tensors, size, _metadata(hf.config, arch, name))
+
+
+def _metadata(c, arch: str, name: str) -> dict:
+    """The `<arch>.` metadata llama.cpp's converter would write for config c (specdec.models.arch reads
+    it). Raises ValueError for a rope scaling the quantized forward does not take from a config."""
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{name}: --quantize runs models with the default rope, not {rope['rope_type']!r}")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    values = {
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "block_count": c.num_hidden_layers,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
+        "rope.freq_base": float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+    }
+    return {f"{arch}.{key}": value for key, value in values.items()}
 
 
 def quantize_matrix(weight: torch.Tensor, qtype: str, name: str, what: str | None = None) -> QTensor:

@@ -43,9 +43,11 @@ inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 // 8-lane halves: GCC keeps a 16-lane vector as two, and a 16-lane broadcast made Q4_K's decoding 16% slower.
 inline vec splat(float s) {
 #if defined(__AVX__) && !defined(__AVX512F__)
-  typedef float eight __attribute__((vector_size(32)));
-  const eight h = (eight)_mm256_set1_ps(s);
-  return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  union {
+    __m256 h[2];
+    vec v;
+  } r{{_mm256_set1_ps(s), _mm256_set1_ps(s)}};  // as fma's halves: a shuffle of them went lane by lane
+  return r.v;
 #else
   return s - vec{};
 #endif
@@ -86,14 +88,18 @@ inline vec fma(vec a, vec b, vec c) {  // a * b + c, rounded once
 #if defined(__AVX512F__)
   return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
 #elif defined(__FMA__)
-  typedef float half __attribute__((vector_size(32)));
-  half lo = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-                            __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-                            __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-  half hi = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-                            __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-                            __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // The two 8-lane halves through a union: GCC keeps each in its ymm register. Taking them with
+  // __builtin_shufflevector instead made GCC 12 move every lane through the stack (vinsertps and
+  // vextractps), about 7x slower than reading the weights; the arithmetic, lane by lane, is the same.
+  union Halves {
+    vec v;
+    __m256 h[2];
+  };
+  const Halves x{a}, y{b};
+  Halves z{c};
+  z.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+  z.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+  return z.v;
 #else
   vec r;
   for (int i = 0; i < L; ++i) r[i] = std::fma(a[i], b[i], c[i]);
@@ -198,9 +204,22 @@ inline Layout layout(int64_t type) {
 }
 
 // 16 bytes widened to 16 int32 lanes, unsigned or signed.
+#if defined(__AVX2__)
+// With AVX2 alone, two 8-lane halves through a union (as in fma: GCC's lane-by-lane loop here was
+// scalar code); the same integers either way.
+union IntHalves {
+  ivec v;
+  __m256i h[2];
+};
+#endif
 inline ivec widen_u8(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  IntHalves r;
+  r.h[0] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  r.h[1] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  return r.v;
 #else
   ivec v;
   for (int i = 0; i < L; ++i) v[i] = p[i];
@@ -210,6 +229,11 @@ inline ivec widen_u8(const uint8_t* p) {
 inline ivec widen_s8(const uint8_t* p) {
 #if defined(__AVX512F__)
   return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  IntHalves r;
+  r.h[0] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  r.h[1] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  return r.v;
 #else
   ivec v;
   for (int i = 0; i < L; ++i) v[i] = static_cast<int8_t>(p[i]);
