@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.backends.lean import rope_inv_freq
 from specdec.errors import GGUFError
 
 
@@ -194,11 +195,11 @@ def _rope_and_window(gguf, p: Plan, key) -> None:
         )
     scale = 1.0 / factor if scaling == "linear" else 1.0
     base = float(key("rope.freq_base", 10000.0))
-    inv = 1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    inv = rope_inv_freq(base, D)  # fp32, as transformers computes it (and specdec did before any factor)
     factors = _frequency_factors(gguf, p, key)
     if factors is not None:
-        inv = inv / factors.double()
-    p.ropes = [(inv * scale).float()]
+        inv = inv / factors.float()
+    p.ropes = [inv * scale if scale != 1.0 else inv]
     p.layer_rope = [0] * p.n_layers
     if arch.no_rope_every:
         p.layer_rope = [-1 if (i + 1) % arch.no_rope_every == 0 else 0 for i in range(p.n_layers)]
@@ -215,7 +216,7 @@ def _rope_and_window(gguf, p: Plan, key) -> None:
             raise GGUFError(f"{gguf.path.name}: the sliding-window pattern has {len(local)} layers, not {p.n_layers}")
         p.window, p.layer_window = window, local
         local_base = float(key("rope.freq_base_swa", 10000.0))  # local layers: their own base, never scaled
-        p.ropes.append((1.0 / local_base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)).float())
+        p.ropes.append(rope_inv_freq(local_base, D))
         p.layer_rope = [1 if w else r for w, r in zip(local, p.layer_rope)]
 
 
