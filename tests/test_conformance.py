@@ -35,6 +35,7 @@ from specdec.backends.quant import QuantModel
 from specdec.models.gguf import hf_config, read_gguf
 
 from .conformance import (
+    QTYPES,
     convert,
     hf_logits,
     llama_cpp,
@@ -159,6 +160,19 @@ def test_f32_file_gives_transformers_logprobs(tiny, name):
 def test_quantized_file_gives_llama_cpps_logprobs_and_top_tokens(tiny, name, qtype):
     """specdec's top token is llama.cpp's wherever llama.cpp's top two are more than 2 x QUANT_TOL apart
     (closer ones may swap within the tolerance), and every log-probability is within QUANT_TOL."""
+    _check_against_llama_cpp(tiny, name, qtype)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("qtype", [q for q in QTYPES if q not in ("Q8_0", "Q4_K")])
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_every_block_type_gives_llama_cpps_logprobs_and_top_tokens(tiny, name, qtype):
+    """The same for every type llama.cpp's quantizer makes here (each multiplied in its blocks by
+    specdec), on a plain architecture and the one with the most steps of its own."""
+    _check_against_llama_cpp(tiny, name, qtype)
+
+
+def _check_against_llama_cpp(tiny, name: str, qtype: str) -> None:
     path = tiny.gguf(name, qtype)
     assert {t.qtype for t in read_gguf(path).tensors.values() if len(t.shape) == 2} == {qtype}  # no fallback type
     errors = {}
