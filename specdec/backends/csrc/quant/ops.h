@@ -43,8 +43,11 @@ void rms_norm_runs(float* x, int64_t n, int64_t stride, int64_t col, int64_t wid
   });
 }
 
-// SwiGLU (Shazeer 2020): gate_up (n, 2F), the gate then the up projection -> silu(gate) * up, (n, F).
-torch::Tensor swiglu(torch::Tensor gate_up) {
+// The gated feed-forward's product (Shazeer 2020): gate_up (n, 2F), the gate then the up projection
+// -> act(gate) * up, (n, F). act: the activation of 16 lanes, act_one the same function of one value
+// (the row's tail), so every element is computed the same way whatever the row's length.
+template <typename Act, typename ActOne>
+torch::Tensor gated(torch::Tensor gate_up, Act act, ActOne act_one) {
   gate_up = gate_up.contiguous();
   const int64_t n = gate_up.size(0), F = gate_up.size(1) / 2;
   auto y = torch::empty({n, F}, gate_up.options());
@@ -55,42 +58,33 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
       const float *g = gp + i * 2 * F, *u = g + F;
       float* o = yp + i * F;
       int64_t e = 0;
-      for (; e + L <= F; e += L) {
-        const vec gv = load(g + e);
-        store(o + e, gv / (splat(1.0f) + vexp(-gv)) * load(u + e));
-      }
-      for (; e < F; ++e) o[e] = g[e] / (1.0f + sexp(-g[e])) * u[e];
+      for (; e + L <= F; e += L) store(o + e, act(load(g + e)) * load(u + e));
+      for (; e < F; ++e) o[e] = act_one(g[e]) * u[e];
     }
   });
   return y;
 }
 
-// GEGLU with the tanh approximation of GELU (Shazeer 2020; Gemma's gelu_pytorch_tanh): gate_up (n, 2F),
-// the gate then the up projection -> gelu_tanh(gate) * up, (n, F). tanh(y) = 1 - 2 / (e^(2y) + 1) through
-// our own exp, so every lane and the scalar tail compute the same function.
+// SwiGLU: silu(gate) * up.
+torch::Tensor swiglu(torch::Tensor gate_up) {
+  return gated(
+      gate_up, [](vec g) { return g / (splat(1.0f) + vexp(-g)); }, [](float g) { return g / (1.0f + sexp(-g)); });
+}
+
+// GEGLU with the tanh approximation of GELU (Gemma's gelu_pytorch_tanh): gelu_tanh(gate) * up, with
+// tanh(y) = 1 - 2 / (e^(2y) + 1) through our own exp.
 torch::Tensor geglu(torch::Tensor gate_up) {
-  gate_up = gate_up.contiguous();
-  const int64_t n = gate_up.size(0), F = gate_up.size(1) / 2;
-  auto y = torch::empty({n, F}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   constexpr float c = 0.7978845608028654f, a = 0.044715f;  // sqrt(2 / pi), the cubic's coefficient
-  at::parallel_for(0, n, row_grain(2 * F), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float *g = gp + i * 2 * F, *u = g + F;
-      float* o = yp + i * F;
-      int64_t e = 0;
-      for (; e + L <= F; e += L) {
-        const vec x = load(g + e), t = splat(1.0f) - splat(2.0f) / (vexp(splat(2.0f * c) * (x + splat(a) * x * x * x)) + splat(1.0f));
-        store(o + e, splat(0.5f) * x * (splat(1.0f) + t) * load(u + e));
-      }
-      for (; e < F; ++e) {
-        const float x = g[e], t = 1.0f - 2.0f / (sexp(2.0f * c * (x + a * x * x * x)) + 1.0f);
-        o[e] = 0.5f * x * (1.0f + t) * u[e];
-      }
-    }
-  });
-  return y;
+  return gated(
+      gate_up,
+      [](vec x) {
+        const vec t = splat(1.0f) - splat(2.0f) / (vexp(splat(2.0f * c) * (x + splat(a) * x * x * x)) + splat(1.0f));
+        return splat(0.5f) * x * (splat(1.0f) + t);
+      },
+      [](float x) {
+        const float t = 1.0f - 2.0f / (sexp(2.0f * c * (x + a * x * x * x)) + 1.0f);
+        return 0.5f * x * (1.0f + t);
+      });
 }
 
 // The rotary embedding's angles (Su et al. 2021) at positions (n,) for inv_freq (D/2,): (2, n, D/2) fp32,
