@@ -1,4 +1,4 @@
-"""Every architecture of specdec.models.arch on the quantized backend, on tiny random GGUF files written
+"""Every architecture of specdec.backends.arch on the quantized backend, on tiny random GGUF files written
 here (gguf's writer, Q8_0 blocks): a forward over many tokens, a token tree included, has the bits of
 one-token forwards, across sliding windows, q/k norms, post-norms, GELU, multipliers and layers without
 rope; greedy speculative decoding equals plain greedy; files with a tensor or key the description does
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from specdec import generate, make_drafter
+from specdec.backends.arch import ARCHS, plan
 from specdec.backends.quant import QuantModel
 from specdec.errors import GGUFError
-from specdec.models.arch import ARCHS, plan
 from specdec.models.gguf import QTensor, hf_config, read_gguf
 from specdec.models.load import Model
 

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import torch
 
+from specdec.backends.arch import ARCHS, plan
 from specdec.backends.lean import BatchItem
-from specdec.models.arch import ARCHS, plan
 
 SUPPORTED = tuple(ARCHS)
 # The KV cache's dtypes, the default first: fp16 halves the bytes attention reads (measured in
@@ -131,7 +131,7 @@ class OutputRows:
 
 
 class _Layer:
-    """Decoder layer i of a GGUF file's tensors t, as its Plan says (specdec.models.arch), for the kernels."""
+    """Decoder layer i of a GGUF file's tensors t, as its Plan says (specdec.backends.arch), for the kernels."""
 
     def __init__(self, t: dict, i: int, plan, fallback: set[str], int8: bool, mapped):
         arch = plan.arch
@@ -166,7 +166,7 @@ class _Layer:
 
 
 class QuantModel:
-    """A GGUF model (specdec.models.gguf.GGUFModel) of an architecture in specdec.models.arch.ARCHS,
+    """A GGUF model (specdec.models.gguf.GGUFModel) of an architecture in specdec.backends.arch.ARCHS,
     laid out for the batch-invariant quantized forward as its description says (`plan`; `config`,
     the transformers config, is not read). Memory: the weights are the memory-mapped file's blocks,
     except interleaved q and k rows (un-permuted) and, with int8 activations, the quantized matrices
@@ -175,7 +175,7 @@ class QuantModel:
     (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the dequantized weights
     (the --dtype float32 model's logits up to rounding), "auto" int8 where the CPU has VNNI.
     kv_dtype: the KV cache's, one of KV_DTYPES (None: the first, fp16). Raises GGUFError (a
-    ValueError) for a file its architecture's description does not fully read (specdec.models.arch.plan),
+    ValueError) for a file its architecture's description does not fully read (specdec.backends.arch.plan),
     ValueError for int8 asked of a CPU without VNNI or another kv_dtype."""
 
     dtype = torch.float32

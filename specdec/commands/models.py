@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from specdec.backends.arch import ARCHS
 from specdec.backends.qkernel import TYPES
-from specdec.models.arch import ARCHS
 from specdec.models.registry import REGISTRY
 from specdec.models.weights import cache_dir, converted_path, gguf_path, is_pulled, pull
 

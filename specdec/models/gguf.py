@@ -23,8 +23,8 @@ import gguf
 import numpy as np
 import torch
 
+from specdec.backends.arch import ARCHS
 from specdec.errors import GGUFError
-from specdec.models.arch import ARCHS
 from specdec.models.registry import REGISTRY
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -155,7 +155,7 @@ def _parse_header(blob: np.ndarray, path: Path):
 def read_gguf(path: str | os.PathLike) -> GGUFModel:
     """Read a GGUF file's metadata and map its tensors (see QTensor), checking every tensor lies within
     the file. For the architectures whose converter interleaves q and k for ggml's rope (llama,
-    granite, smollm3: specdec.models.arch.Arch.rope_interleaved), attn_q/attn_k rows (and biases)
+    granite, smollm3: specdec.backends.arch.Arch.rope_interleaved), attn_q/attn_k rows (and biases)
     are un-permuted as transformers' GGUF loader does, undoing convert_hf_to_gguf.py's permute.
 
     Raises GGUFError (a ValueError) naming the file and the fix: missing, not GGUF, unsupported version,
@@ -233,11 +233,11 @@ _HF_TYPES = {"gemma3": "gemma3_text"}
 def hf_config(model: GGUFModel):
     """A transformers config of the file's architecture with its shapes (layers, heads, widths, vocabulary,
     special tokens), read from the metadata (llama.cpp's `<arch>.*` and `tokenizer.ggml.*` keys) as
-    specdec.models.arch.plan reads them. Raises GGUFError for an architecture the quantized backend does
+    specdec.backends.arch.plan reads them. Raises GGUFError for an architecture the quantized backend does
     not run or a file it refuses."""
     from transformers import AutoConfig
 
-    from specdec.models.arch import plan
+    from specdec.backends.arch import plan
 
     p = plan(model)
     config = {

@@ -66,7 +66,7 @@ def quantize_model(hf: torch.nn.Module, qtype: str, name: str) -> GGUFModel:
 
 
 def _metadata(c, arch: str, name: str) -> dict:
-    """The `<arch>.` metadata llama.cpp's converter would write for config c (specdec.models.arch reads
+    """The `<arch>.` metadata llama.cpp's converter would write for config c (specdec.backends.arch reads
     it). Raises ValueError for a rope scaling the quantized forward does not take from a config."""
     rope = getattr(c, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":

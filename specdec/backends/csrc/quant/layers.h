@@ -10,7 +10,7 @@ namespace {
 // One decoder layer's weights, which the Python side hands to `layers` once so that a forward runs the
 // whole stack in one call without converting its tensors again. Each projection is a list of parts
 // with their GGML types (q, k, v rows stacked, with their bias or None; gate rows then up rows).
-// The rest says how this architecture's layer differs from Llama's (specdec.models.arch): an empty
+// The rest says how this architecture's layer differs from Llama's (specdec.backends.arch): an empty
 // norm is no norm (norm_in empty: the layer attends over its input unnormalised, as an EAGLE-1 draft
 // head's layer and OLMo 2's do).
 struct Layer {
