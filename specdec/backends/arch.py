@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.backends.lean import rope_inv_freq
 from specdec.errors import GGUFError
 
 
@@ -241,12 +242,6 @@ def _layer_shapes(arch: Arch, p: Plan, ffn: int) -> dict[str, tuple[int, ...]]:
     if arch.qkv_bias:
         shapes |= {"attn_q.bias?": (q,), "attn_k.bias?": (kv,), "attn_v.bias?": (kv,)}
     return shapes
-
-
-def rope_inv_freq(theta: float, D: int) -> torch.Tensor:
-    """RoPE's inverse frequencies (D/2,) fp32, as transformers' default rope computes them (and
-    specdec.backends.lean's rope_inv_freq, which models/ may not import: backends imports models)."""
-    return 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
 
 
 def _frequency_factors(gguf, p: Plan, key) -> torch.Tensor | None:
