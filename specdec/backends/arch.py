@@ -15,7 +15,7 @@ the maths (a rope scaling type, soft-capping, a partial rotary dimension) that i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -117,12 +117,6 @@ class Plan:
     residual_scale: float = 1.0
     logit_scale: float = 1.0
     rope_scale: float = 1.0
-    tensors: set[str] = field(default_factory=set, repr=False)
-
-
-def supported() -> list[str]:
-    """The architecture names the quantized backend runs."""
-    return list(ARCHS)
 
 
 def plan(gguf) -> Plan:
@@ -179,7 +173,7 @@ def plan(gguf) -> Plan:
         p.attn_scale = float(key("attention.scale", 0.0))
     elif arch.name == "gemma3" and n_layers == 62:  # llama.cpp: Gemma 3 27B scales q by 1/sqrt(d / heads)
         p.attn_scale = 1.0 / math.sqrt(hidden / n_heads)
-    p.tensors = _expected_tensors(gguf, p)
+    _check_tensors(gguf, p)
     return p
 
 
@@ -265,9 +259,9 @@ def _frequency_factors(gguf, p: Plan, key) -> torch.Tensor | None:
     return None
 
 
-def _expected_tensors(gguf, p: Plan) -> set[str]:
-    """The tensor names p's forward reads from this file; raises GGUFError for one missing, of another
-    shape, or that no step reads."""
+def _check_tensors(gguf, p: Plan) -> None:
+    """Raises GGUFError for a tensor p's forward reads that is missing or of another shape, or for a
+    tensor no step reads."""
     arch, name = p.arch, gguf.path.name
     vocab = gguf.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in gguf.tensors else 0
     shapes = {
@@ -292,4 +286,3 @@ def _expected_tensors(gguf, p: Plan) -> set[str]:
             f"{name}: tensor {extra[0]!r} is not read by specdec's {arch.name} forward; "
             "the file is refused rather than run without it"
         )
-    return expected
