@@ -60,7 +60,7 @@ def older(request):
 
 @pytest.fixture(scope="module")
 def amx_emulated():
-    if not kernels().int8_available():
+    if kernels().int8_kernels() != "vnni":
         pytest.skip("the CPU lacks AVX512-VNNI: the int8 kernels, and the tiles beside them, cannot run here")
     from torch.utils.cpp_extension import load
 
@@ -85,11 +85,33 @@ def _threads():
     torch.set_num_threads(n)
 
 
-def test_an_older_build_has_no_int8_path(older):
-    assert not older.int8_available()
+def test_an_older_builds_int8_path(older):
+    """x86-64-v3 has AVX2's int8 kernels (rows as they are, never regrouped); x86-64-v2 none."""
     x = torch.randn(2, 256)
-    with pytest.raises(RuntimeError, match="VNNI"):
-        older.matmul(x, [torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))], [TYPES["Q4_1"]], None, True)
+    part = torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))
+    if older.int8_kernels() == "avx2":
+        assert older.int8_available() and older.repack(part, TYPES["Q4_1"], 256) is None
+        return
+    assert not older.int8_available() and older.int8_kernels() == ""
+    with pytest.raises(RuntimeError, match="AVX2 or AVX512-VNNI"):
+        older.matmul(x, [part], [TYPES["Q4_1"]], None, True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_avx2_int8_products_are_batch_invariant_and_the_native_row_at_a_time_bits(older, qtype):
+    """AVX2's int8 kernels: the integers of VNNI's (vpmaddubsw + vpmaddwd for vpdpbusd), the same fp32 steps in
+    8-lane halves: on a VNNI CPU the native build's rows-as-they-are int8 products, bit for bit (on an AVX2 CPU the
+    native build is this one); every row as alone, on 1 and 2 threads. K: an odd number of 32-blocks."""
+    if older.int8_kernels() != "avx2":
+        pytest.skip("x86-64-v2 has no int8 kernels")
+    K = 1280 if qtype in ("Q4_K", "Q6_K") else 1184
+    part = torch.from_numpy(random_blocks(qtype, 40, K, seed=7))
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(8))
+    x[:, 5] *= 40  # one block's scale set by an outlier, as activations have
+    product = lambda rows: older.matmul(rows, [part], [TYPES[qtype]], None, True)  # noqa: E731
+    assert_rows_invariant(product, x, max_n=11)
+    if kernels().int8_available():
+        assert torch.equal(product(x), kernels().matmul(x, [part], [TYPES[qtype]], None, True))
 
 
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t != "F32"])
@@ -151,7 +173,7 @@ def test_emulated_amx_tiles_give_the_vnni_kernels_bits(amx_emulated, qtype):
 
 
 def test_the_tiles_take_the_types_tested_here():
-    if not kernels().int8_available():
+    if kernels().int8_kernels() != "vnni":
         pytest.skip("no AVX512-VNNI build here: no tile kernels are compiled")
     assert tile_types() == AMX_TYPES  # a type the tiles take untested here, or one tested they do not take, fails
 

@@ -86,7 +86,10 @@ def matmul(x, parts, types, bias=None, int8=False):
     return kernels().matmul(x, parts, types, bias, int8)
 
 
-needs_int8 = pytest.mark.skipif(not kernels().int8_available(), reason="int8 activations need AVX512-VNNI")
+needs_int8 = pytest.mark.skipif(not kernels().int8_available(), reason="int8 activations need AVX2 or AVX512-VNNI")
+needs_regrouped = pytest.mark.skipif(
+    kernels().int8_kernels() != "vnni", reason="rows regrouped sixteen at a time: AVX512-VNNI builds only"
+)
 
 
 def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -189,7 +192,7 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
 REGROUPED = QTYPES  # every quantized type is regrouped (its rows in sixteens)
 
 
-@needs_int8
+@needs_regrouped
 @pytest.mark.parametrize("qtype", REGROUPED)
 @pytest.mark.parametrize("shape", ["short", "blocked"])
 def test_parts_regrouped_sixteen_rows_at_a_time_are_the_same_product_and_batch_invariant(qtype, shape):
@@ -231,7 +234,7 @@ def test_parts_regrouped_sixteen_rows_at_a_time_are_the_same_product_and_batch_i
     assert kernels().repack(fp32_part(torch.randn(16, 64)), TYPES["F32"], 64) is None
 
 
-@needs_int8
+@needs_regrouped
 def test_quant_linear_repacks_parts_in_sixteens_and_keeps_the_raw_rows():
     K = 512
     raws = [random_blocks("Q4_K", 32, K, seed=11), random_blocks("Q6_K", 16, K, seed=12)]
@@ -465,7 +468,7 @@ CODE = "Add comments to this code:\ndef add(a, b):\n    return a + b\n\ndef sub(
 def test_smollm2_runs_at_its_gguf_precision_on_the_quantized_kernels(smol):
     assert smol.gguf is not None and smol.backend == "lean" and isinstance(smol.lean(), QuantModel)
     assert smol.precision == "gguf Q4_1+Q8_0" and smol.lean().fallback == []
-    assert smol.lean().int8 == kernels().int8_available()  # int8 activations wherever the CPU has VNNI
+    assert smol.lean().int8 == kernels().int8_available()  # int8 activations wherever the CPU has AVX2 or VNNI
 
 
 def _ids(model, text=TEXT):

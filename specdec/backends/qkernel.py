@@ -4,12 +4,12 @@ headers of csrc/quant/ it includes, one concern each), compiled at first use.
 The module's functions: `matmul(x, parts, types, bias=None, int8=False)` (x (M, K) fp32 times the
 stacked quantized parts, each (N_p, row_bytes) uint8 of a GGML type id; returns (M, sum N_p); int8:
 round the activations to int8 per block and multiply with integer dot products, as llama.cpp does,
-where `int8_available()`, i.e. the CPU has AVX512-VNNI), `dequantize_rows(w, type, K, ids)`,
+where `int8_available()`: `int8_kernels()` says "vnni" or "avx2"), `dequantize_rows(w, type, K, ids)`,
 `rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`,
 `rope(x, positions, inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)`,
-`repack(rows, type, K)` (rows regrouped sixteen at a time for the int8 path, with their type id;
-None for the types outside INT8_TYPES), `peak(kind)` (multiply-adds per second of the int8 or fp32 product
-instruction), `release(t)` (a memory-mapped tensor's pages), and
+`repack(rows, type, K)` (rows regrouped sixteen at a time for VNNI's int8 path, with their type id;
+None for the types outside INT8_TYPES, and in builds without VNNI), `peak(kind)` (multiply-adds
+per second of the int8 or fp32 product instruction), `release(t)` (a memory-mapped tensor's pages), and
 `Layer(...)` with `layers(...)` (the Llama/Qwen2 decoder stack over one or more requests' new
 tokens). Each output is reduced in one fixed order by one thread, so row i of an n-row call has the
 bits of a one-row call (quant.cpp says how).
@@ -35,7 +35,7 @@ TYPES = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
     "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30,
 }  # fmt: skip
-# Those the int8 path (AVX512-VNNI) multiplies with int8 activations, regrouped sixteen rows at a time (repack);
+# Those the int8 path multiplies with int8 activations (on VNNI regrouped sixteen rows at a time: repack);
 # the others run the fp32-activation kernel there too (csrc/quant/common.h, has_int8_kernel).
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
 

@@ -4,7 +4,7 @@ every op batch-invariant.
 Decoding on a CPU is bound by reading the weights. A GGUF file's blocks (Q4_1, Q4_K, ...) are 4-7x
 fewer bytes than their fp32 dequantization, so this forward multiplies them directly with
 specdec's kernels (specdec/backends/csrc/quant.cpp), decoding each block in registers, with int8
-activations where the CPU has AVX512-VNNI. Every op of
+activations where the CPU has AVX2 or AVX512-VNNI. Every op of
 the forward (products, RMSNorm, rotary embedding, attention, SwiGLU, the output layer) gives row i
 of an n-row call the bits of a one-row call, for any n and any thread count; so one forward over
 k+1 tokens equals k+1 one-token forwards bit for bit, and greedy speculative decoding equals plain
@@ -169,14 +169,14 @@ class QuantModel:
     """A GGUF model (specdec.models.gguf.GGUFModel) of an architecture in specdec.backends.arch.ARCHS,
     laid out for the batch-invariant quantized forward as its description says (`plan`; `config`,
     the transformers config, is not read). Memory: the weights are the memory-mapped file's blocks,
-    except interleaved q and k rows (un-permuted) and, with int8 activations, the quantized matrices
-    regrouped sixteen rows at a time (their file pages released). activations: "int8" rounds each
-    input row of a product to int8 per block and multiplies with integer dot products
-    (AVX512-VNNI; as llama.cpp does), "fp32" multiplies fp32 inputs with the dequantized weights
-    (the --dtype float32 model's logits up to rounding), "auto" int8 where the CPU has VNNI.
+    except interleaved q and k rows (un-permuted) and, with VNNI's int8 activations, the quantized
+    matrices regrouped sixteen rows at a time (their file pages released). activations: "int8" rounds
+    each input row of a product to int8 per block and multiplies with integer dot products
+    (AVX512-VNNI or AVX2; as llama.cpp does), "fp32" multiplies fp32 inputs with the dequantized
+    weights (the --dtype float32 model's logits up to rounding), "auto" int8 where the CPU has either.
     kv_dtype: the KV cache's, one of KV_DTYPES (None: the first, fp16). Raises GGUFError (a
     ValueError) for a file its architecture's description does not fully read (specdec.backends.arch.plan),
-    ValueError for int8 asked of a CPU without VNNI or another kv_dtype."""
+    ValueError for int8 asked of a CPU without AVX2 or another kv_dtype."""
 
     dtype = torch.float32
     device = torch.device("cpu")
@@ -191,7 +191,7 @@ class QuantModel:
         if activations not in ("auto", "int8", "fp32"):
             raise ValueError(f"activations must be 'auto', 'int8' or 'fp32', not {activations!r}")
         if activations == "int8" and not self.kernels.int8_available():
-            raise ValueError("int8 activations need a CPU with AVX512-VNNI; use activations='fp32'")
+            raise ValueError("int8 activations need a CPU with AVX2 or AVX512-VNNI; use activations='fp32'")
         self.int8 = activations == "int8" or (activations == "auto" and self.kernels.int8_available())
         self.row_tile = self.kernels.row_tile()  # input rows per pass over the weights: a further tile reads them again
         if kv_dtype not in (None, *KV_DTYPES):
@@ -229,7 +229,8 @@ class QuantModel:
     @property
     def kernel(self) -> str:
         """What multiplies the matrices, for the bench's results."""
-        activations = "int8 activations (AVX512-VNNI)" if self.int8 else "fp32 activations"
+        isa = {"vnni": "AVX512-VNNI", "avx2": "AVX2"}.get(self.kernels.int8_kernels())
+        activations = f"int8 activations ({isa})" if self.int8 else "fp32 activations"
         kv = "fp16" if self.kv_dtype == torch.float16 else "fp32"
         return f"specdec quant, {activations}, {kv} KV cache, batch-invariant"
 

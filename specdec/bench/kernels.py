@@ -146,11 +146,11 @@ def measure_tiles(qtype: str, K: int = 1536, megabytes: int = 32, rounds: int = 
 
 
 def run(types=DEFAULT_TYPES, K: int = 1536, megabytes: int | None = None, int8: bool | None = None) -> dict:
-    """Every type's row and the peak: {"kernel": "amx", "vnni" or "fp32", "threads", "peak_gmacs",
+    """Every type's row and the peak: {"kernel": "amx", "vnni", "avx2" or "fp32", "threads", "peak_gmacs",
     "peak_one_thread_gmacs", "types": [...], "tiles": [measure_tiles of each type the AMX tiles
     take, where they are on; else empty]}. The peak on one thread beside torch's threads' says how
     much arithmetic the threads add: far less than their count where they share a core's units
-    (SMT siblings, as many cloud vCPUs are). int8: None for the int8 path where the CPU has VNNI.
+    (SMT siblings, as many cloud vCPUs are). int8: None for the int8 path where the build has one (AVX2 or VNNI).
     Raises ValueError for a type the kernels lack."""
     from specdec.backends.qkernel import kernels
 

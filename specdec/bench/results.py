@@ -106,7 +106,7 @@ class Roofline(_Record):
 class RowCost(_Record):
     """An added verify row against the product instruction's peak (specdec.bench.rowcost)."""
 
-    kernel: Literal["amx", "vnni", "fp32"]
+    kernel: Literal["amx", "vnni", "avx2", "fp32"]
     macs_per_row: int  # multiply-adds of one row through every matrix, the output layer included
     peak_gmacs: float  # G multiply-adds/s at the instruction's measured peak
     marginal_ms: float  # least-squares slope of V(n) over n

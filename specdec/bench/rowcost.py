@@ -5,10 +5,11 @@ A forward over n new tokens reads the weights once and does n rows of multiply-a
 stream is paid, each added row costs its arithmetic. The bench fits that marginal cost to the
 measured curve V(n) (least squares over n = 1..max) and holds it against the time the row's
 multiply-adds take at the peak of the product instruction that ran them, measured here: vpdpbusd
-(AVX512-VNNI, 64 int8 multiply-adds) for the quantized backend's int8 path, 16-lane fp32 fused
-multiply-adds for its fp32 path (specdec/backends/csrc/quant/peak.h). A fraction of 1 would be an
-added row that costs nothing but its multiply-adds. `specdec kernels` measures the same per GGML
-type on one matrix (specdec.bench.kernels).
+(AVX512-VNNI, 64 int8 multiply-adds; with AVX2 alone vpmaddubsw + vpmaddwd, 32) for the quantized
+backend's int8 path, 16-lane fp32 fused multiply-adds for its fp32 path
+(specdec/backends/csrc/quant/peak.h). A fraction of 1 would be an added row that costs nothing but
+its multiply-adds. `specdec kernels` measures the same per GGML type on one matrix
+(specdec.bench.kernels).
 """
 
 from __future__ import annotations
@@ -28,28 +29,30 @@ def fit_slope(curve: dict[int, float]) -> float:
 
 def peak_macs_per_s(kernel: str) -> float:
     """Multiply-adds per second of a product kernel's instruction (product_kernel's names) on torch's
-    threads: "vnni" vpdpbusd, "amx" tile products, "fp32" fused multiply-adds. Raises RuntimeError for
-    vnni on a CPU without VNNI, amx on one without AMX."""
+    threads: "vnni" vpdpbusd, "avx2" vpmaddubsw + vpmaddwd, "amx" tile products, "fp32" fused
+    multiply-adds. Raises RuntimeError for an int8 kernel the build lacks, amx on a CPU without AMX."""
     from specdec.backends.qkernel import kernels
 
-    kind = {"vnni": "int8"}.get(kernel, kernel)  # the C++ peak's name for it
+    kind = {"vnni": "int8", "avx2": "int8"}.get(kernel, kernel)  # the C++ peak's name for it
     return max(kernels().peak(kind) for _ in range(3))  # the best of three: another process only slows it
 
 
 def product_kernel(int8: bool, rows: int) -> str:
     """Which instruction multiplies a forward of up to `rows` rows: "amx" (AMX tiles, sixteen input
-    rows at a time, for the 32-weight types and Q4_K; VNNI for the rest), "vnni" (AVX512-VNNI) or
-    "fp32" (fp32 activations)."""
+    rows at a time, for the 32-weight types and Q4_K; VNNI for the rest), "vnni" (AVX512-VNNI),
+    "avx2" (int8 activations with AVX2 alone) or "fp32" (fp32 activations)."""
     from specdec.backends.qkernel import kernels
 
     if not int8:
         return "fp32"
-    return "amx" if kernels().amx_on() and rows >= kernels().amx_rows() else "vnni"
+    if kernels().amx_on() and rows >= kernels().amx_rows():
+        return "amx"
+    return kernels().int8_kernels()
 
 
 def row_cost(model: Model, verify_ms: dict[str, float]) -> dict | None:
     """The added row's cost of `model`'s forward, from its V(n) in ms by str(n): {"kernel": "amx",
-    "vnni" or "fp32" (product_kernel), "macs_per_row" (the multiply-adds of one row through every
+    "vnni", "avx2" or "fp32" (product_kernel), "macs_per_row" (the multiply-adds of one row through every
     matrix, the output layer included), "peak_gmacs" (G multiply-adds per second at the
     instruction's measured peak),
     "marginal_ms" (fitted), "peak_ms" (the row's multiply-adds at that peak), "fraction" (peak_ms /

@@ -15,8 +15,8 @@
 // (ggml-common.h: block_q4_0, block_q4_1, block_q5_0, block_q5_1, block_q8_0, block_q4_K,
 // block_q6_K) or plain fp32. Two product paths: fp32 activations (a row is dequantized in
 // registers exactly as ggml dequantizes it, and the product is the fp32 dot product of the input
-// with those weights), and, on CPUs with AVX512-VNNI, int8 activations (each input row rounded to
-// int8 per block, integer dot products with the weights' integers, as llama.cpp multiplies).
+// with those weights), and, on CPUs with AVX2 or AVX512-VNNI, int8 activations (each input row rounded
+// to int8 per block, integer dot products with the weights' integers, as llama.cpp multiplies).
 // Both are batch-invariant.
 
 
@@ -34,9 +34,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("bias") = py::none(), py::arg("int8") = false);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  m.def("repack", &repack, "(rows regrouped eight at a time for the int8 path, their type); None for other types",
+#if defined(SPECDEC_VNNI)
+  m.def("repack", &repack, "(rows regrouped sixteen at a time for the int8 path, their type); None for other types",
         py::arg("rows"), py::arg("type"), py::arg("K"));
+#else
+  m.def("repack", [](torch::Tensor, int64_t, int64_t) { return py::none(); },
+        "None: this build's int8 kernels (if any) take the rows as they are", py::arg("rows"), py::arg("type"), py::arg("K"));
 #endif
   m.def("release", [](torch::Tensor t) {
         // Drops this process's mapping of the whole pages inside a memory-mapped tensor (they stay in the
@@ -47,12 +50,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }, "drop the resident pages of a memory-mapped tensor (never call it on other memory)");
   m.def("peak", &peak, "multiply-adds per second of the CPU's int8 (VNNI) or fp32 product instruction, measured",
         py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("iterations") = 2000000);
-  m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX512-VNNI)");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX2 or AVX512-VNNI)");
+  m.def("int8_kernels", &int8_kernels, "which int8 kernels this build has: 'vnni', 'avx2' or '' (none)");
+#if defined(SPECDEC_VNNI)
   static_assert(X16_TILE == TILE, "row_tile: one tile height for every product path");
 #endif
   m.def("row_tile", []() { return TILE; }, "input rows per pass over the weights in every product kernel");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_VNNI)
   m.def("amx_available", &amx_ready, "whether the int8 products may use AMX tiles here (CPU and Linux both allow it)");
   m.def("amx_on", &amx_on, "whether the int8 products of amx_rows() or more rows use AMX tiles now");
   m.def("amx_rows", []() { return AMX_ROWS; }, "input rows of a tile: products of fewer rows keep VNNI");

@@ -4,7 +4,7 @@
 
 #include "int8_x16.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_VNNI)
 #include <cpuid.h>
 #include <sys/syscall.h>
 

@@ -17,6 +17,17 @@
 #include <immintrin.h>
 #endif
 
+// Which int8-activation kernels this build has (int8.h): AVX512-VNNI's (int8_vnni.h, with the regrouped
+// rows of int8_x16.h and the AMX tiles of amx.h), else AVX2's (int8_avx2.h: a row at a time), else none.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SPECDEC_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SPECDEC_AVX2_INT8 1
+#endif
+#if defined(SPECDEC_VNNI) || defined(SPECDEC_AVX2_INT8)
+#define SPECDEC_INT8 1
+#endif
+
 namespace {
 
 typedef float vec __attribute__((vector_size(64)));  // 16 fp32 lanes
@@ -24,6 +35,7 @@ typedef int32_t ivec __attribute__((vector_size(64)));
 
 constexpr int L = 16;  // lanes
 constexpr int64_t GROUP = 16;  // weight rows a regrouped matrix interleaves (quant/int8_x16.h)
+constexpr int64_t X16 = 200;    // a regrouped layout's type id is X16 + its GGML type (not a GGML type)
 
 // Rows a thread takes at least in a row-wise op over rows of `width` elements: torch's grain size
 // (at::internal::GRAIN_SIZE elements), so a verify block's few short rows run on the calling thread
@@ -171,7 +183,7 @@ enum Type : int64_t {
   Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
 };
 
-// Whether the int8 path (AVX512-VNNI) has kernels for a type. The others, F32 included, run the
+// Whether the int8 path (SPECDEC_INT8) has kernels for a type. The others, F32 included, run the
 // fp32-activation kernel there too: their rows are neither regrouped nor met with int8 inputs.
 constexpr bool has_int8_kernel(int64_t type) {
   return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K || type == Q6_K;

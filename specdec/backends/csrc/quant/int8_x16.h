@@ -1,9 +1,9 @@
 // Products with int8 activations over weight rows regrouped sixteen at a time at load (AVX512-VNNI).
 #pragma once
 
-#include "int8.h"
+#include "int8_vnni.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_VNNI)
 namespace {
 
 // ---- sixteen weight rows interleaved ---------------------------------------------------------
@@ -26,7 +26,6 @@ namespace {
 // So the bits depend on neither the number of input rows nor the thread count.
 
 constexpr int X16_TILE = 8;    // input rows per tile: each tile streams the group's weights once
-constexpr int64_t X16 = 200;   // a regrouped layout's type id is X16 + its GGML type (not a GGML type)
 
 template <int64_t type>
 constexpr bool five_bit() {

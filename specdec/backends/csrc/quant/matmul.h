@@ -3,15 +3,37 @@
 
 #include "amx.h"
 #include "fp32.h"
+#include "int8_avx2.h"
 #include "int8_x16.h"
 
 namespace {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_INT8)
 constexpr bool HAS_Q8 = true;
 #else
 constexpr bool HAS_Q8 = false;
 #endif
+
+// The int8 kernels this build has: "vnni", "avx2", or "" (none: fp32 activations only).
+inline std::string int8_kernels() {
+#if defined(SPECDEC_VNNI)
+  return "vnni";
+#elif defined(SPECDEC_AVX2_INT8)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
+// Bytes per group of sixteen rows of a regrouped type id (int8_x16.h, VNNI builds only); 0 for the others.
+inline int64_t regrouped_row_bytes(int64_t type, int64_t K) {
+#if defined(SPECDEC_VNNI)
+  return regrouped_bytes(type, K);
+#else
+  (void)type, (void)K;
+  return 0;
+#endif
+}
 
 // x: (M, K) fp32; parts: matrices (N_p, row_bytes) uint8 of GGML types `types`, each with K columns;
 // bias: (sum N_p,) fp32 or None. Returns (M, sum N_p) = x W^T + b, W the parts stacked and
@@ -26,7 +48,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   std::vector<int64_t> offsets{0};
   bool grouped = false;  // any part regrouped sixteen rows at a time: threads then take whole groups
   for (size_t p = 0; p < parts.size(); ++p) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_VNNI)
     if (const int64_t group_bytes = regrouped_bytes(types[p], K)) {
       TORCH_CHECK(int8, "quant.matmul: a regrouped part needs int8 activations");
       TORCH_CHECK(K % layout(regrouped_base(types[p])).block == 0 && parts[p].dim() == 2 &&
@@ -58,15 +80,15 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   const float* xp = x.data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  TORCH_CHECK(!int8 || HAS_Q8, "quant.matmul: int8 activations need AVX512-VNNI (see int8_available())");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  TORCH_CHECK(!int8 || HAS_Q8, "quant.matmul: int8 activations need AVX2 or AVX512-VNNI (see int8_available())");
+#if defined(SPECDEC_INT8)
   QRows qx;
   std::vector<std::vector<int32_t>> biases(129);  // by offset: -offset * sum4, row after row
   KRows kx;
   bool legacy = false, super = false, row_at_a_time = false;  // which input roundings the parts need
   for (int64_t t : types) {
-    const bool regrouped = regrouped_bytes(t, K) != 0;
-    const int64_t base = regrouped ? regrouped_base(t) : t;
+    const bool regrouped = regrouped_row_bytes(t, K) != 0;
+    const int64_t base = regrouped ? t - X16 : t;
     if (!has_int8_kernel(base)) continue;  // F32, Q5_K, ...: fp32 activations, no int8 rounding for them
     (base == Q4_K || base == Q6_K ? super : legacy) = true;
     row_at_a_time |= !regrouped && base != Q4_K && base != Q6_K;
@@ -74,7 +96,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
     quantize_rows(xp, M, K, qx, row_at_a_time);
-    for (int64_t t : types) if (!regrouped_bytes(t, K)) dispatch(t, [&]<int64_t type>() {
+    for (int64_t t : types) if (!regrouped_row_bytes(t, K)) dispatch(t, [&]<int64_t type>() {
         constexpr int32_t o = offset_of<type>();
         if (type == F32 || o == 0 || !biases[o].empty()) return;
         biases[o].resize(qx.sum4.size());
@@ -90,7 +112,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       if (lo >= hi) continue;
       const int64_t row_bytes = parts[p].size(1);
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_VNNI)
       if (regrouped_bytes(types[p], K)) {
         const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / GROUP * row_bytes;
         if (!(amx_on() && amx_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N)))
@@ -98,7 +120,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       } else
 #endif
       dispatch(types[p], [&]<int64_t t>() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_INT8)
         if constexpr (t == Q4_K || t == Q6_K) {
           if (int8) {
             part_outputs_k<t>(rows, row_bytes, lo, hi, kx, yp, N);

@@ -9,7 +9,8 @@
 namespace {
 
 // Multiply-adds per second of all of torch's threads running one instruction back to back in registers
-// (twelve independent accumulators, no memory): "int8" vpdpbusd (64 int8 multiply-adds each, AVX512-VNNI),
+// (twelve independent accumulators, no memory): "int8" vpdpbusd (64 int8 multiply-adds each, AVX512-VNNI;
+// with AVX2 alone, vpmaddubsw + vpmaddwd + vpaddd, 32),
 // "fp32" 16-lane fused multiply-adds. Each thread runs `iterations` rounds of twelve. "amx": four
 // independent AMX tile products (16 x 16 x 64 each), iterations / 64 rounds, where amx_ready().
 double peak(const std::string& kind, int64_t iterations) {
@@ -17,7 +18,7 @@ double peak(const std::string& kind, int64_t iterations) {
               kind);
   const int threads = at::get_num_threads();
   const auto start = std::chrono::steady_clock::now();
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_VNNI)
   if (kind == "amx") {
     TORCH_CHECK(amx_ready() && !AMX_EMULATED, "quant.peak: no AMX here");
     std::vector<double> macs(threads, 0.0);
@@ -34,7 +35,7 @@ double peak(const std::string& kind, int64_t iterations) {
   std::vector<int64_t> sink(threads, 0);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECDEC_VNNI)
       if (kind == "int8") {
         __m512i a[12];
         for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_epi32(i);
@@ -48,8 +49,22 @@ double peak(const std::string& kind, int64_t iterations) {
         sink[t] = _mm512_reduce_add_epi32(a[0]);
         continue;
       }
+#elif defined(SPECDEC_AVX2_INT8)
+      if (kind == "int8") {  // vpmaddubsw + vpmaddwd + vpaddd: 32 int8 multiply-adds, as the AVX2 kernels go
+        __m256i a[12];
+        for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_epi32(i);
+        volatile char three = 3, five = 5;
+        const __m256i w = _mm256_set1_epi8(three), x = _mm256_set1_epi8(five), ones = _mm256_set1_epi16(1);
+        for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 12
+          for (int i = 0; i < 12; ++i) a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+        }
+        for (int i = 1; i < 12; ++i) a[0] = _mm256_add_epi32(a[0], a[i]);
+        sink[t] = _mm256_extract_epi32(a[0], 0);
+        continue;
+      }
 #endif
-      TORCH_CHECK(kind == "fp32", "quant.peak: int8 needs AVX512-VNNI");
+      TORCH_CHECK(kind == "fp32", "quant.peak: int8 needs AVX2 or AVX512-VNNI");
       vec a[12];
       for (int i = 0; i < 12; ++i) a[i] = splat(static_cast<float>(i));
       volatile float one = 1.0f, zero = 0.0f;
@@ -65,7 +80,12 @@ double peak(const std::string& kind, int64_t iterations) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   volatile int64_t keep = 0;
   for (int64_t s : sink) keep = keep + s;
-  return static_cast<double>(threads) * iterations * 12 * (kind == "int8" ? 64 : 16) / seconds;
+#if defined(SPECDEC_VNNI)
+  const int int8_macs = 64;
+#else
+  const int int8_macs = 32;
+#endif
+  return static_cast<double>(threads) * iterations * 12 * (kind == "int8" ? int8_macs : 16) / seconds;
 }
 
 }  // namespace
