@@ -77,6 +77,16 @@ inline void scores(const float* q, const T* k, int64_t keys, int64_t D, float sc
 
 template <int V, typename T>
 inline void weighted_values(const float* p, const int64_t* seen, int64_t count, const T* values, float* acc) {
+#if defined(SPECDEC_HALVES)
+  __m256 a[2 * V];
+  for (int e = 0; e < 2 * V; ++e) a[e] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < count; ++c) {
+    const T* row = values + seen[c] * (16 * V);
+    const __m256 w = _mm256_set1_ps(p[c]);
+    for (int e = 0; e < 2 * V; ++e) a[e] = _mm256_fmadd_ps(w, load8(row + 8 * e), a[e]);
+  }
+  for (int e = 0; e < 2 * V; ++e) _mm256_storeu_ps(acc + 8 * e, a[e]);
+#else
   vec a[V] = {};
   for (int64_t c = 0; c < count; ++c) {
     const T* row = values + seen[c] * (16 * V);
@@ -84,6 +94,7 @@ inline void weighted_values(const float* p, const int64_t* seen, int64_t count, 
     for (int e = 0; e < V; ++e) a[e] = fma(w, load(row + 16 * e), a[e]);
   }
   for (int e = 0; e < V; ++e) store(acc + 16 * e, a[e]);
+#endif
 }
 
 // One attention over a cache: n new positions of q (row i at q + i * q_stride, H heads of D floats)
@@ -167,9 +178,14 @@ void attend_one(const Attention<T>& a, int64_t i, int64_t h, int64_t H, int64_t 
     std::fill(acc, acc + D, 0.0f);
     for (int64_t c = 0; c < count; ++c) {
       const T* vr = vg + seen[c] * D;
-      const vec p = splat(score[c]);
       int64_t e = 0;
+#if defined(SPECDEC_HALVES)
+      const __m256 p = _mm256_set1_ps(score[c]);
+      for (; e < D / L * L; e += 8) _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(p, load8(vr + e), _mm256_loadu_ps(acc + e)));
+#else
+      const vec p = splat(score[c]);
       for (; e + L <= D; e += L) store(acc + e, fma(p, load(vr + e), load(acc + e)));
+#endif
       for (; e < D; ++e) acc[e] = std::fma(score[c], static_cast<float>(vr[e]), acc[e]);
     }
   }

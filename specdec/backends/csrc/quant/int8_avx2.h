@@ -121,7 +121,7 @@ void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias
     const __m256i w = block_bytes<type>(block);
     const __m256i u = type == Q8_0 ? _mm256_sign_epi8(w, w) : w;  // Q8_0: |w| (-128 reads as 128 unsigned)
     for (int m = 0; m < T; ++m) {
-      const int64_t lane = 16 * ((m0 + m) * C + b / 2) + 8 * h;  // this block's 8 lanes in the input row
+      const int64_t lane = 16 * C * (m0 + m) + 8 * b;  // this block's 8 lanes in the input row (chunk b / 2, half h)
       __m256i xq = load32(reinterpret_cast<const uint8_t*>(x.q.data()) + 4 * lane);
       if constexpr (type == Q8_0) xq = _mm256_sign_epi8(xq, w);
       __m256i i = dot4(u, xq, ones);
