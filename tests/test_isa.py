@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from specdec.backends import qkernel
-from specdec.backends.qkernel import TYPES, kernels
+from specdec.backends.qkernel import INT8_TYPES, TYPES, kernels
 from specdec.bench.kernels import tile_types
 from specdec.cache import new_cache
 from specdec.models.load import load_model
@@ -97,14 +97,14 @@ def test_an_older_builds_int8_path(older):
         older.matmul(x, [part], [TYPES["Q4_1"]], None, True)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_avx2_int8_products_are_batch_invariant_and_the_native_row_at_a_time_bits(older, qtype):
     """AVX2's int8 kernels: the integers of VNNI's (vpmaddubsw + vpmaddwd for vpdpbusd), the same fp32 steps in
     8-lane halves: on a VNNI CPU the native build's rows-as-they-are int8 products, bit for bit (on an AVX2 CPU the
     native build is this one); every row as alone, on 1 and 2 threads. K: an odd number of 32-blocks."""
     if older.int8_kernels() != "avx2":
         pytest.skip("x86-64-v2 has no int8 kernels")
-    K = 1280 if qtype in ("Q4_K", "Q6_K") else 1184
+    K = 1280 if qtype in ("Q4_K", "Q6_K", "Q5_K", "IQ4_XS") else 1184
     part = torch.from_numpy(random_blocks(qtype, 40, K, seed=7))
     x = torch.randn(11, K, generator=torch.Generator().manual_seed(8))
     x[:, 5] *= 40  # one block's scale set by an outlier, as activations have

@@ -20,6 +20,7 @@ from .test_quant import assert_rows_invariant, fp32_part, matmul, needs_int8, re
 from .test_quant import random_blocks as file_blocks  # any kernel type's, as test_quant makes them
 
 NEW = ("Q2_K", "Q3_K", "Q5_K", "IQ4_NL", "IQ4_XS", "F16", "BF16")
+FP32_ONLY = tuple(t for t in NEW if t not in INT8_TYPES)  # no int8 kernel: the fp32 kernel also on the int8 path
 
 HALF = 0  # an fp16 field's size in STRUCTS
 # Each block type's fields in order, as ggml-common.h's block_* structs: (name, bytes), HALF for fp16.
@@ -84,9 +85,10 @@ def within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert ((y.double() - want).abs() <= 1e-6 * scale + 1e-30).all(), ((y.double() - want).abs() / scale).max()
 
 
-def test_the_new_types_are_kernel_types_without_int8_kernels():
+def test_the_new_types_are_kernel_types_and_which_have_int8_kernels():
     for name in NEW:
-        assert TYPES[name] == int(GGMLQuantizationType[name]) and name not in INT8_TYPES
+        assert TYPES[name] == int(GGMLQuantizationType[name])
+    assert FP32_ONLY == ("Q2_K", "Q3_K", "IQ4_NL", "F16", "BF16")  # Q5_K and IQ4_XS: int8 kernels (test_quant)
     for name, fields in STRUCTS.items():  # the structs add up to gguf's block sizes
         assert sum(size or 2 for _, size in fields) == GGML_QUANT_SIZES[GGMLQuantizationType[name]][1]
 
@@ -145,7 +147,7 @@ def test_parts_of_mixed_types_stacked_in_one_call():
 
 
 @needs_int8
-@pytest.mark.parametrize("qtype", NEW)
+@pytest.mark.parametrize("qtype", FP32_ONLY)
 def test_int8_activations_run_the_fp32_kernel_for_the_new_types(qtype):
     K = 512
     raw = torch.from_numpy(random_blocks(qtype, 32, K, seed=4))
@@ -161,7 +163,7 @@ def test_int8_activations_run_the_fp32_kernel_for_the_new_types(qtype):
 @needs_int8
 def test_int8_activations_with_mixed_parts_keep_the_new_types_fp32_bits():
     """Beside a regrouped Q4_K part and Q5_0 rows going one at a time (int8 kernels, their inputs
-    rounded to int8), each new type's outputs are its fp32 product's bits."""
+    rounded to int8), each new type's outputs are its own product's bits: fp32, or its int8 kernel's."""
     K = 512
     parts, types = _mixed_parts(K, ("Q4_K", "Q5_0"), rows=16)  # with a regrouped part: rows in sixteens
     # regrouped where the build regroups (VNNI); as they are elsewhere
@@ -170,9 +172,9 @@ def test_int8_activations_with_mixed_parts_keep_the_new_types_fp32_bits():
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(6))
     y = matmul(x, int8_parts, int8_types, int8=True)
     ends = np.cumsum([0, *(p.shape[0] for p in parts)])
-    for i, name in enumerate(NEW):
-        fp32 = matmul(x, [parts[i]], [types[i]])
-        assert torch.equal(bits(y[:, ends[i] : ends[i + 1]]), bits(fp32)), name
+    for i, name in enumerate(NEW):  # the fp32 kernel's bits, or the type's int8 kernel's alone
+        alone = matmul(x, [parts[i]], [types[i]], int8=name in INT8_TYPES)
+        assert torch.equal(bits(y[:, ends[i] : ends[i + 1]]), bits(alone)), name
     alone = matmul(x, [packed], [xtype], int8=True)
     assert torch.equal(bits(y[:, ends[len(NEW)] : ends[len(NEW) + 1]]), bits(alone))
     assert_rows_invariant(lambda rows: matmul(rows, int8_parts, int8_types, int8=True), x, max_n=9)
@@ -187,7 +189,8 @@ def test_a_quant_linear_of_the_new_types_keeps_their_blocks():
     assert all(d.data_ptr() == p.data.data_ptr() for d, p in zip(linear.data, parts))  # no fp32 copy
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(61))
     within_rounding(linear(x), x, torch.cat([p.dequantize() for p in parts]))
-    if kernels().int8_available():  # rows in sixteens, but not regrouped: the fp32 kernel's bits
+    if kernels().int8_available():  # rows in sixteens, but not regrouped: each part's own kernel's bits
         int8 = QuantLinear(parts, None, fallback, int8=True)
         assert fallback == set() and int8.types == linear.types
-        assert torch.equal(bits(int8(x)), bits(linear(x)))
+        alone = [matmul(x, [p.data], [TYPES[n]], int8=n in INT8_TYPES) for p, n in zip(parts, NEW)]
+        assert torch.equal(bits(int8(x)), bits(torch.cat(alone, dim=1)))

@@ -73,10 +73,10 @@ def test_kernels_times_every_type_the_kernels_multiply(capsys):
     for name, kind in TYPES.items():
         w = random_matrix(name, 16, 256)
         assert torch.isfinite(kernels().dequantize_rows(w, kind, 256, torch.arange(16))).all(), name
-    assert main(["kernels", "--types", "Q5_K,BF16,Q4_K", "--columns", "256", "--mb", "1"]) == 0
+    assert main(["kernels", "--types", "Q3_K,BF16,Q4_K", "--columns", "256", "--mb", "1"]) == 0
     out = capsys.readouterr().out
     fp32 = " (fp32 kernel)" if kernels().int8_available() else ""
-    assert f"| Q5_K{fp32} |" in out and f"| BF16{fp32} |" in out and "| Q4_K |" in out
+    assert f"| Q3_K{fp32} |" in out and f"| BF16{fp32} |" in out and "| Q4_K |" in out
 
 
 def test_kernels_table_for_one_type(capsys):

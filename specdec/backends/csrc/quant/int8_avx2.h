@@ -9,15 +9,10 @@
 // 2^15) and needs no offset: the same I = sum(w * xq) as VNNI's sum(u * xq) - 128 * sum(xq).
 #pragma once
 
-#include "int8.h"
+#include "int8_k8.h"
 
 #if defined(SPECDEC_AVX2_INT8)
 namespace {
-
-union Float16 {  // a 16-lane vector as its two 8-lane halves
-  __m256 h[2];
-  vec v;
-};
 
 inline float max_abs(const float* x, int n) {  // max |x_i| over n values, n a multiple of 8
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -47,12 +42,6 @@ inline void round_32(const float* x, float id, int8_t* q, int32_t* sum16) {
     sum16[0] = total(_mm256_add_epi32(v[0], v[1]));
     sum16[1] = total(_mm256_add_epi32(v[2], v[3]));
   }
-}
-
-// 32 unsigned bytes u times 32 int8 x, four products summed per 32-bit lane, pairs weighted by the
-// 16-bit pairs of `scale`: vpdpbusd (scale 1) or vpmaddubsw then vpdpwssd (a sub-block's scale).
-inline __m256i dot4(__m256i u, __m256i x, __m256i scale) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale);
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane) {
@@ -165,93 +154,9 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
   });
 }
 
-// One super-block of a Q4_K or Q6_K row for the AVX2 kernel: eight halves of chunks (chunk c's first 32
-// columns at 2c, the next 32 at 2c + 1) as unsigned bytes, with their 32-bit lanes' sub-block scales as
-// 16-bit pairs; per 16 columns g (lanes 0-7: g < 8), the integer that multiplies the sum of xq there
-// (Q4_K: the 6-bit minimum of sub-block g / 2; Q6_K: -32 * scale, the offset); d, and for Q4_K -dmin.
-struct Super8 {
-  __m256i u[8], scale[8], mins[2];
-  float d, dmin;
-};
-
-template <int64_t type>
-inline void decode_super(const uint8_t* p, Super8& s) {
-  if constexpr (type == Q4_K) {
-    s.d = half_to_float(p);
-    s.dmin = -half_to_float(p + 2);
-    const uint8_t* k = p + 4;  // 12 bytes of 6-bit scales and minimums (get_scale_min_k4)
-    int sc[8], mn[8];
-    for (int j = 0; j < 4; ++j) {
-      sc[j] = k[j] & 63;
-      mn[j] = k[j + 4] & 63;
-      sc[j + 4] = (k[j + 8] & 15) | ((k[j] >> 6) << 4);
-      mn[j + 4] = (k[j + 8] >> 4) | ((k[j + 4] >> 6) << 4);
-    }
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int c = 0; c < 4; ++c) {  // chunk c: sub-block 2c (low nibbles), 2c + 1 (high nibbles)
-      const __m256i q = load32(p + 16 + 32 * c);
-      s.u[2 * c] = _mm256_and_si256(q, low);
-      s.u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-      s.scale[2 * c] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
-      s.scale[2 * c + 1] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
-    }
-    s.mins[0] = _mm256_setr_epi32(mn[0], mn[0], mn[1], mn[1], mn[2], mn[2], mn[3], mn[3]);
-    s.mins[1] = _mm256_setr_epi32(mn[4], mn[4], mn[5], mn[5], mn[6], mn[6], mn[7], mn[7]);
-  } else {
-    s.d = half_to_float(p + 208);
-    s.dmin = 0.0f;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);  // one scale per 16 columns
-    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
-    for (int half = 0; half < 2; ++half) {  // 128 columns: ql 64 bytes, qh 32
-      const __m256i l0 = load32(p + 64 * half), l1 = load32(p + 64 * half + 32), h = load32(p + 128 + 32 * half);
-      const auto six = [&](__m256i l, int shift_l, int shift_h) {  // 4 bits of l, 2 of h above them
-        return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, shift_l), low),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, shift_h), three), 4));
-      };
-      s.u[4 * half] = six(l0, 0, 0);      // columns 128 half + 0..31
-      s.u[4 * half + 1] = six(l1, 0, 2);  // + 32..63
-      s.u[4 * half + 2] = six(l0, 4, 4);  // + 64..95
-      s.u[4 * half + 3] = six(l1, 4, 6);  // + 96..127
-    }
-    for (int i = 0; i < 8; ++i)  // 32 columns: lanes 0-3 the scale of their first 16, lanes 4-7 the next
-      s.scale[i] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
-    for (int i = 0; i < 2; ++i)
-      s.mins[i] = _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * i))),
-                                     _mm256_set1_epi32(-32));
-  }
-}
-
 template <int64_t type, int T>
 void k_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
-  const int64_t S = x.supers;
-  __m256 acc[T][2], macc[T][2];
-  for (int m = 0; m < T; ++m) acc[m][0] = acc[m][1] = macc[m][0] = macc[m][1] = _mm256_setzero_ps();
-  Super8 s;
-  for (int64_t sb = 0; sb < S; ++sb) {
-    const uint8_t* p = row + sb * layout(type).bytes;
-    for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH + 64 * line, _MM_HINT_T0);
-    decode_super<type>(p, s);
-    for (int m = 0; m < T; ++m) {
-      const int64_t r = (m0 + m) * S + sb;
-      const uint8_t* xq = reinterpret_cast<const uint8_t*>(x.q.data() + 256 * r);
-      const float dx = x.scale[r];
-      for (int h = 0; h < 2; ++h) {  // lanes 8h..8h+7 of every chunk (integers: exact in any order)
-        __m256i t = dot4(s.u[h], load32(xq + 32 * h), s.scale[h]);
-        for (int c = 1; c < 4; ++c) t = _mm256_add_epi32(t, dot4(s.u[2 * c + h], load32(xq + 64 * c + 32 * h), s.scale[2 * c + h]));
-        const __m256i sum16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sum16.data() + 16 * r + 8 * h));
-        const __m256i offsets = _mm256_mullo_epi32(sum16, s.mins[h]);
-        if constexpr (type == Q6_K) t = _mm256_add_epi32(t, offsets);
-        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(s.d * dx), acc[m][h]);
-        if constexpr (type == Q4_K)
-          macc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offsets), _mm256_set1_ps(s.dmin * dx), macc[m][h]);
-      }
-    }
-  }
-  for (int m = 0; m < T; ++m) {
-    Float16 sum;
-    for (int h = 0; h < 2; ++h) sum.h[h] = _mm256_add_ps(acc[m][h], macc[m][h]);
-    out[m] = lane_sum(sum.v);
-  }
+  k8_tile<type, T>(row, x, m0, out);
 }
 
 }  // namespace

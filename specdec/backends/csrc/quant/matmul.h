@@ -89,9 +89,9 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   for (int64_t t : types) {
     const bool regrouped = regrouped_row_bytes(t, K) != 0;
     const int64_t base = regrouped ? t - X16 : t;
-    if (!has_int8_kernel(base)) continue;  // F32, Q5_K, ...: fp32 activations, no int8 rounding for them
-    (base == Q4_K || base == Q6_K ? super : legacy) = true;
-    row_at_a_time |= !regrouped && base != Q4_K && base != Q6_K;
+    if (!has_int8_kernel(base)) continue;  // F32, Q3_K, ...: fp32 activations, no int8 rounding for them
+    (base == Q4_K || base == Q6_K || k8_type(base) ? super : legacy) = true;
+    row_at_a_time |= !regrouped && base != Q4_K && base != Q6_K && !k8_type(base);
   }
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
@@ -124,6 +124,11 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
         if constexpr (t == Q4_K || t == Q6_K) {
           if (int8) {
             part_outputs_k<t>(rows, row_bytes, lo, hi, kx, yp, N);
+            return;
+          }
+        } else if constexpr (k8_type(t)) {
+          if (int8) {
+            part_outputs_k8<t>(rows, row_bytes, lo, hi, kx, yp, N);
             return;
           }
         } else if constexpr (has_int8_kernel(t)) {
