@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.backends.qkernel import kernels
+from specdec.backends.qkernel import INT8_TYPES, kernels
 from specdec.backends.quant import QuantModel
 from specdec.models.gguf import hf_config, read_gguf
 
@@ -188,15 +188,30 @@ def _check_against_llama_cpp(tiny, name: str, qtype: str) -> None:
 
 
 @needs_llama_cpp
-@pytest.mark.skipif(not kernels().int8_available(), reason="int8 activations need AVX512-VNNI")
+@pytest.mark.skipif(not kernels().int8_available(), reason="int8 activations need AVX2 or AVX512-VNNI")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 @pytest.mark.parametrize("name", CASES)
 def test_quantized_file_with_int8_activations_gives_llama_cpps_logprobs(tiny, name, qtype):
-    """As above with the int8 activations specdec uses where the CPU has VNNI: both round activations
+    """As above with the int8 activations specdec uses where the CPU has AVX2 or VNNI: both round activations
     to 8 bits, each its own way (QUANT_TOL was measured without VNNI: this case's errors were not)."""
     path = tiny.gguf(name, qtype)
     errors = {}
     for which, ids in PROMPTS.items():
         errors[which] = max_error(specdec_logits(path, ids, activations="int8"), llama_logits(path, ids))
+    said = ", ".join(f"{which} prompt: {err:.3g}" for which, err in errors.items())
+    assert max(errors.values()) < QUANT_TOL, f"int8 activations: specdec is off llama.cpp by (nats) {said}"
+
+
+@needs_llama_cpp
+@pytest.mark.skipif(not kernels().int8_available(), reason="int8 activations need AVX2 or AVX512-VNNI")
+@pytest.mark.parametrize("qtype", [q for q in INT8_TYPES if q not in ("Q8_0", "Q4_K")])
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_every_int8_kernel_gives_llama_cpps_logprobs(tiny, name, qtype):
+    """Each other type with an int8 kernel, on a plain architecture and on Gemma 3, within QUANT_TOL."""
+    path = tiny.gguf(name, qtype)
+    errors = {
+        which: max_error(specdec_logits(path, ids, activations="int8"), llama_logits(path, ids))
+        for which, ids in PROMPTS.items()
+    }
     said = ", ".join(f"{which} prompt: {err:.3g}" for which, err in errors.items())
     assert max(errors.values()) < QUANT_TOL, f"int8 activations: specdec is off llama.cpp by (nats) {said}"
