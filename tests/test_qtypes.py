@@ -88,7 +88,7 @@ def within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 def test_the_new_types_are_kernel_types_and_which_have_int8_kernels():
     for name in NEW:
         assert TYPES[name] == int(GGMLQuantizationType[name])
-    assert FP32_ONLY == ("Q2_K", "Q3_K", "IQ4_NL", "F16", "BF16")  # Q5_K and IQ4_XS: int8 kernels (test_quant)
+    assert FP32_ONLY == ("Q2_K", "Q3_K", "F16", "BF16")  # Q5_K, IQ4_NL and IQ4_XS: int8 kernels (test_quant)
     for name, fields in STRUCTS.items():  # the structs add up to gguf's block sizes
         assert sum(size or 2 for _, size in fields) == GGML_QUANT_SIZES[GGMLQuantizationType[name]][1]
 

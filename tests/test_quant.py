@@ -22,7 +22,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from specdec import generate, make_drafter
 from specdec.backends.lean import tree_layout
-from specdec.backends.qkernel import INT8_TYPES, K8_TYPES, TYPES, kernels
+from specdec.backends.qkernel import HALVES_TYPES, INT8_TYPES, TYPES, kernels
 from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.bench.kernels import FP16_FIELDS as KERNEL_FP16_FIELDS
 from specdec.cache import LeanKVCache
@@ -189,7 +189,7 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
     assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]], int8=True), x, max_n=x.shape[0])
 
 
-REGROUPED = [t for t in QTYPES if t not in K8_TYPES]  # regrouped where their rows come in sixteens
+REGROUPED = [t for t in QTYPES if t not in HALVES_TYPES]  # regrouped where their rows come in sixteens
 
 
 @needs_regrouped

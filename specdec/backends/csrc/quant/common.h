@@ -207,14 +207,14 @@ enum Type : int64_t {
 };
 
 // Of the types with int8 kernels, those whose products run in 8-lane halves in every int8 build, VNNI's
-// included (quant/int8_k8.h), a row at a time, never regrouped.
-constexpr bool k8_type(int64_t type) { return type == Q5_K || type == IQ4_XS; }
+// included (quant/int8_halves.h), a row at a time, never regrouped.
+constexpr bool halves_type(int64_t type) { return type == Q5_K || type == IQ4_XS || type == IQ4_NL; }
 
 // Whether the int8 path (SPECDEC_INT8) has kernels for a type. The others, F32 included, run the
 // fp32-activation kernel there too: their rows are neither regrouped nor met with int8 inputs.
 constexpr bool has_int8_kernel(int64_t type) {
   return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == Q4_K ||
-         type == Q6_K || k8_type(type);
+         type == Q6_K || halves_type(type);
 }
 
 struct Layout {

@@ -1,15 +1,11 @@
-// Products with int8 activations on AVX2 without VNNI, a weight row at a time (the scheme: int8.h).
-//
-// Each 16-lane step of the VNNI kernels runs as two 8-lane halves: a 64-column chunk's first 32
-// columns (one 32-block, or the first half of a K-quant chunk) are lanes 0-7, the next 32 lanes 8-15.
-// vpdpbusd's four products per 32-bit lane become vpmaddubsw (u8 x s8, pairs summed to 16 bits) then
-// vpmaddwd (pairs of those, times 1 or a sub-block scale, to 32 bits): the same integers as long as no
-// pair saturates 16 bits, which holds for weights of at most 6 bits against |xq| <= 127 (2 * 63 * 127).
-// Q8_0's weights take 8 bits with a sign, so it multiplies |w| by xq with w's sign (2 * 128 * 127 <
-// 2^15) and needs no offset: the same I = sum(w * xq) as VNNI's sum(u * xq) - 128 * sum(xq).
+// int8 activations on AVX2 without VNNI: the input rows' rounding, and the kernels of int8.h's interface,
+// which are int8_halves.h's. Each 16-lane step of the VNNI kernels runs as two 8-lane halves (a 64-column
+// chunk's first 32 columns are lanes 0-7, the next 32 lanes 8-15), vpdpbusd's four products per 32-bit
+// lane as vpmaddubsw then vpmaddwd: the same integers, the same fp32 steps lane by lane, so the bits of
+// the VNNI build's row-at-a-time kernels (tests/test_isa.py).
 #pragma once
 
-#include "int8_k8.h"
+#include "int8_halves.h"
 
 #if defined(SPECDEC_AVX2_INT8)
 namespace {
@@ -71,68 +67,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane
   });
 }
 
-// 32 bits -> 32 bytes, byte i 16 where bit i is set, else 0 (the fifth bit of Q5_0 and Q5_1).
-inline __m256i fifth_bits(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(  // byte i: byte i / 8 of bits
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));  // byte i: bit i % 8
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-}
-
-// A legacy 32-block's weights as 32 bytes, in order: unsigned u for the 4- and 5-bit types, Q8_0's
-// signed values as they are.
-template <int64_t type>
-inline __m256i block_bytes(const uint8_t* block) {
-  if constexpr (type == Q8_0) {
-    return load32(block + 2);
-  } else {
-    constexpr int head = has_min<type>() ? 4 : 2;
-    constexpr int qs = (type == Q5_0 || type == Q5_1) ? head + 4 : head;
-    const __m128i q = load16(block + qs);  // low nibbles weights 0-15, high nibbles 16-31
-    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
-    if constexpr (type == Q5_0 || type == Q5_1) return _mm256_or_si256(u, fifth_bits(load_u32(block + head)));
-    return u;
-  }
-}
-
 template <int64_t type, int T>
 void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias, float* out) {
-  const int64_t C = x.chunks, bytes = layout(type).bytes;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[T][2], macc[T][2];
-  for (int m = 0; m < T; ++m) acc[m][0] = acc[m][1] = macc[m][0] = macc[m][1] = _mm256_setzero_ps();
-  // block b is lanes 8h..8h+7 of chunk b / 2, h = b % 2: the halves as constants, so acc stays in registers
-  const auto block_step = [&](int64_t b, auto h) {
-    const uint8_t* block = row + b * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(block) + PREFETCH, _MM_HINT_T0);
-    const __m256 d = _mm256_set1_ps(half_to_float(block));
-    const __m256i w = block_bytes<type>(block);
-    const __m256i u = type == Q8_0 ? _mm256_sign_epi8(w, w) : w;  // Q8_0: |w| (-128 reads as 128 unsigned)
-    for (int m = 0; m < T; ++m) {
-      const int64_t lane = 16 * C * (m0 + m) + 8 * b;  // this block's 8 lanes in the input row (chunk b / 2, half h)
-      __m256i xq = load32(reinterpret_cast<const uint8_t*>(x.q.data()) + 4 * lane);
-      if constexpr (type == Q8_0) xq = _mm256_sign_epi8(xq, w);
-      __m256i i = dot4(u, xq, ones);
-      if constexpr (offset_of<type>() != 0 && type != Q8_0)
-        i = _mm256_add_epi32(i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + lane)));
-      acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_loadu_ps(x.scale.data() + lane)), acc[m][h]);
-      if constexpr (has_min<type>())
-        macc[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(block + 2)), _mm256_loadu_ps(x.sum4f.data() + lane),
-                                     macc[m][h]);
-    }
-  };
-  const int64_t blocks = x.K / 32;
-  for (int64_t b = 0; b + 1 < blocks; b += 2) {
-    block_step(b, std::integral_constant<int, 0>{});
-    block_step(b + 1, std::integral_constant<int, 1>{});
-  }
-  if (blocks % 2) block_step(blocks - 1, std::integral_constant<int, 0>{});
-  for (int m = 0; m < T; ++m) {
-    Float16 s;
-    for (int h = 0; h < 2; ++h) s.h[h] = has_min<type>() ? _mm256_add_ps(acc[m][h], macc[m][h]) : acc[m][h];
-    out[m] = lane_sum(s.v);
-  }
+  q8_halves<type, T>(row, x, m0, bias, out);
 }
 
 void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
@@ -156,7 +93,7 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
 
 template <int64_t type, int T>
 void k_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
-  k8_tile<type, T>(row, x, m0, out);
+  k_halves<type, T>(row, x, m0, out);
 }
 
 }  // namespace

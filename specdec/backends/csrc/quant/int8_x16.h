@@ -1,7 +1,7 @@
 // Products with int8 activations over weight rows regrouped sixteen at a time at load (AVX512-VNNI).
 #pragma once
 
-#include "int8_k8.h"
+#include "int8_halves.h"
 #include "int8_vnni.h"
 
 #if defined(SPECDEC_VNNI)
@@ -449,7 +449,7 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
 // for the types with int8 kernels, rows (N, row bytes) with N a multiple of 16; None for the others (F32,
 // Q5_K, ...), which go a row at a time with fp32 activations.
 c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
-  if (!has_int8_kernel(type) || k8_type(type)) return c10::nullopt;
+  if (!has_int8_kernel(type) || halves_type(type)) return c10::nullopt;
   const Layout lay = layout(type);
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % lay.block == 0 &&
                   rows.size(1) == K / lay.block * lay.bytes && rows.size(0) % GROUP == 0,

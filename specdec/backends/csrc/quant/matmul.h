@@ -90,8 +90,9 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
     const bool regrouped = regrouped_row_bytes(t, K) != 0;
     const int64_t base = regrouped ? t - X16 : t;
     if (!has_int8_kernel(base)) continue;  // F32, Q3_K, ...: fp32 activations, no int8 rounding for them
-    (base == Q4_K || base == Q6_K || k8_type(base) ? super : legacy) = true;
-    row_at_a_time |= !regrouped && base != Q4_K && base != Q6_K && !k8_type(base);
+    const bool per_256 = layout(base).block == 256;  // inputs rounded per 256 columns (the K-quants, IQ4_XS)
+    (per_256 ? super : legacy) = true;
+    row_at_a_time |= !regrouped && !per_256;
   }
   if (int8 && super) quantize_rows_k(xp, M, K, kx);
   if (int8 && legacy) {
@@ -126,9 +127,12 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
             part_outputs_k<t>(rows, row_bytes, lo, hi, kx, yp, N);
             return;
           }
-        } else if constexpr (k8_type(t)) {
+        } else if constexpr (halves_type(t)) {
           if (int8) {
-            part_outputs_k8<t>(rows, row_bytes, lo, hi, kx, yp, N);
+            if constexpr (t != IQ4_NL)  // the 256-column types
+              part_outputs_k_halves<t>(rows, row_bytes, lo, hi, kx, yp, N);
+            else
+              part_outputs_q8_halves<t>(rows, row_bytes, lo, hi, qx, yp, N);
             return;
           }
         } else if constexpr (has_int8_kernel(t)) {

@@ -1,12 +1,15 @@
-// The K-quant super-blocks with int8 activations in 8-lane halves (AVX2 instructions): Q4_K and Q6_K
-// for AVX2 builds (int8_avx2.h's k_tile), Q5_K and IQ4_XS for every int8 build, VNNI's included (the
-// same code, so the same bits there). The scheme is int8.h's for Q4_K and Q6_K; per chunk half (32
-// columns, lanes 8h..8h+7 of a 16-lane step) vpmaddubsw then vpmaddwd with the sub-block's scale:
-//   Q5_K: Q4_K's with a fifth bit above each nibble (u up to 31: pairs up to 2 * 31 * 127, no saturation);
-//   IQ4_XS: signed levels w (IQ4_NL's 16, |w| <= 127) as |w| times x with w's sign, pairs up to
-//   2 * 127 * 127 < 2^15, times the sub-block's 6-bit scale minus 32; no minimum.
-// Everything inside a super-block is integer (exact); then acc = fma(float(S), d * dx, acc) and, for
-// the types with minimums, macc = fma(float(Mn), -dmin * dx, macc), in order; one lane reduction.
+// Products with int8 activations in 8-lane halves (AVX2 instructions), a weight row at a time: the
+// kernels of AVX2 builds (int8_avx2.h's q8_tile and k_tile), and those of IQ4_NL, Q5_K and IQ4_XS in
+// every int8 build, VNNI's included (the same code, so the same bits there). The scheme is int8.h's;
+// per 32 columns (one 32-block, or half of a K-quant chunk: lanes 8h..8h+7 of a 16-lane step)
+// vpmaddubsw then vpmaddwd with 1 or the sub-block's scale. No 16-bit pair saturates:
+//   unsigned weights of up to 6 bits (Q4_0 ... Q6_K, Q5_K: Q4_K's with a fifth bit above each nibble):
+//   pairs up to 2 * 63 * 127;
+//   signed weights (Q8_0, and the 16 levels of IQ4_NL and IQ4_XS) as |w| times x with w's sign, no
+//   offset: pairs up to 2 * 128 * 127 < 2^15; IQ4_XS's sub-block scale is its 6-bit value minus 32.
+// Everything inside a block or super-block is integer (exact); then acc = fma(float(S), d * dx, acc)
+// and, for the types with minimums, macc = fma(float(Mn), -dmin * dx, macc) (Q4_1, Q5_1: the minimum
+// times the lane's input scale * sum), in order; one lane reduction of acc + macc.
 #pragma once
 
 #include "int8.h"
@@ -25,7 +28,81 @@ inline __m256i dot4(__m256i u, __m256i x, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale);
 }
 
-// One super-block decoded for k8_tile: eight halves of chunks (chunk c's first 32 columns at 2c, the next
+// 32 bits -> 32 bytes, byte i 16 where bit i is set, else 0 (the fifth bit of Q5_0 and Q5_1).
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i: byte i / 8 of bits
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));  // byte i: bit i % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// The 32-weight types whose weights are signed bytes: multiplied as |w| times x with w's sign, no offset.
+template <int64_t type>
+constexpr bool signed_weights() {
+  return type == Q8_0 || type == IQ4_NL;
+}
+
+// A 32-block's weights as 32 bytes, in order: unsigned u for the 4- and 5-bit types, Q8_0's signed values as
+// they are, IQ4_NL's levels (signed) of its codes.
+template <int64_t type>
+inline __m256i block_bytes(const uint8_t* block) {
+  if constexpr (type == Q8_0) {
+    return load32(block + 2);
+  } else if constexpr (type == IQ4_NL) {
+    const __m128i q = load16(block + 2);  // low nibbles codes 0-15, high nibbles 16-31
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS))), codes);
+  } else {
+    constexpr int head = has_min<type>() ? 4 : 2;
+    constexpr int qs = (type == Q5_0 || type == Q5_1) ? head + 4 : head;
+    const __m128i q = load16(block + qs);  // low nibbles weights 0-15, high nibbles 16-31
+    const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+    if constexpr (type == Q5_0 || type == Q5_1) return _mm256_or_si256(u, fifth_bits(load_u32(block + head)));
+    return u;
+  }
+}
+
+template <int64_t type, int T>
+void q8_halves(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias, float* out) {
+  const int64_t C = x.chunks, bytes = layout(type).bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[T][2], macc[T][2];
+  for (int m = 0; m < T; ++m) acc[m][0] = acc[m][1] = macc[m][0] = macc[m][1] = _mm256_setzero_ps();
+  // block b is lanes 8h..8h+7 of chunk b / 2, h = b % 2: the halves as constants, so acc stays in registers
+  const auto block_step = [&](int64_t b, auto h) {
+    const uint8_t* block = row + b * bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(block) + PREFETCH, _MM_HINT_T0);
+    const __m256 d = _mm256_set1_ps(half_to_float(block));
+    const __m256i w = block_bytes<type>(block);
+    const __m256i u = signed_weights<type>() ? _mm256_sign_epi8(w, w) : w;  // |w| (Q8_0's -128 reads as 128 unsigned)
+    for (int m = 0; m < T; ++m) {
+      const int64_t lane = 16 * C * (m0 + m) + 8 * b;  // this block's 8 lanes in the input row (chunk b / 2, half h)
+      __m256i xq = load32(reinterpret_cast<const uint8_t*>(x.q.data()) + 4 * lane);
+      if constexpr (signed_weights<type>()) xq = _mm256_sign_epi8(xq, w);
+      __m256i i = dot4(u, xq, ones);
+      if constexpr (offset_of<type>() != 0 && !signed_weights<type>())
+        i = _mm256_add_epi32(i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + lane)));
+      acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_loadu_ps(x.scale.data() + lane)), acc[m][h]);
+      if constexpr (has_min<type>())
+        macc[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(block + 2)), _mm256_loadu_ps(x.sum4f.data() + lane),
+                                     macc[m][h]);
+    }
+  };
+  const int64_t blocks = x.K / 32;
+  for (int64_t b = 0; b + 1 < blocks; b += 2) {
+    block_step(b, std::integral_constant<int, 0>{});
+    block_step(b + 1, std::integral_constant<int, 1>{});
+  }
+  if (blocks % 2) block_step(blocks - 1, std::integral_constant<int, 0>{});
+  for (int m = 0; m < T; ++m) {
+    Float16 s;
+    for (int h = 0; h < 2; ++h) s.h[h] = has_min<type>() ? _mm256_add_ps(acc[m][h], macc[m][h]) : acc[m][h];
+    out[m] = lane_sum(s.v);
+  }
+}
+
+// One super-block decoded for k_halves: eight halves of chunks (chunk c's first 32 columns at 2c, the next
 // 32 at 2c + 1; sub-block j of Q4_K, Q5_K and IQ4_XS at j) as unsigned bytes u (IQ4_XS: |w|, its signs in
 // sign), with their 32-bit lanes' sub-block scales as 16-bit pairs; per 16 columns g (lanes 0-7: g < 8),
 // the integer that multiplies the sum of xq there (Q4_K, Q5_K: the 6-bit minimum of sub-block g / 2;
@@ -122,7 +199,7 @@ inline void decode_super(const uint8_t* p, Super8& s) {
 }
 
 template <int64_t type, int T>
-void k8_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
+void k_halves(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
   const int64_t S = x.supers;
   __m256 acc[T][2], macc[T][2];
   for (int m = 0; m < T; ++m) acc[m][0] = acc[m][1] = macc[m][0] = macc[m][1] = _mm256_setzero_ps();
@@ -162,12 +239,23 @@ void k8_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
 }
 
 template <int64_t type>
-void part_outputs_k8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
+void part_outputs_q8_halves(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const QRows& x, float* y,
+                            int64_t N) {
+  using Fn = void (*)(const uint8_t*, const QRows&, int64_t, const int32_t*, float*);
+  static constexpr Fn tiles[TILE + 1] = {nullptr,            q8_halves<type, 1>, q8_halves<type, 2>,
+                                         q8_halves<type, 3>, q8_halves<type, 4>, q8_halves<type, 5>,
+                                         q8_halves<type, 6>, q8_halves<type, 7>, q8_halves<type, 8>};
+  row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, nullptr, out); }, rows,
+              row_bytes, lo, hi, x.M, y, N);
+}
+
+template <int64_t type>
+void part_outputs_k_halves(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
                      int64_t N) {
   using Fn = void (*)(const uint8_t*, const KRows&, int64_t, float*);
-  static constexpr Fn tiles[TILE + 1] = {nullptr,          k8_tile<type, 1>, k8_tile<type, 2>, k8_tile<type, 3>,
-                                         k8_tile<type, 4>, k8_tile<type, 5>, k8_tile<type, 6>, k8_tile<type, 7>,
-                                         k8_tile<type, 8>};
+  static constexpr Fn tiles[TILE + 1] = {nullptr,          k_halves<type, 1>, k_halves<type, 2>, k_halves<type, 3>,
+                                         k_halves<type, 4>, k_halves<type, 5>, k_halves<type, 6>, k_halves<type, 7>,
+                                         k_halves<type, 8>};
   row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, out); }, rows, row_bytes,
               lo, hi, x.M, y, N);
 }
