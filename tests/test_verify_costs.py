@@ -13,6 +13,7 @@ from specdec import generate
 from specdec.adaptive import VerifyCosts
 from specdec.adaptive import costs as costs_module
 from specdec.adaptive.costs import SCHEMA, cache_file, cache_key
+from specdec.backends.quant import KV_DTYPES
 from specdec.cache import new_cache
 from specdec.models.load import Model
 from specdec.models.quantize import quantize_model
@@ -159,15 +160,20 @@ def test_a_curve_built_in_memory_is_never_written(verify_cost_cache):
     assert costs.shapes and costs.path is None and not list(verify_cost_cache.iterdir())
 
 
-def test_a_quantized_models_key_names_its_kv_cache():
+def test_a_quantized_models_key_names_its_kernels_and_kv_cache(monkeypatch):
+    """A curve timed with other kernels (another activation path, KV cache or kernel code) is not reused."""
+    from specdec.backends import qkernel
+
     fp32 = make_model("llama", seed=3)
     gguf = quantize_model(fp32.hf, "q8_0", "tiny")
-    keys = [
-        cache_key(remake(fp32, hf=None, lean=None, gguf=gguf, config=fp32.hf.config, kv_dtype=kv))
-        for kv in (torch.float16, torch.float32)
-    ]
-    assert [k["dtype"] for k in keys] == ["gguf Q8_0, float16 KV cache", "gguf Q8_0, float32 KV cache"]
+    models = [remake(fp32, hf=None, lean=None, gguf=gguf, config=fp32.hf.config, kv_dtype=kv) for kv in KV_DTYPES]
+    keys = [cache_key(m) for m in models]
+    for m, k in zip(models, keys):
+        assert k["dtype"] == f"gguf Q8_0, {m.lean().kernel}, kernels {qkernel.source_digest()}"
+    assert "fp16 KV cache" in keys[0]["dtype"] and "fp32 KV cache" in keys[1]["dtype"]
     assert cache_file(keys[0]) != cache_file(keys[1])
+    monkeypatch.setattr(qkernel, "source_digest", lambda: "0123456789abcdef")  # the kernels' code changed
+    assert cache_file(cache_key(models[0])) != cache_file(keys[0])
 
 
 def _saved_curve(shape: dict[int, float], level: float = 5.0) -> VerifyCosts:

@@ -69,12 +69,15 @@ def processor(device: torch.device) -> str:
 
 def cache_key(model) -> dict:
     """What a model's verify costs depend on: the model (its name, shape, dtypes and parameter
-    count, which tell weights of another size apart cheaply; a quantized model's KV cache dtype),
+    count, which tell weights of another size apart cheaply; a quantized model's kernel path, KV cache
+    dtype and the kernels' source digest),
     the backend, the device and its processor, torch's thread count and version."""
     config = model.config
     if model.gguf is not None:  # quantized: the file's types and size tell it apart
         dtype, parameters = model.precision, model.gguf.file_bytes
-        dtype += f", {str(model.lean().kv_dtype).removeprefix('torch.')} KV cache"
+        from specdec.backends.qkernel import source_digest
+
+        dtype += f", {model.lean().kernel}, kernels {source_digest()}"  # activations, KV cache, the kernels' code
     else:
         params = list(model.hf.parameters())
         dtype = ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))

@@ -44,6 +44,11 @@ HALVES_TYPES = ("Q5_K", "IQ4_XS", "IQ4_NL")
 _module = None
 
 
+def source_digest() -> str:
+    """16 hex digits of the kernels' sources (quant.cpp and its headers): what a timing of them depends on."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in [SOURCE, *HEADERS])).hexdigest()[:16]
+
+
 def kernels():
     """The compiled module, built at the first call (about a minute, once per machine). Raises
     KernelBuildError, with the compiler's first error line and what to do, when it cannot be built."""
