@@ -5,6 +5,9 @@
 #include "decode.h"
 #include "fp32.h"  // TILE, the input rows of a row-at-a-time tile
 
+#include <array>
+#include <utility>
+
 #if defined(SPECDEC_INT8)
 namespace {
 
@@ -46,6 +49,19 @@ struct QRows {
   std::vector<int32_t> block_sum;  // (M, K / 32): the sum of its int8 values
   std::vector<float> block_scaled_sum;  // (M, K / 32): block_scale * float(block_sum), a minimum's factor
   std::vector<int32_t> offset_sum[3];   // (M, K / 32) each: -offset * block_sum for the offsets 8, 16, 128
+
+  // For `rows` input rows of `columns`: q zeroed (its padding stays 0), and with per_lane the lane fields.
+  void reset(int64_t rows, int64_t columns, bool per_lane) {
+    M = rows;
+    K = columns;
+    chunks = (K + 63) / 64;
+    q.assign(M * chunks * 64, 0);
+    if (per_lane) {
+      scale.assign(M * chunks * 16, 0.0f);
+      sum4.assign(M * chunks * 16, 0);
+      sum4f.assign(M * chunks * 16, 0.0f);
+    }
+  }
 };
 
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -79,7 +95,17 @@ struct KRows {  // input rows quantized per 256 columns
   std::vector<int8_t> q;       // (M, K)
   std::vector<float> scale;    // (M, supers)
   std::vector<int32_t> sum16;  // (M, supers * 16): sums of the int8 values of each 16 columns
-  std::vector<int32_t> pair32;  // (M, supers * 4): the sums of columns 64i..+31 and 64i+32..+63 as 16-bit halves
+  std::vector<int32_t> pair32;  // (M, supers * 4): the sums of columns 64i..+31 and 64i+32..+63 as 16-bit
+                                // halves (VNNI's regrouped kernels only)
+
+  void resize(int64_t rows, int64_t columns) {  // for `rows` input rows of `columns`: every field but pair32
+    M = rows;
+    K = columns;
+    supers = K / 256;
+    q.resize(M * K);
+    scale.resize(M * supers);
+    sum16.resize(M * supers * 16);
+  }
 };
 
 // Declared here, defined once per instruction set (int8_vnni.h, int8_avx2.h). quantize_rows: x (M, K)
@@ -92,6 +118,11 @@ template <int64_t type, int T>
 void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias, float* out);
 template <int64_t type, int T>
 void k_tile(const uint8_t* row, const KRows& x, int64_t m0, float* out);
+// The same kernels in 8-lane halves (int8_halves.h): every type's in AVX2 builds, some types' in every build.
+template <int64_t type, int T>
+void q8_halves(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias, float* out);
+template <int64_t type, int T>
+void k_halves(const uint8_t* row, const KRows& x, int64_t m0, float* out);
 
 // y[:, j] for j in [lo, hi) of one part, a weight row at a time: tile(row, m0, t, out) computes one
 // row's outputs for input rows m0..m0+t-1. A thread goes over a block of weight rows (about
@@ -112,24 +143,36 @@ void row_outputs(Tile&& tile, const uint8_t* rows, int64_t row_bytes, int64_t lo
     }
 }
 
-template <int64_t type>
+// The kernel of each tile height t = 1..TILE (entry 0 unused): kernel(std::integral_constant<int, t>).
+template <typename Fn, typename Kernel>
+constexpr std::array<Fn, TILE + 1> tiles_of(Kernel kernel) {
+  return [&]<std::size_t... t>(std::index_sequence<t...>) {
+    return std::array<Fn, TILE + 1>{nullptr, kernel(std::integral_constant<int, t + 1>{})...};
+  }(std::make_index_sequence<TILE>{});
+}
+
+// y[:, lo..hi) of one part of a 32-weight type (k: of a 256-weight type), a tile of input rows at a time, on
+// this build's kernels (q8_tile, k_tile) or, with halves, on int8_halves.h's (q8_halves, k_halves).
+template <int64_t type, bool halves = false>
 void part_outputs_q8(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const QRows& x,
                      const int32_t* bias, float* y, int64_t N) {
   using Fn = void (*)(const uint8_t*, const QRows&, int64_t, const int32_t*, float*);
-  static constexpr Fn tiles[TILE + 1] = {nullptr,          q8_tile<type, 1>, q8_tile<type, 2>,
-                                         q8_tile<type, 3>, q8_tile<type, 4>, q8_tile<type, 5>,
-                                         q8_tile<type, 6>, q8_tile<type, 7>, q8_tile<type, 8>};
+  static constexpr auto tiles = tiles_of<Fn>([](auto t) -> Fn {
+    if constexpr (halves) return q8_halves<type, t()>;
+    else return q8_tile<type, t()>;
+  });
   row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, bias, out); }, rows,
               row_bytes, lo, hi, x.M, y, N);
 }
 
-template <int64_t type>
+template <int64_t type, bool halves = false>
 void part_outputs_k(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
                     int64_t N) {
   using Fn = void (*)(const uint8_t*, const KRows&, int64_t, float*);
-  static constexpr Fn tiles[TILE + 1] = {nullptr,         k_tile<type, 1>, k_tile<type, 2>, k_tile<type, 3>,
-                                         k_tile<type, 4>, k_tile<type, 5>, k_tile<type, 6>, k_tile<type, 7>,
-                                         k_tile<type, 8>};
+  static constexpr auto tiles = tiles_of<Fn>([](auto t) -> Fn {
+    if constexpr (halves) return k_halves<type, t()>;
+    else return k_tile<type, t()>;
+  });
   row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, out); }, rows, row_bytes,
               lo, hi, x.M, y, N);
 }

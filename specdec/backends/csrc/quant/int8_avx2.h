@@ -41,15 +41,9 @@ inline void round_32(const float* x, float id, int8_t* q, int32_t* sum16) {
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane) {
-  r.M = M;
-  r.K = K;
-  r.chunks = (K + 63) / 64;
+  (void)per_lane;  // the row-at-a-time kernels are the only ones here: always per lane
+  r.reset(M, K, true);
   const int64_t width = r.chunks * 64, lanes = r.chunks * 16;
-  r.q.assign(M * width, 0);
-  r.scale.assign(M * lanes, 0.0f);  // the row-at-a-time kernels are the only ones here: always per lane
-  r.sum4.assign(M * lanes, 0);
-  r.sum4f.assign(M * lanes, 0.0f);
-  (void)per_lane;
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t m = begin; m < end; ++m)
@@ -73,12 +67,7 @@ void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias
 }
 
 void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
-  r.M = M;
-  r.K = K;
-  r.supers = K / 256;
-  r.q.resize(M * K);
-  r.scale.resize(M * r.supers);
-  r.sum16.resize(M * r.supers * 16);
+  r.resize(M, K);
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t sb = 0; sb < r.supers; ++sb) {

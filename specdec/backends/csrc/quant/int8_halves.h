@@ -238,27 +238,5 @@ void k_halves(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
   }
 }
 
-template <int64_t type>
-void part_outputs_q8_halves(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const QRows& x, float* y,
-                            int64_t N) {
-  using Fn = void (*)(const uint8_t*, const QRows&, int64_t, const int32_t*, float*);
-  static constexpr Fn tiles[TILE + 1] = {nullptr,            q8_halves<type, 1>, q8_halves<type, 2>,
-                                         q8_halves<type, 3>, q8_halves<type, 4>, q8_halves<type, 5>,
-                                         q8_halves<type, 6>, q8_halves<type, 7>, q8_halves<type, 8>};
-  row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, nullptr, out); }, rows,
-              row_bytes, lo, hi, x.M, y, N);
-}
-
-template <int64_t type>
-void part_outputs_k_halves(const uint8_t* rows, int64_t row_bytes, int64_t lo, int64_t hi, const KRows& x, float* y,
-                     int64_t N) {
-  using Fn = void (*)(const uint8_t*, const KRows&, int64_t, float*);
-  static constexpr Fn tiles[TILE + 1] = {nullptr,          k_halves<type, 1>, k_halves<type, 2>, k_halves<type, 3>,
-                                         k_halves<type, 4>, k_halves<type, 5>, k_halves<type, 6>, k_halves<type, 7>,
-                                         k_halves<type, 8>};
-  row_outputs([&](const uint8_t* row, int64_t m0, int t, float* out) { tiles[t](row, x, m0, out); }, rows, row_bytes,
-              lo, hi, x.M, y, N);
-}
-
 }  // namespace
 #endif

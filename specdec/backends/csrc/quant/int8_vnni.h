@@ -7,16 +7,8 @@
 namespace {
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane) {
-  r.M = M;
-  r.K = K;
-  r.chunks = (K + 63) / 64;
+  r.reset(M, K, per_lane);
   const int64_t width = r.chunks * 64, lanes = r.chunks * 16;
-  r.q.assign(M * width, 0);
-  if (per_lane) {
-    r.scale.assign(M * lanes, 0.0f);
-    r.sum4.resize(M * lanes);
-    r.sum4f.resize(M * lanes);
-  }
   r.block_scale.resize(M * (K / 32));
   r.block_sum.resize(M * (K / 32));
   r.block_scaled_sum.resize(M * (K / 32));
@@ -136,12 +128,7 @@ void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias
 }
 
 void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
-  r.M = M;
-  r.K = K;
-  r.supers = K / 256;
-  r.q.resize(M * K);
-  r.scale.resize(M * r.supers);
-  r.sum16.resize(M * r.supers * 16);
+  r.resize(M, K);
   r.pair32.resize(M * r.supers * 4);
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)

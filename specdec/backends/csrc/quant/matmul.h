@@ -130,9 +130,9 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
         } else if constexpr (halves_type(t)) {
           if (int8) {
             if constexpr (t != IQ4_NL)  // the 256-column types
-              part_outputs_k_halves<t>(rows, row_bytes, lo, hi, kx, yp, N);
+              part_outputs_k<t, true>(rows, row_bytes, lo, hi, kx, yp, N);
             else
-              part_outputs_q8_halves<t>(rows, row_bytes, lo, hi, qx, yp, N);
+              part_outputs_q8<t, true>(rows, row_bytes, lo, hi, qx, nullptr, yp, N);
             return;
           }
         } else if constexpr (has_int8_kernel(t)) {
