@@ -11,7 +11,6 @@ the tile instructions with loops checks the same of the data flow around them.""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -45,7 +44,7 @@ def older(request):
         pytest.skip(f"the CPU lacks {', '.join(missing)}: {isa} kernels cannot run here")
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(b"".join(h.read_bytes() for h in qkernel.HEADERS)).hexdigest()[:16]
+    digest = qkernel.source_digest()
     try:
         return load(
             f"specdec_quant_{isa.replace('-', '_')}",
@@ -64,7 +63,7 @@ def amx_emulated():
         pytest.skip("the CPU lacks AVX512-VNNI: the int8 kernels, and the tiles beside them, cannot run here")
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(b"".join(h.read_bytes() for h in qkernel.HEADERS)).hexdigest()[:16]
+    digest = qkernel.source_digest()
     flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-DSPECDEC_AMX_EMULATE"]
     try:
         return load(

@@ -130,8 +130,10 @@ inline float lane_sum(vec a) {
 // With AVX2 but no AVX-512, GCC keeps a 16-lane `vec` in memory (there is no 64-byte register), so a
 // loop that carries one (an accumulator) goes through the stack at every step. The hot loops carry
 // two 8-lane halves instead (lanes 0-7, 8-15): the same operations lane by lane, so the same bits.
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if !defined(__AVX512F__)
 #define SPECDEC_HALVES 1
+#endif
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline float lane_sum(__m256 lo, __m256 hi) {  // lane_sum of the 16 lanes lo, hi: the same additions

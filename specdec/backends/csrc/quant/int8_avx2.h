@@ -41,8 +41,7 @@ inline void round_32(const float* x, float id, int8_t* q, int32_t* sum16) {
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane) {
-  (void)per_lane;  // the row-at-a-time kernels are the only ones here: always per lane
-  r.reset(M, K, true);
+  r.reset(M, K, per_lane);  // matmul asks for the lanes wherever a part goes a row at a time: here, every part
   const int64_t width = r.chunks * 64, lanes = r.chunks * 16;
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -52,6 +51,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane
         const float d = max_abs(xb, 32) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int8_t* q = r.q.data() + m * width + 32 * b;
         round_32(xb, id, q, nullptr);
+        if (!per_lane) continue;
         const int64_t at = m * lanes + 8 * b;
         const __m256i sum4 = dot4(_mm256_set1_epi8(1), load32(reinterpret_cast<const uint8_t*>(q)), ones);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.sum4.data() + at), sum4);

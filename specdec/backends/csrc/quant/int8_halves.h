@@ -17,11 +17,6 @@
 #if defined(SPECDEC_INT8)
 namespace {
 
-union Float16 {  // a 16-lane vector as its two 8-lane halves
-  __m256 h[2];
-  vec v;
-};
-
 // 32 unsigned bytes u times 32 int8 x, four products summed per 32-bit lane, pairs weighted by the
 // 16-bit pairs of `scale`: vpdpbusd (scale 1) or vpmaddubsw then vpdpwssd (a sub-block's scale).
 inline __m256i dot4(__m256i u, __m256i x, __m256i scale) {
@@ -96,9 +91,10 @@ void q8_halves(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bi
   }
   if (blocks % 2) block_step(blocks - 1, std::integral_constant<int, 0>{});
   for (int m = 0; m < T; ++m) {
-    Float16 s;
-    for (int h = 0; h < 2; ++h) s.h[h] = has_min<type>() ? _mm256_add_ps(acc[m][h], macc[m][h]) : acc[m][h];
-    out[m] = lane_sum(s.v);
+    if constexpr (has_min<type>())
+      out[m] = lane_sum(_mm256_add_ps(acc[m][0], macc[m][0]), _mm256_add_ps(acc[m][1], macc[m][1]));
+    else
+      out[m] = lane_sum(acc[m][0], acc[m][1]);
   }
 }
 
@@ -232,9 +228,7 @@ void k_halves(const uint8_t* row, const KRows& x, int64_t m0, float* out) {
     }
   }
   for (int m = 0; m < T; ++m) {
-    Float16 sum;
-    for (int h = 0; h < 2; ++h) sum.h[h] = _mm256_add_ps(acc[m][h], macc[m][h]);
-    out[m] = lane_sum(sum.v);
+    out[m] = lane_sum(_mm256_add_ps(acc[m][0], macc[m][0]), _mm256_add_ps(acc[m][1], macc[m][1]));
   }
 }
 
