@@ -85,12 +85,14 @@ def _threads():
 
 
 def test_an_older_builds_int8_path(older):
-    """x86-64-v3 has AVX2's int8 kernels (rows as they are, never regrouped); x86-64-v2 none."""
+    """x86-64-v3 has AVX2's int8 kernels (rows regrouped, Q6_K's not); x86-64-v2 none, nothing regrouped."""
     x = torch.randn(2, 256)
     part = torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))
     if older.int8_kernels() == "avx2":
-        assert older.int8_available() and older.repack(part, TYPES["Q4_1"], 256) is None
+        assert older.int8_available() and older.repack(part, TYPES["Q4_1"], 256) is not None
+        assert older.repack(torch.from_numpy(random_blocks("Q6_K", 16, 256, seed=1)), TYPES["Q6_K"], 256) is None
         return
+    assert older.repack(part, TYPES["Q4_1"], 256) is None
     assert not older.int8_available() and older.int8_kernels() == ""
     with pytest.raises(RuntimeError, match="AVX2 or AVX512-VNNI"):
         older.matmul(x, [part], [TYPES["Q4_1"]], None, True)
@@ -111,6 +113,25 @@ def test_avx2_int8_products_are_batch_invariant_and_the_native_row_at_a_time_bit
     assert_rows_invariant(product, x, max_n=11)
     if kernels().int8_available():
         assert torch.equal(product(x), kernels().matmul(x, [part], [TYPES[qtype]], None, True))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K"])
+def test_avx2_regrouped_products_are_batch_invariant_and_the_native_regrouped_bits(older, qtype):
+    """AVX2's kernels over rows regrouped sixteen at a time (their own layout of Q8_0 and of the fifth bits): on a
+    VNNI CPU the native build's regrouped products, bit for bit (the same integers, the same fp32 steps per output
+    row); every row as alone. K: an odd number of 32-blocks (Q4_K: of super-blocks); 7 groups of 16 rows."""
+    if older.int8_kernels() != "avx2":
+        pytest.skip("x86-64-v2 has no int8 kernels")
+    K, N = (1280 if qtype == "Q4_K" else 1184), 112
+    raw = torch.from_numpy(random_blocks(qtype, N, K, seed=23))
+    packed, xtype = older.repack(raw, TYPES[qtype], K)
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(24))
+    x[:, 5] *= 40
+    product = lambda rows: older.matmul(rows, [packed], [xtype], None, True)  # noqa: E731
+    assert_rows_invariant(product, x, max_n=11)
+    native = kernels().repack(raw, TYPES[qtype], K)
+    if native is not None:
+        assert torch.equal(product(x), kernels().matmul(x, [native[0]], [native[1]], None, True))
 
 
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t != "F32"])

@@ -34,12 +34,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x W^T (+ b) over GGML-quantized weight parts, batch-invariant",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("bias") = py::none(), py::arg("int8") = false);
-#if defined(SPECDEC_VNNI)
+#if defined(SPECDEC_INT8)
   m.def("repack", &repack, "(rows regrouped sixteen at a time for the int8 path, their type); None for other types",
         py::arg("rows"), py::arg("type"), py::arg("K"));
 #else
   m.def("repack", [](torch::Tensor, int64_t, int64_t) { return py::none(); },
-        "None: this build's int8 kernels (if any) take the rows as they are", py::arg("rows"), py::arg("type"), py::arg("K"));
+        "None: this build has no int8 kernels, its rows go as they are", py::arg("rows"), py::arg("type"), py::arg("K"));
 #endif
   m.def("release", [](torch::Tensor t) {
         // Drops this process's mapping of the whole pages inside a memory-mapped tensor (they stay in the
@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(), py::arg("kind"), py::arg("iterations") = 2000000);
   m.def("int8_available", []() { return HAS_Q8; }, "whether this build multiplies with int8 activations (AVX2 or AVX512-VNNI)");
   m.def("int8_kernels", &int8_kernels, "which int8 kernels this build has: 'vnni', 'avx2' or '' (none)");
-#if defined(SPECDEC_VNNI)
+#if defined(SPECDEC_INT8)
   static_assert(X16_TILE == TILE, "row_tile: one tile height for every product path");
 #endif
   m.def("row_tile", []() { return TILE; }, "input rows per pass over the weights in every product kernel");

@@ -96,7 +96,7 @@ struct KRows {  // input rows quantized per 256 columns
   std::vector<float> scale;    // (M, supers)
   std::vector<int32_t> sum16;  // (M, supers * 16): sums of the int8 values of each 16 columns
   std::vector<int32_t> pair32;  // (M, supers * 4): the sums of columns 64i..+31 and 64i+32..+63 as 16-bit
-                                // halves (VNNI's regrouped kernels only)
+                                // halves (the regrouped Q4_K kernels' minimums)
 
   void resize(int64_t rows, int64_t columns) {  // for `rows` input rows of `columns`: every field but pair32
     M = rows;

@@ -41,8 +41,12 @@ inline void round_32(const float* x, float id, int8_t* q, int32_t* sum16) {
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane) {
-  r.reset(M, K, per_lane);  // matmul asks for the lanes wherever a part goes a row at a time: here, every part
+  r.reset(M, K, per_lane);
   const int64_t width = r.chunks * 64, lanes = r.chunks * 16;
+  r.block_scale.resize(M * (K / 32));
+  r.block_sum.resize(M * (K / 32));
+  r.block_scaled_sum.resize(M * (K / 32));
+  for (auto& o : r.offset_sum) o.resize(M * (K / 32));
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t m = begin; m < end; ++m)
@@ -50,7 +54,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane
         const float* xb = x + m * K + 32 * b;
         const float d = max_abs(xb, 32) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int8_t* q = r.q.data() + m * width + 32 * b;
-        round_32(xb, id, q, nullptr);
+        int32_t sum16[2];
+        round_32(xb, id, q, sum16);
+        const int32_t sum = sum16[0] + sum16[1];
+        const int64_t blk = m * (K / 32) + b;  // the regrouped kernels' per-block fields
+        r.block_scale[blk] = d;
+        r.block_sum[blk] = sum;
+        r.block_scaled_sum[blk] = d * static_cast<float>(sum);
+        r.offset_sum[0][blk] = -8 * sum;
+        r.offset_sum[1][blk] = -16 * sum;
+        r.offset_sum[2][blk] = -128 * sum;
         if (!per_lane) continue;
         const int64_t at = m * lanes + 8 * b;
         const __m256i sum4 = dot4(_mm256_set1_epi8(1), load32(reinterpret_cast<const uint8_t*>(q)), ones);
@@ -68,6 +81,7 @@ void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias
 
 void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
   r.resize(M, K);
+  r.pair32.resize(M * r.supers * 4);
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t sb = 0; sb < r.supers; ++sb) {
@@ -76,6 +90,9 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
         r.scale[m * r.supers + sb] = d;
         int32_t* s = r.sum16.data() + (m * r.supers + sb) * 16;
         for (int i = 0; i < 8; ++i) round_32(xb + 32 * i, id, r.q.data() + m * K + 256 * sb + 32 * i, s + 2 * i);
+        for (int i = 0; i < 4; ++i)  // the sums of columns 64i..+31 and 64i+32..+63 as 16-bit halves (|each| <= 32 * 127)
+          r.pair32[(m * r.supers + sb) * 4 + i] = static_cast<int32_t>(
+              (static_cast<uint32_t>(s[4 * i] + s[4 * i + 1]) & 0xFFFF) | (static_cast<uint32_t>(s[4 * i + 2] + s[4 * i + 3]) << 16));
       }
   });
 }

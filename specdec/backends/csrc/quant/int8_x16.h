@@ -1,107 +1,11 @@
-// Products with int8 activations over weight rows regrouped sixteen at a time at load (AVX512-VNNI).
+// Products with int8 activations over weight rows regrouped sixteen at a time at load (regroup.h), on AVX512-VNNI.
 #pragma once
 
-#include "int8_halves.h"
 #include "int8_vnni.h"
+#include "regroup.h"
 
 #if defined(SPECDEC_VNNI)
 namespace {
-
-// ---- sixteen weight rows interleaved ---------------------------------------------------------
-//
-// repack regroups a matrix's rows sixteen at a time, once at load, so that one 64-byte vector holds
-// four consecutive weights (as unsigned bytes, or their packed nibbles) of each of sixteen rows:
-// 32-bit lane r is row r. One vpdpbusd multiplies sixteen output rows by four input bytes
-// broadcast from memory, so an input row costs one instruction per 64 multiply-adds; a block's
-// integer sums land one output row per lane, and every fp32 step after them uses all sixteen
-// lanes. The weights' unpacking is shared by every input row of a tile. (This is also the layout
-// of an AMX tile's B operand: sixteen columns of four consecutive K values a row.)
-//
-// Per output row, in the order of its blocks, the steps depend on its own weight row and input
-// row only:
-//   32-weight types: I = sum(u * xq) - offset * sum(xq) (int32, exact), acc = fma(float(I), d * dx,
-//     acc), and for the types with a minimum acc = fma(m, dx * sum(xq), acc);
-//   Q4_K: per super-block T = sum over sub-blocks j of scale_j * sum_j(u * xq) and
-//     Mn = sum_j min_j * sum_j(xq) (int32, exact), acc = fma(float(T), d * dx, acc),
-//     then acc = fma(float(Mn), dmin * -dx, acc).
-// So the bits depend on neither the number of input rows nor the thread count.
-
-constexpr int X16_TILE = 8;    // input rows per tile: each tile streams the group's weights once
-
-template <int64_t type>
-constexpr bool five_bit() {
-  return type == Q5_0 || type == Q5_1;
-}
-
-// Bytes of one 32-block of a group of 16 rows: d[16] fp16 | m[16] fp16 (Q4_1, Q5_1) | the fifth bits
-// as eight 64-bit masks (Q5_0, Q5_1: mask v, bit 4r + i = row r's bit of weight 4v + i) | the
-// weights: Q8_0 eight vectors (vector v, lane r: row r's weights 4v..4v+3, plus 128), the others
-// four vectors of packed nibbles (vector g, lane r: row r's qs[4g..4g+3], whose low nibbles are
-// weights 4g.. and high nibbles weights 16 + 4g..). The same bytes per row as the GGML block.
-template <int64_t type>
-constexpr int64_t legacy_group_bytes() {
-  return 32 + (has_min<type>() ? 32 : 0) + (five_bit<type>() ? 64 : 0) + (type == Q8_0 ? 512 : 256);
-}
-
-// The loop every layout shares: rows (N, row bytes) of blocks of in_bytes, N a multiple of 16 ->
-// (N / 16, blocks * group_bytes), zeroed, then fill(o, p, r) writes row r's block p into its group's
-// block o, for every group, block and row.
-template <typename Fill>
-torch::Tensor regroup(const torch::Tensor& rows, int64_t in_bytes, int64_t group_bytes, Fill&& fill) {
-  const int64_t groups = rows.size(0) / GROUP, blocks = rows.size(1) / in_bytes;
-  auto out = torch::zeros({groups, blocks * group_bytes}, rows.options());
-  const uint8_t* src = rows.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t gi = begin; gi < end; ++gi)
-      for (int64_t b = 0; b < blocks; ++b)
-        for (int r = 0; r < GROUP; ++r)
-          fill(dst + (gi * blocks + b) * group_bytes, src + (gi * GROUP + r) * rows.size(1) + b * in_bytes, r);
-  });
-  return out;
-}
-
-// rows (N, K / 32 * block bytes) of a 32-weight type, N a multiple of 16 -> (N / 16, K / 32 * group bytes).
-template <int64_t type>
-torch::Tensor repack_legacy(const torch::Tensor& rows) {
-  constexpr int head = has_min<type>() ? 4 : 2;  // bytes of d (and m) at a block's start
-  return regroup(rows, layout(type).bytes, legacy_group_bytes<type>(), [](uint8_t* o, const uint8_t* p, int r) {
-    std::memcpy(o + 2 * r, p, 2);
-    int64_t at = 32;
-    if constexpr (has_min<type>()) {
-      std::memcpy(o + at + 2 * r, p + 2, 2);
-      at += 32;
-    }
-    const uint8_t* qs = p + head;
-    if constexpr (five_bit<type>()) {
-      const uint32_t qh = load_u32(p + head);
-      for (int w = 0; w < 32; ++w)  // weight w = 4v + i: mask v, bit 4r + i
-        o[at + 8 * (w / 4) + r / 2] |= static_cast<uint8_t>(((qh >> w) & 1) << (4 * (r % 2) + w % 4));
-      at += 64;
-      qs += 4;
-    }
-    if constexpr (type == Q8_0) {
-      for (int w = 0; w < 32; ++w) o[at + 64 * (w / 4) + 4 * r + w % 4] = qs[w] ^ 0x80;
-    } else {
-      for (int g = 0; g < 4; ++g) std::memcpy(o + at + 64 * g + 4 * r, qs + 4 * g, 4);
-    }
-  });
-}
-
-inline int32_t load_i32(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-// Software prefetch of the weights, for every tile, one input row included: the regrouped kernels fetch each
-// cache line a fixed distance ahead of the line they read (a thread's groups lie one after another), as they
-// go, so the prefetches spread over the work. (Bursts 1 KB ahead, all of a K-quant super-block's 40-50 lines at
-// once, stalled on the line-fill buffers: docs/quantized.md.) Prefetching changes no output's bits.
-constexpr int64_t AHEAD_BLOCKS = 16;  // 32-weight blocks of a group ahead (Q4_1: 5 KB)
-constexpr int64_t AHEAD_SUPERS = 2;    // K-quant super-blocks of a group ahead (Q4_K: 4.6 KB, Q6_K: 6.6 KB)
-inline void fetch_lines(const uint8_t* p, int64_t bytes, int64_t distance) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + distance + o, _MM_HINT_T0);
-}
 
 // sum over v < n of u[v] * (xq[4v..4v+3] broadcast), from init, in `chains` interleaved chains (integer,
 // so exact in any order; two hide the latency when few input rows run side by side).
@@ -125,7 +29,6 @@ constexpr int chains_for() {
   return T < 4 ? 2 : 1;
 }
 
-constexpr int offset_index(int32_t offset) { return offset == 8 ? 0 : offset == 16 ? 1 : 2; }
 
 // A block's weights of sixteen rows (q: the block's bytes after d and m), unpacked: u[v], lane r = row r's
 // weights 4v..4v+3 as unsigned bytes.
@@ -193,29 +96,8 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
   for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
 }
 
-// ---- Q4_K ---------------------------------------------------------------------------------------
+// ---- Q4_K ----
 //
-// A group's bytes per super-block: d[16] fp16 | dmin[16] fp16 | scales[8][16] (sub-block j, row) |
-// minimums[4][16][2] (pair i, row, sub-block 2i + h: bytes that widen to 16-bit pairs per row) |
-// nibbles[4][8][64] (chunk i, vector g, lane r: row r's qs[32i + 4g..+3], whose low nibbles are
-// sub-block 2i's weights 4g.. and high nibbles sub-block 2i + 1's).
-constexpr int64_t Q4_K_GROUP_BYTES = 64 + 128 + 128 + 2048;
-
-torch::Tensor repack_q4k(const torch::Tensor& rows) {
-  return regroup(rows, 144, Q4_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
-    std::memcpy(o + 2 * r, p, 2);
-    std::memcpy(o + 32 + 2 * r, p + 2, 2);
-    for (int j = 0; j < 8; ++j) {
-      int a, e;
-      scale_min_k4(p + 4, j, a, e);
-      o[64 + 16 * j + r] = static_cast<uint8_t>(a);
-      o[192 + 32 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(e);
-    }
-    for (int i = 0; i < 4; ++i)
-      for (int g = 0; g < 8; ++g) std::memcpy(o + 320 + 512 * i + 64 * g + 4 * r, p + 16 + 32 * i + 4 * g, 4);
-  });
-}
-
 // Per super-block and output row: T = sum over sub-blocks j of scale_j * sum_j(u * xq) and Mn = sum_j min_j *
 // sum_j(xq) (int32, exact), then acc = fma(float(T), d * dx, acc) and acc = fma(float(Mn), dmin * -dx, acc); acc
 // is out, kept in memory (touched once per super-block). The sub-blocks go one after the other (2i the low
@@ -277,42 +159,8 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
   }
 }
 
-// ---- Q6_K ---------------------------------------------------------------------------------------
+// ---- Q6_K ----
 //
-// A group's bytes per super-block: d[16] fp16 | scales[16][16] int8 (sub-block j, row) | nibbles[32][64]
-// (vector v, lane r, byte i: low nibble = the low four bits of row r's weight 4v + i, high nibble =
-// those of weight 128 + 4v + i) | highs[16][64] (vector v, lane r, byte i: bits 2k, 2k + 1 = the top two
-// bits of weight 64k + 4v + i). The same bytes per row as the GGML block.
-constexpr int64_t Q6_K_GROUP_BYTES = 32 + 256 + 2048 + 1024;
-constexpr int64_t Q6_K_NIBBLES = 288, Q6_K_HIGHS = 288 + 2048;
-
-torch::Tensor repack_q6k(const torch::Tensor& rows) {
-  return regroup(rows, 210, Q6_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
-    uint8_t q[256];  // the row's 6-bit weights (0..63), as ggml's dequantize_row_q6_K reads them
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t *ql = p + 64 * half, *qh = p + 128 + 32 * half;
-      for (int l = 0; l < 32; ++l) {
-        q[128 * half + l] = (ql[l] & 15) | ((qh[l] & 3) << 4);
-        q[128 * half + l + 32] = (ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4);
-        q[128 * half + l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-        q[128 * half + l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-      }
-    }
-    std::memcpy(o + 2 * r, p + 208, 2);
-    for (int j = 0; j < 16; ++j) o[32 + 16 * j + r] = p[192 + j];
-    for (int v = 0; v < 32; ++v)
-      for (int i = 0; i < 4; ++i)
-        o[Q6_K_NIBBLES + 64 * v + 4 * r + i] =
-            static_cast<uint8_t>((q[4 * v + i] & 15) | ((q[128 + 4 * v + i] & 15) << 4));
-    for (int v = 0; v < 16; ++v)
-      for (int i = 0; i < 4; ++i) {
-        uint8_t h = 0;
-        for (int k = 0; k < 4; ++k) h |= static_cast<uint8_t>((q[64 * k + 4 * v + i] >> 4) << (2 * k));
-        o[Q6_K_HIGHS + 64 * v + 4 * r + i] = h;
-      }
-  });
-}
-
 // Per super-block and output row: T = sum over sub-blocks j of scale_j * sum_j((u - 32) * xq) (int32, exact: the
 // offset enters as the chain's start, -32 * sum_j(xq)), then acc = fma(float(T), d * dx, acc). Four sub-blocks
 // (j, j + 4, j + 8, j + 12) are decoded at a time, their sixteen weight vectors shared by every input row.
@@ -370,117 +218,6 @@ void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
     }
   }
   for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
-}
-
-// ---- a part's outputs ---------------------------------------------------------------------------
-
-// y[:, j] for the groups of sixteen rows covering [lo, hi) (multiples of 16) of one regrouped part, input rows
-// m_begin.. of x:
-// tiles[t] computes a group's sixteen outputs for t input rows. A thread goes over a block of groups
-// (about WEIGHT_BLOCK bytes) for each tile of input rows, so many input rows stream the weights
-// from L2; the order changes no output's operations.
-template <typename Rows>
-void grouped_outputs(void (*const* tiles)(const uint8_t*, const Rows&, int64_t, float (*)[GROUP]),
-                     const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y,
-                     int64_t N, int64_t m_begin) {
-  float out[X16_TILE][GROUP];
-  const int64_t block = std::max<int64_t>(GROUP, WEIGHT_BLOCK / group_bytes * GROUP);
-  for (int64_t j0 = lo; j0 < hi; j0 += block)
-    for (int64_t m0 = m_begin; m0 < x.M; m0 += X16_TILE) {
-      const int t = static_cast<int>(std::min<int64_t>(X16_TILE, x.M - m0));
-      for (int64_t j = j0; j < std::min(hi, j0 + block); j += GROUP) {
-        tiles[t](groups + (j - lo) / GROUP * group_bytes, x, m0, out);
-        for (int m = 0; m < t; ++m) std::memcpy(y + (m0 + m) * N + j, out[m], sizeof out[m]);
-      }
-    }
-}
-
-template <typename Rows, template <int> class Tile>
-void tiled_outputs(const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi, const Rows& x, float* y,
-                   int64_t N, int64_t m_begin = 0) {
-  using Fn = void (*)(const uint8_t*, const Rows&, int64_t, float (*)[GROUP]);
-  static constexpr Fn tiles[X16_TILE + 1] = {nullptr,       Tile<1>::run, Tile<2>::run, Tile<3>::run, Tile<4>::run,
-                                             Tile<5>::run,  Tile<6>::run, Tile<7>::run, Tile<8>::run};
-  grouped_outputs<Rows>(tiles, groups, group_bytes, lo, hi, x, y, N, m_begin);
-}
-
-template <int64_t type>
-struct LegacyTile {
-  template <int T>
-  struct At {
-    static void run(const uint8_t* g, const QRows& x, int64_t m0, float (*out)[GROUP]) {
-      legacy_x16_tile<type, T>(g, x, m0, out);
-    }
-  };
-};
-template <int T>
-struct Q6KTile {
-  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q6k_x16_tile<T>(g, x, m0, out); }
-};
-template <int T>
-struct Q4KTile {
-  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q4k_x16_tile<T>(g, x, m0, out); }
-};
-
-// The GGML type a regrouped type id stands for, or -1.
-inline int64_t regrouped_base(int64_t type) {
-  const int64_t base = type - X16;
-  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
-                 base == Q6_K
-             ? base
-             : -1;
-}
-
-// Bytes per group of sixteen rows of a regrouped type with K columns; 0 for the other types.
-int64_t regrouped_bytes(int64_t type, int64_t K) {
-  switch (regrouped_base(type)) {
-    case Q4_0: return K / 32 * legacy_group_bytes<Q4_0>();
-    case Q4_1: return K / 32 * legacy_group_bytes<Q4_1>();
-    case Q5_0: return K / 32 * legacy_group_bytes<Q5_0>();
-    case Q5_1: return K / 32 * legacy_group_bytes<Q5_1>();
-    case Q8_0: return K / 32 * legacy_group_bytes<Q8_0>();
-    case Q4_K: return K / 256 * Q4_K_GROUP_BYTES;
-    case Q6_K: return K / 256 * Q6_K_GROUP_BYTES;
-  }
-  return 0;
-}
-
-// A matrix's rows regrouped sixteen at a time for the int8 kernels: (the regrouped tensor, its type id)
-// for the types with int8 kernels, rows (N, row bytes) with N a multiple of 16; None for the others (F32,
-// Q5_K, ...), which go a row at a time with fp32 activations.
-c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
-  if (!has_int8_kernel(type) || halves_type(type)) return c10::nullopt;
-  const Layout lay = layout(type);
-  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && K % lay.block == 0 &&
-                  rows.size(1) == K / lay.block * lay.bytes && rows.size(0) % GROUP == 0,
-              "quant.repack: rows must be contiguous uint8 (N, ", K / lay.block * lay.bytes,
-              "), N a multiple of sixteen");
-  torch::Tensor out;
-  switch (type) {
-    case Q4_0: out = repack_legacy<Q4_0>(rows); break;
-    case Q4_1: out = repack_legacy<Q4_1>(rows); break;
-    case Q5_0: out = repack_legacy<Q5_0>(rows); break;
-    case Q5_1: out = repack_legacy<Q5_1>(rows); break;
-    case Q8_0: out = repack_legacy<Q8_0>(rows); break;
-    case Q4_K: out = repack_q4k(rows); break;
-    case Q6_K: out = repack_q6k(rows); break;
-  }
-  return std::make_tuple(out, X16 + type);
-}
-
-// y[:, lo..hi) of one regrouped part (groups: its (N / 16, group bytes) rows from group lo / 16).
-void regrouped_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes, int64_t lo, int64_t hi,
-                       const QRows& qx, const KRows& kx, float* y, int64_t N) {
-  switch (regrouped_base(type)) {
-    case Q4_0: return tiled_outputs<QRows, LegacyTile<Q4_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
-    case Q4_1: return tiled_outputs<QRows, LegacyTile<Q4_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
-    case Q5_0: return tiled_outputs<QRows, LegacyTile<Q5_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
-    case Q5_1: return tiled_outputs<QRows, LegacyTile<Q5_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
-    case Q8_0: return tiled_outputs<QRows, LegacyTile<Q8_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
-    case Q4_K: return tiled_outputs<KRows, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
-    case Q6_K: return tiled_outputs<KRows, Q6KTile>(groups, group_bytes, lo, hi, kx, y, N);
-  }
-  TORCH_CHECK(false, "quant: not a regrouped type: ", type);
 }
 
 }  // namespace

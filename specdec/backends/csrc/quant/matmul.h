@@ -5,6 +5,7 @@
 #include "fp32.h"
 #include "int8_avx2.h"
 #include "int8_x16.h"
+#include "int8_x16_avx2.h"
 
 namespace {
 
@@ -25,9 +26,9 @@ inline std::string int8_kernels() {
 #endif
 }
 
-// Bytes per group of sixteen rows of a regrouped type id (int8_x16.h, VNNI builds only); 0 for the others.
+// Bytes per group of sixteen rows of a regrouped type id (regroup.h, int8 builds); 0 for the others.
 inline int64_t regrouped_row_bytes(int64_t type, int64_t K) {
-#if defined(SPECDEC_VNNI)
+#if defined(SPECDEC_INT8)
   return regrouped_bytes(type, K);
 #else
   (void)type, (void)K;
@@ -48,7 +49,7 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
   std::vector<int64_t> offsets{0};
   bool grouped = false;  // any part regrouped sixteen rows at a time: threads then take whole groups
   for (size_t p = 0; p < parts.size(); ++p) {
-#if defined(SPECDEC_VNNI)
+#if defined(SPECDEC_INT8)
     if (const int64_t group_bytes = regrouped_bytes(types[p], K)) {
       TORCH_CHECK(int8, "quant.matmul: a regrouped part needs int8 activations");
       TORCH_CHECK(K % layout(regrouped_base(types[p])).block == 0 && parts[p].dim() == 2 &&
@@ -113,11 +114,15 @@ torch::Tensor matmul(torch::Tensor x, std::vector<torch::Tensor> parts, std::vec
       if (lo >= hi) continue;
       const int64_t row_bytes = parts[p].size(1);
       const uint8_t* rows = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) * row_bytes;
-#if defined(SPECDEC_VNNI)
+#if defined(SPECDEC_INT8)
       if (regrouped_bytes(types[p], K)) {
         const uint8_t* groups = parts[p].data_ptr<uint8_t>() + (lo - offsets[p]) / GROUP * row_bytes;
-        if (!(amx_on() && amx_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N)))
-          regrouped_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N);
+#if defined(SPECDEC_VNNI)
+        const bool tiles = amx_on() && amx_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N);
+#else
+        const bool tiles = false;
+#endif
+        if (!tiles) regrouped_outputs(types[p], groups, row_bytes, lo, hi, qx, kx, yp, N);
       } else
 #endif
       dispatch(types[p], [&]<int64_t t>() {
