@@ -22,7 +22,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from specdec import generate, make_drafter
 from specdec.backends.lean import tree_layout
-from specdec.backends.qkernel import HALVES_TYPES, INT8_TYPES, TYPES, kernels
+from specdec.backends.qkernel import INT8_TYPES, TYPES, kernels
 from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.bench.kernels import FP16_FIELDS as KERNEL_FP16_FIELDS
 from specdec.cache import LeanKVCache
@@ -189,8 +189,8 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
     assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]], int8=True), x, max_n=x.shape[0])
 
 
-# regrouped where their rows come in sixteens (in AVX2 builds Q6_K goes a row at a time: regroup.h)
-REGROUPED = [t for t in QTYPES if t not in HALVES_TYPES and (t != "Q6_K" or kernels().int8_kernels() == "vnni")]
+# regrouped where their rows come in sixteens: the 32-weight types and Q4_K, Q6_K on VNNI, IQ4_NL on AVX2 (regroup.h)
+REGROUPED = [t for t in INT8_TYPES if kernels().repack(torch.from_numpy(random_blocks(t, 16, 256, 0)), TYPES[t], 256)]
 
 
 @needs_regrouped

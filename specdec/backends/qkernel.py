@@ -7,8 +7,9 @@ round the activations to int8 per block and multiply with integer dot products, 
 where `int8_available()`: `int8_kernels()` says "vnni" or "avx2"), `dequantize_rows(w, type, K, ids)`,
 `rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`,
 `rope(x, positions, inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)`,
-`repack(rows, type, K)` (rows regrouped sixteen at a time for VNNI's int8 path, with their type id;
-None for HALVES_TYPES, the types outside INT8_TYPES, and in builds without VNNI), `peak(kind)` (multiply-adds
+`repack(rows, type, K)` (rows regrouped sixteen at a time for the int8 path, with their type id; None
+for the types it takes a row at a time: outside INT8_TYPES, Q5_K and IQ4_XS, IQ4_NL on VNNI, Q6_K on AVX2,
+and every type in builds without int8 kernels), `peak(kind)` (multiply-adds
 per second of the int8 or fp32 product instruction), `release(t)` (a memory-mapped tensor's pages), and
 `Layer(...)` with `layers(...)` (the Llama/Qwen2 decoder stack over one or more requests' new
 tokens). Each output is reduced in one fixed order by one thread, so row i of an n-row call has the
@@ -35,9 +36,9 @@ TYPES = {
     "F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
     "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30,
 }  # fmt: skip
-# Those the int8 path multiplies with int8 activations (on VNNI regrouped sixteen rows at a time: repack, except
-# HALVES_TYPES, whose kernels are the same AVX2 code in every int8 build, csrc/quant/int8_halves.h); the others run the
-# fp32-activation kernel there too (csrc/quant/common.h, has_int8_kernel).
+# Those the int8 path multiplies with int8 activations (regrouped sixteen rows at a time where repack says, else a row
+# at a time; HALVES_TYPES' row-at-a-time kernels are the same AVX2 code in every int8 build, csrc/quant/int8_halves.h);
+# the others run the fp32-activation kernel there too (csrc/quant/common.h, has_int8_kernel).
 INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS", "IQ4_NL")
 HALVES_TYPES = ("Q5_K", "IQ4_XS", "IQ4_NL")
 

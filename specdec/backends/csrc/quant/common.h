@@ -18,7 +18,8 @@
 #endif
 
 // Which int8-activation kernels this build has (int8.h): AVX512-VNNI's (int8_vnni.h, with the regrouped
-// rows of int8_x16.h and the AMX tiles of amx.h), else AVX2's (int8_avx2.h: a row at a time), else none.
+// rows of int8_x16.h and the AMX tiles of amx.h), else AVX2's (int8_avx2.h, with the regrouped rows of
+// int8_x16_avx2.h), else none. The regrouped layouts: regroup.h.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define SPECDEC_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -34,7 +35,7 @@ typedef float vec __attribute__((vector_size(64)));  // 16 fp32 lanes
 typedef int32_t ivec __attribute__((vector_size(64)));
 
 constexpr int L = 16;  // lanes
-constexpr int64_t GROUP = 16;  // weight rows a regrouped matrix interleaves (quant/int8_x16.h)
+constexpr int64_t GROUP = 16;  // weight rows a regrouped matrix interleaves (quant/regroup.h)
 constexpr int64_t X16 = 200;    // a regrouped layout's type id is X16 + its GGML type (not a GGML type)
 
 // Rows a thread takes at least in a row-wise op over rows of `width` elements: torch's grain size

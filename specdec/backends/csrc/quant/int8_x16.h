@@ -96,7 +96,7 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
   for (int m = 0; m < T; ++m) _mm512_storeu_ps(out[m], acc[m]);
 }
 
-// ---- Q4_K ----
+// ---- Q4_K ---------------------------------------------------------------------------------------
 //
 // Per super-block and output row: T = sum over sub-blocks j of scale_j * sum_j(u * xq) and Mn = sum_j min_j *
 // sum_j(xq) (int32, exact), then acc = fma(float(T), d * dx, acc) and acc = fma(float(Mn), dmin * -dx, acc); acc
@@ -159,7 +159,7 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
   }
 }
 
-// ---- Q6_K ----
+// ---- Q6_K ---------------------------------------------------------------------------------------
 //
 // Per super-block and output row: T = sum over sub-blocks j of scale_j * sum_j((u - 32) * xq) (int32, exact: the
 // offset enters as the chain's start, -32 * sum_j(xq)), then acc = fma(float(T), d * dx, acc). Four sub-blocks

@@ -1,5 +1,5 @@
 // Products with int8 activations over weight rows regrouped sixteen at a time at load (regroup.h), on AVX2
-// without VNNI: the 32-weight types and Q4_K (Q6_K goes a row at a time here: sixteen of its 6-bit vectors do not fit
+// without VNNI: the 32-weight types (IQ4_NL too, here only) and Q4_K (Q6_K goes a row at a time here: sixteen of its 6-bit vectors do not fit
 // AVX2's sixteen registers, and its regrouped kernel was slower than the row-at-a-time one on a large matrix). A group's 64-byte vectors are two 32-byte halves of eight rows each (lanes 0-7: rows 8h..8h+7);
 // each half goes through a block on its own. vpdpbusd's four products per 32-bit lane become vpmaddubsw (16-bit
 // pairs) then vpmaddwd (with ones, or with the sub-block's scale in both halves of each lane): the same integers,
@@ -7,7 +7,7 @@
 //
 // No 16-bit sum saturates: unsigned weights of up to 4 bits against |xq| <= 127 give pairs up to 2 * 15 * 127, and
 // eight such vpmaddubsw results add up to 30480 < 2^15 before one vpmaddwd; 5-bit weights (Q5_0, Q5_1) go four at
-// a time; Q8_0's signed weights go as |w| times xq with w's sign (pairs up to 2 * 128 * 127),
+// a time; Q8_0's and IQ4_NL's signed weights go as |w| times xq with w's sign (pairs up to 2 * 128 * 127),
 // each product widened at once.
 #pragma once
 
@@ -30,7 +30,19 @@ inline __m256 halves_fp16(const uint8_t* p) {  // eight fp16 values -> fp32
 template <int64_t type>
 inline __m256i legacy_sums8(const uint8_t* q, int h, const int8_t* xq, __m256i init) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (type == Q8_0) {
+  if constexpr (type == IQ4_NL) {  // the levels of the codes: signed, as Q8_0's
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+    for (int g = 0; g < 4; ++g) {
+      const __m256i packed = load32(q + 64 * g + 32 * h);
+      for (int c = 0; c < 2; ++c) {  // low nibbles weights 4g.., high nibbles 16 + 4g..
+        const __m256i codes = _mm256_and_si256(c ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(15));
+        const __m256i w = _mm256_shuffle_epi8(levels, codes);
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(bcast4(xq + 4 * (g + 4 * c)), w));
+        init = _mm256_add_epi32(init, _mm256_madd_epi16(p, ones));
+      }
+    }
+    return init;
+  } else if constexpr (type == Q8_0) {
     for (int v = 0; v < 8; ++v) {
       const __m256i w = load32(q + 64 * v + 32 * h);
       const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(bcast4(xq + 4 * v), w));

@@ -45,7 +45,8 @@ constexpr bool AVX2_LAYOUT = false;
 constexpr bool AVX2_LAYOUT = true;
 #endif
 
-// Bytes of one 32-block of a group of 16 rows: d[16] fp16 | m[16] fp16 (Q4_1, Q5_1) | the fifth bits (Q5_0,
+// Bytes of one 32-block of a group of 16 rows (IQ4_NL, AVX2 builds only: Q4_0's layout, its codes for nibbles):
+// d[16] fp16 | m[16] fp16 (Q4_1, Q5_1) | the fifth bits (Q5_0,
 // Q5_1; VNNI: eight 64-bit masks, mask v bit 4r + i = row r's bit of weight 4v + i; AVX2: two 32-byte planes, one
 // per eight rows, plane r / 8 byte 4 (r % 8) + i bit v = the same bit) | the weights: Q8_0 eight vectors (vector v,
 // lane r: row r's weights 4v..4v+3; VNNI: plus 128), the others four vectors of packed nibbles (vector g, lane r:
@@ -245,7 +246,8 @@ struct Q4KTile {
 inline int64_t regrouped_base(int64_t type) {
   const int64_t base = type - X16;
   return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
-                 (base == Q6_K && !AVX2_LAYOUT)  // AVX2 builds take Q6_K a row at a time (int8_x16_avx2.h)
+                 (base == Q6_K && !AVX2_LAYOUT) ||  // AVX2 builds take Q6_K a row at a time (int8_x16_avx2.h)
+                 (base == IQ4_NL && AVX2_LAYOUT)    // VNNI builds take IQ4_NL a row at a time (int8_halves.h)
              ? base
              : -1;
 }
@@ -258,6 +260,7 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
     case Q5_0: return K / 32 * legacy_group_bytes<Q5_0>();
     case Q5_1: return K / 32 * legacy_group_bytes<Q5_1>();
     case Q8_0: return K / 32 * legacy_group_bytes<Q8_0>();
+    case IQ4_NL: return K / 32 * legacy_group_bytes<IQ4_NL>();
     case Q4_K: return K / 256 * Q4_K_GROUP_BYTES;
     case Q6_K: return K / 256 * Q6_K_GROUP_BYTES;
   }
@@ -284,6 +287,8 @@ c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int
     case Q4_K: out = repack_q4k(rows); break;
 #if defined(SPECDEC_VNNI)
     case Q6_K: out = repack_q6k(rows); break;
+#else
+    case IQ4_NL: out = repack_legacy<IQ4_NL>(rows); break;
 #endif
   }
   return std::make_tuple(out, X16 + type);
@@ -301,6 +306,8 @@ void regrouped_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes,
     case Q4_K: return tiled_outputs<KRows, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
 #if defined(SPECDEC_VNNI)
     case Q6_K: return tiled_outputs<KRows, Q6KTile>(groups, group_bytes, lo, hi, kx, y, N);
+#else
+    case IQ4_NL: return tiled_outputs<QRows, LegacyTile<IQ4_NL>::At>(groups, group_bytes, lo, hi, qx, y, N);
 #endif
   }
   TORCH_CHECK(false, "quant: not a regrouped type: ", type);
