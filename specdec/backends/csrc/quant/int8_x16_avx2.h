@@ -1,5 +1,5 @@
 // Products with int8 activations over weight rows regrouped sixteen at a time at load (regroup.h), on AVX2
-// without VNNI: the 32-weight types (IQ4_NL too, here only) and Q4_K (Q6_K goes a row at a time here: sixteen of its 6-bit vectors do not fit
+// without VNNI: the 32-weight types, Q4_K, and here only IQ4_NL and IQ4_XS (Q6_K goes a row at a time here: sixteen of its 6-bit vectors do not fit
 // AVX2's sixteen registers, and its regrouped kernel was slower than the row-at-a-time one on a large matrix). A group's 64-byte vectors are two 32-byte halves of eight rows each (lanes 0-7: rows 8h..8h+7);
 // each half goes through a block on its own. vpdpbusd's four products per 32-bit lane become vpmaddubsw (16-bit
 // pairs) then vpmaddwd (with ones, or with the sub-block's scale in both halves of each lane): the same integers,
@@ -151,6 +151,53 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
         const float dx = x.scale[r];
         acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[m]), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[m][h]);
         acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn[m]), _mm256_mul_ps(dmin, _mm256_set1_ps(-dx)), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < T; ++m) {
+    _mm256_storeu_ps(out[m], acc[m][0]);
+    _mm256_storeu_ps(out[m] + 8, acc[m][1]);
+  }
+}
+
+// IQ4_XS: per super-block and half, sub-block j's codes of eight rows become their signed levels (vpshufb), multiplied
+// as |level| times xq with the level's sign; each vpmaddubsw result (pairs up to 2 * 127 * 127) goes straight into
+// vpmaddwd with the rows' sub-block scales (|scale - 32| <= 32).
+template <int T>
+void iq4xs_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
+  const int64_t S = x.supers;
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i levels = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_LEVELS)));
+  __m256 acc[T][2];
+  for (int m = 0; m < T; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < S; ++sb) {
+    const uint8_t* p = group + sb * IQ4_XS_GROUP_BYTES;
+    constexpr int64_t ahead = AHEAD_SUPERS * IQ4_XS_GROUP_BYTES;  // lines fetched as the first half reads its own
+    fetch_lines(p, 160, ahead);  // d and the scales
+    for (int h = 0; h < 2; ++h) {
+      __m256i total[T];
+      for (int m = 0; m < T; ++m) total[m] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        __m256i w[8];  // weights 4v..4v+3 of sub-block j: v = g (low nibbles), g + 4 (high)
+        for (int g = 0; g < 4; ++g) {
+          if (h == 0) fetch_lines(p + 160 + 256 * j + 64 * g, 64, ahead);
+          const __m256i packed = load32(p + 160 + 256 * j + 64 * g + 32 * h);
+          w[g] = _mm256_shuffle_epi8(levels, _mm256_and_si256(packed, low));
+          w[g + 4] = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
+        }
+        const __m256i scale = pairs8(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 16 * j + 8 * h))));
+        for (int m = 0; m < T; ++m) {
+          const int8_t* xq = x.q.data() + ((m0 + m) * S + sb) * 256 + 32 * j;
+          for (int v = 0; v < 8; ++v) {
+            const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(w[v], w[v]), _mm256_sign_epi8(bcast4(xq + 4 * v), w[v]));
+            total[m] = _mm256_add_epi32(total[m], _mm256_madd_epi16(pr, scale));
+          }
+        }
+      }
+      const __m256 d = halves_fp16(p + 16 * h);
+      for (int m = 0; m < T; ++m) {
+        const int64_t r = (m0 + m) * S + sb;
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[m]), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r])), acc[m][h]);
       }
     }
   }

@@ -26,7 +26,8 @@ namespace {
 //   Q4_K: per super-block T = sum over sub-blocks j of scale_j * sum_j(u * xq) and
 //     Mn = sum_j min_j * sum_j(xq) (int32, exact), acc = fma(float(T), d * dx, acc),
 //     then acc = fma(float(Mn), dmin * -dx, acc);
-//   Q6_K: per super-block T = sum over sub-blocks j of scale_j * sum_j((u - 32) * xq), acc = fma(float(T), d * dx, acc).
+//   Q6_K: per super-block T = sum over sub-blocks j of scale_j * sum_j((u - 32) * xq), acc = fma(float(T), d * dx, acc);
+//   IQ4_XS (AVX2 builds): per super-block T = sum over sub-blocks j of (scale_j - 32) * sum_j(level * xq), the same fp32 step.
 // So the bits depend on neither the number of input rows nor the thread count.
 
 
@@ -183,6 +184,26 @@ torch::Tensor repack_q6k(const torch::Tensor& rows) {
   });
 }
 
+// ---- IQ4_XS (AVX2 builds) -----------------------------------------------------------------------
+//
+// A group's bytes per super-block: d[16] fp16 | scales[8][16] int8 (sub-block j, row: its 6-bit scale minus 32) |
+// codes[8][4][64] (sub-block j, vector g, lane r: row r's qs[16j + 4g..+3], whose low nibbles are the codes of
+// weights 32j + 4g.. and high nibbles those of 32j + 16 + 4g..). 138 bytes a row for the block's 136.
+constexpr int64_t IQ4_XS_GROUP_BYTES = 32 + 128 + 2048;
+
+torch::Tensor repack_iq4xs(const torch::Tensor& rows) {
+  return regroup(rows, 136, IQ4_XS_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
+    std::memcpy(o + 2 * r, p, 2);
+    uint16_t high;
+    std::memcpy(&high, p + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      const int scale = ((p[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+      o[32 + 16 * j + r] = static_cast<uint8_t>(scale - 32);
+      for (int g = 0; g < 4; ++g) std::memcpy(o + 160 + 256 * j + 64 * g + 4 * r, p + 8 + 16 * j + 4 * g, 4);
+    }
+  });
+}
+
 // The kernels of one group of sixteen weight rows times T quantized input rows (x's rows m0..m0+T-1): out[m][r].
 // Declared here, defined once per instruction set (int8_x16.h, int8_x16_avx2.h).
 template <int64_t type, int T>
@@ -191,6 +212,8 @@ template <int T>
 void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]);
 template <int T>
 void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]);
+template <int T>
+void iq4xs_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]);  // AVX2 builds only
 
 // ---- a part's outputs ---------------------------------------------------------------------------
 
@@ -238,6 +261,10 @@ struct Q6KTile {
   static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q6k_x16_tile<T>(g, x, m0, out); }
 };
 template <int T>
+struct IQ4XSTile {
+  static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { iq4xs_x16_tile<T>(g, x, m0, out); }
+};
+template <int T>
 struct Q4KTile {
   static void run(const uint8_t* g, const KRows& x, int64_t m0, float (*out)[GROUP]) { q4k_x16_tile<T>(g, x, m0, out); }
 };
@@ -247,7 +274,7 @@ inline int64_t regrouped_base(int64_t type) {
   const int64_t base = type - X16;
   return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
                  (base == Q6_K && !AVX2_LAYOUT) ||  // AVX2 builds take Q6_K a row at a time (int8_x16_avx2.h)
-                 (base == IQ4_NL && AVX2_LAYOUT)    // VNNI builds take IQ4_NL a row at a time (int8_halves.h)
+                 ((base == IQ4_NL || base == IQ4_XS) && AVX2_LAYOUT)  // VNNI: a row at a time (int8_halves.h)
              ? base
              : -1;
 }
@@ -261,6 +288,7 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
     case Q5_1: return K / 32 * legacy_group_bytes<Q5_1>();
     case Q8_0: return K / 32 * legacy_group_bytes<Q8_0>();
     case IQ4_NL: return K / 32 * legacy_group_bytes<IQ4_NL>();
+    case IQ4_XS: return K / 256 * IQ4_XS_GROUP_BYTES;
     case Q4_K: return K / 256 * Q4_K_GROUP_BYTES;
     case Q6_K: return K / 256 * Q6_K_GROUP_BYTES;
   }
@@ -289,6 +317,7 @@ c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int
     case Q6_K: out = repack_q6k(rows); break;
 #else
     case IQ4_NL: out = repack_legacy<IQ4_NL>(rows); break;
+    case IQ4_XS: out = repack_iq4xs(rows); break;
 #endif
   }
   return std::make_tuple(out, X16 + type);
@@ -308,6 +337,7 @@ void regrouped_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes,
     case Q6_K: return tiled_outputs<KRows, Q6KTile>(groups, group_bytes, lo, hi, kx, y, N);
 #else
     case IQ4_NL: return tiled_outputs<QRows, LegacyTile<IQ4_NL>::At>(groups, group_bytes, lo, hi, qx, y, N);
+    case IQ4_XS: return tiled_outputs<KRows, IQ4XSTile>(groups, group_bytes, lo, hi, kx, y, N);
 #endif
   }
   TORCH_CHECK(false, "quant: not a regrouped type: ", type);
