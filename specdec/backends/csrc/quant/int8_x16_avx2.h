@@ -1,13 +1,15 @@
 // Products with int8 activations over weight rows regrouped sixteen at a time at load (regroup.h), on AVX2
-// without VNNI: the 32-weight types, Q4_K, and here only IQ4_NL and IQ4_XS (Q6_K goes a row at a time here: sixteen of its 6-bit vectors do not fit
-// AVX2's sixteen registers, and its regrouped kernel was slower than the row-at-a-time one on a large matrix). A group's 64-byte vectors are two 32-byte halves of eight rows each (lanes 0-7: rows 8h..8h+7);
-// each half goes through a block on its own. vpdpbusd's four products per 32-bit lane become vpmaddubsw (16-bit
-// pairs) then vpmaddwd (with ones, or with the sub-block's scale in both halves of each lane): the same integers,
-// and every fp32 step is regroup.h's, lane by lane, so the bits are the VNNI build's (tests/test_isa.py).
+// without VNNI: the 32-weight types and Q4_K, and (here only) IQ4_NL and IQ4_XS. Q6_K goes a row at a time here:
+// its sixteen decoded vectors do not fit AVX2's sixteen registers, and its regrouped kernel was slower than the
+// row-at-a-time one on a large matrix. A group's 64-byte vectors are two 32-byte halves of eight rows each (lanes
+// 0-7: rows 8h..8h+7); each half goes through a block on its own. vpdpbusd's four products per 32-bit lane become
+// vpmaddubsw (16-bit pairs) then vpmaddwd (with ones, or with the sub-block's scale in both halves of each lane):
+// the same integers, and every fp32 step is regroup.h's, lane by lane, so the bits are the VNNI build's
+// (tests/test_isa.py).
 //
 // No 16-bit sum saturates: unsigned weights of up to 4 bits against |xq| <= 127 give pairs up to 2 * 15 * 127, and
 // eight such vpmaddubsw results add up to 30480 < 2^15 before one vpmaddwd; 5-bit weights (Q5_0, Q5_1) go four at
-// a time; Q8_0's and IQ4_NL's signed weights go as |w| times xq with w's sign (pairs up to 2 * 128 * 127),
+// a time; Q8_0's and the IQ4 types' signed weights go as |w| times xq with w's sign (pairs up to 2 * 128 * 127),
 // each product widened at once.
 #pragma once
 
