@@ -157,7 +157,7 @@ torch::Tensor repack_q4k(const torch::Tensor& rows) {
 constexpr int64_t Q6_K_GROUP_BYTES = 32 + 256 + 2048 + 1024;
 constexpr int64_t Q6_K_NIBBLES = 288, Q6_K_HIGHS = 288 + 2048;
 
-torch::Tensor repack_q6k(const torch::Tensor& rows) {
+[[maybe_unused]] torch::Tensor repack_q6k(const torch::Tensor& rows) {  // VNNI builds only
   return regroup(rows, 210, Q6_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
     uint8_t q[256];  // the row's 6-bit weights (0..63), as ggml's dequantize_row_q6_K reads them
     for (int half = 0; half < 2; ++half) {
@@ -191,7 +191,7 @@ torch::Tensor repack_q6k(const torch::Tensor& rows) {
 // weights 32j + 4g.. and high nibbles those of 32j + 16 + 4g..). 138 bytes a row for the block's 136.
 constexpr int64_t IQ4_XS_GROUP_BYTES = 32 + 128 + 2048;
 
-torch::Tensor repack_iq4xs(const torch::Tensor& rows) {
+[[maybe_unused]] torch::Tensor repack_iq4xs(const torch::Tensor& rows) {  // AVX2 builds only
   return regroup(rows, 136, IQ4_XS_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
     std::memcpy(o + 2 * r, p, 2);
     uint16_t high;
