@@ -50,6 +50,16 @@ struct QRows {
   std::vector<float> block_scaled_sum;  // (M, K / 32): block_scale * float(block_sum), a minimum's factor
   std::vector<int32_t> offset_sum[3];   // (M, K / 32) each: -offset * block_sum for the offsets 8, 16, 128
 
+  // The regrouped kernels' fields of block blk (row * K / 32 + block): its scale d and the sum of its int8 values.
+  void set_block(int64_t blk, float d, int32_t sum) {
+    block_scale[blk] = d;
+    block_sum[blk] = sum;
+    block_scaled_sum[blk] = d * static_cast<float>(sum);
+    offset_sum[0][blk] = -8 * sum;
+    offset_sum[1][blk] = -16 * sum;
+    offset_sum[2][blk] = -128 * sum;
+  }
+
   // For `rows` input rows of `columns`: q zeroed (its padding stays 0), and with per_lane the lane fields.
   void reset(int64_t rows, int64_t columns, bool per_lane) {
     M = rows;
@@ -97,6 +107,14 @@ struct KRows {  // input rows quantized per 256 columns
   std::vector<int32_t> sum16;  // (M, supers * 16): sums of the int8 values of each 16 columns
   std::vector<int32_t> pair32;  // (M, supers * 4): the sums of columns 64i..+31 and 64i+32..+63 as 16-bit
                                 // halves (the regrouped Q4_K kernels' minimums)
+
+  // pair32 of super-block r (row * supers + super-block) from its sum16 (|each 32-column sum| <= 32 * 127: 16 bits).
+  void set_pairs(int64_t r) {
+    const int32_t* s = sum16.data() + 16 * r;
+    for (int i = 0; i < 4; ++i)
+      pair32[4 * r + i] = static_cast<int32_t>((static_cast<uint32_t>(s[4 * i] + s[4 * i + 1]) & 0xFFFF) |
+                                               (static_cast<uint32_t>(s[4 * i + 2] + s[4 * i + 3]) << 16));
+  }
 
   void resize(int64_t rows, int64_t columns) {  // for `rows` input rows of `columns`: every field but pair32
     M = rows;

@@ -56,14 +56,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane
         int8_t* q = r.q.data() + m * width + 32 * b;
         int32_t sum16[2];
         round_32(xb, id, q, sum16);
-        const int32_t sum = sum16[0] + sum16[1];
-        const int64_t blk = m * (K / 32) + b;  // the regrouped kernels' per-block fields
-        r.block_scale[blk] = d;
-        r.block_sum[blk] = sum;
-        r.block_scaled_sum[blk] = d * static_cast<float>(sum);
-        r.offset_sum[0][blk] = -8 * sum;
-        r.offset_sum[1][blk] = -16 * sum;
-        r.offset_sum[2][blk] = -128 * sum;
+        r.set_block(m * (K / 32) + b, d, sum16[0] + sum16[1]);
         if (!per_lane) continue;
         const int64_t at = m * lanes + 8 * b;
         const __m256i sum4 = dot4(_mm256_set1_epi8(1), load32(reinterpret_cast<const uint8_t*>(q)), ones);
@@ -90,9 +83,7 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
         r.scale[m * r.supers + sb] = d;
         int32_t* s = r.sum16.data() + (m * r.supers + sb) * 16;
         for (int i = 0; i < 8; ++i) round_32(xb + 32 * i, id, r.q.data() + m * K + 256 * sb + 32 * i, s + 2 * i);
-        for (int i = 0; i < 4; ++i)  // the sums of columns 64i..+31 and 64i+32..+63 as 16-bit halves (|each| <= 32 * 127)
-          r.pair32[(m * r.supers + sb) * 4 + i] = static_cast<int32_t>(
-              (static_cast<uint32_t>(s[4 * i] + s[4 * i + 1]) & 0xFFFF) | (static_cast<uint32_t>(s[4 * i + 2] + s[4 * i + 3]) << 16));
+        r.set_pairs(m * r.supers + sb);
       }
   });
 }

@@ -28,13 +28,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QRows& r, bool per_lane
         if (per_lane)  // block b's 32 values are lanes 8b..8b+7
           for (int l = 0; l < 8; ++l) r.scale[m * lanes + 8 * b + l] = d;
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));  // |v| <= 127: the bytes
-        const int64_t at = m * (K / 32) + b;
-        r.block_scale[at] = d;
-        r.block_sum[at] = sum;
-        r.block_scaled_sum[at] = d * static_cast<float>(sum);
-        r.offset_sum[0][at] = -8 * sum;
-        r.offset_sum[1][at] = -16 * sum;
-        r.offset_sum[2][at] = -128 * sum;
+        r.set_block(m * (K / 32) + b, d, sum);
       }
       const __m512i ones = _mm512_set1_epi8(1);
       for (int64_t c = 0; per_lane && c < r.chunks; ++c) {
@@ -145,11 +139,7 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtsepi32_epi8(v));
           s[i] = _mm512_reduce_add_epi32(v);  // |v| <= 127: the stored bytes are v exactly
         }
-        const auto halves = [](int32_t a, int32_t b) {  // |a|, |b| <= 32 * 127: each fits 16 bits
-          return static_cast<int32_t>((static_cast<uint32_t>(a) & 0xFFFF) | (static_cast<uint32_t>(b) << 16));
-        };
-        for (int i = 0; i < 4; ++i)
-          r.pair32[(m * r.supers + sb) * 4 + i] = halves(s[4 * i] + s[4 * i + 1], s[4 * i + 2] + s[4 * i + 3]);
+        r.set_pairs(m * r.supers + sb);
       }
   });
 }

@@ -23,6 +23,13 @@ inline __m256i bcast4(const int8_t* xq) { return _mm256_set1_epi32(load_i32(xq))
 inline __m256i pairs8(__m256i v) {  // 32-bit lanes of small integers -> (v, v) as 16-bit halves
   return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
 }
+template <int T>
+inline void store_halves(const __m256 (&acc)[T][2], float (*out)[GROUP]) {  // each input row's 16 outputs
+  for (int m = 0; m < T; ++m) {
+    _mm256_storeu_ps(out[m], acc[m][0]);
+    _mm256_storeu_ps(out[m] + 8, acc[m][1]);
+  }
+}
 inline __m256 halves_fp16(const uint8_t* p) {  // eight fp16 values -> fp32
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -105,10 +112,7 @@ void legacy_x16_tile(const uint8_t* group, const QRows& x, int64_t m0, float (*o
       }
     }
   }
-  for (int m = 0; m < T; ++m) {
-    _mm256_storeu_ps(out[m], acc[m][0]);
-    _mm256_storeu_ps(out[m] + 8, acc[m][1]);
-  }
+  store_halves<T>(acc, out);
 }
 
 // Q4_K: per super-block and half, sub-block j's 32 weights of eight rows are eight vectors of packed nibbles
@@ -156,10 +160,7 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
       }
     }
   }
-  for (int m = 0; m < T; ++m) {
-    _mm256_storeu_ps(out[m], acc[m][0]);
-    _mm256_storeu_ps(out[m] + 8, acc[m][1]);
-  }
+  store_halves<T>(acc, out);
 }
 
 // IQ4_XS: per super-block and half, sub-block j's codes of eight rows become their signed levels (vpshufb), multiplied
@@ -203,10 +204,7 @@ void iq4xs_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*ou
       }
     }
   }
-  for (int m = 0; m < T; ++m) {
-    _mm256_storeu_ps(out[m], acc[m][0]);
-    _mm256_storeu_ps(out[m] + 8, acc[m][1]);
-  }
+  store_halves<T>(acc, out);
 }
 
 }  // namespace
