@@ -26,6 +26,7 @@ import torch
 
 from specdec.backends.arch import ARCHS, plan
 from specdec.backends.lean import BatchItem
+from specdec.backends.qscreen import ScreenedHead
 
 SUPPORTED = tuple(ARCHS)
 # The KV cache's dtypes, the default first: fp16 halves the bytes attention reads (measured in
@@ -181,7 +182,7 @@ class QuantModel:
     dtype = torch.float32
     device = torch.device("cpu")
     batch_invariant = True  # a row's bits never depend on the other rows of its forward
-    screen = None  # the quantized output layer is already cheap: no bf16 screen (specdec.backends.screen)
+    screen = None  # no bf16 screen (specdec.backends.screen); a Q8_0 output layer has its own (greedy_head)
 
     def __init__(self, gguf, config=None, activations: str = "auto", kv_dtype: torch.dtype | None = None):
         from specdec.backends.qkernel import kernels
@@ -225,6 +226,16 @@ class QuantModel:
                 file=sys.stderr,
             )
         self.fallback = sorted(fallback)
+        self._greedy_head: ScreenedHead | None | bool = False  # built at the first greedy forward
+
+    @property
+    def greedy_head(self) -> ScreenedHead | None:
+        """The output layer's 4-bit screen for greedy forwards (specdec.backends.qscreen), built at
+        first use; None where it does not apply (not Q8_0, fp32 activations, a negative logit scale)."""
+        if self._greedy_head is False:
+            applies = isinstance(self.lm_head, QuantLinear) and self.plan.logit_scale > 0
+            self._greedy_head = ScreenedHead.of(self.lm_head) if applies else None
+        return self._greedy_head
 
     @property
     def kernel(self) -> str:
@@ -286,9 +297,10 @@ class QuantModel:
     ) -> torch.Tensor:
         """As specdec.backends.lean.LeanModel.forward (same arguments, same cache layout), with
         batch-invariant ops: row i of the returned logits (keep, V) has the bits the same token
-        would get from a forward over fewer or more new tokens. argmax_only changes nothing here
-        (the logits are always exact). It is forward_batch over one request."""
-        return self.forward_batch([BatchItem(ids, keys, values, features, start, keep, tree)], taps)[0]
+        would get from a forward over fewer or more new tokens. argmax_only: each row's argmax (the
+        first, on ties) and its entry have the full output layer's bits, the other entries may be
+        approximations (greedy_head). It is forward_batch over one request."""
+        return self.forward_batch([BatchItem(ids, keys, values, features, start, keep, tree, argmax_only)], taps)[0]
 
     @torch.inference_mode()
     def forward_batch(self, requests: list[BatchItem], taps: tuple[int, ...] = ()) -> list[torch.Tensor]:
@@ -322,10 +334,18 @@ class QuantModel:
             r.features[r.start : r.start + n, :d] = h[offset : offset + n]
             kept.append(h[offset + n - r.keep : offset + n])
             offset += n
-        logits = self.lm_head(_cat(kept))
+        logits = self._output_layer(kept, [r.argmax_only for r in requests])
         if self.plan.logit_scale != 1.0:  # Granite: elementwise, so each row keeps its bits
             logits.mul_(self.plan.logit_scale)
         return list(logits.split([r.keep for r in requests]))
+
+    def _output_layer(self, kept: list[torch.Tensor], argmax_only: list[bool]) -> torch.Tensor:
+        """The logits (sum of rows, V) of each request's kept rows (n_i, d): through greedy_head for
+        the requests that read only the argmax, where it applies, else the full output layer."""
+        head = self.greedy_head if any(argmax_only) else None
+        if head is None or all(argmax_only):
+            return (head or self.lm_head)(_cat(kept))
+        return torch.cat([(head if a else self.lm_head)(h) for h, a in zip(kept, argmax_only)])
 
 
 def _window_mask(start: int, positions: torch.Tensor, mask: torch.Tensor | None, window: int) -> torch.Tensor | None:

@@ -26,6 +26,7 @@
 #include "quant/head.h"
 #include "quant/layers.h"
 #include "quant/peak.h"
+#include "quant/screen.h"
 
 
 // The long-running functions release the GIL (as torch's own ops do), so that a server's other
@@ -37,9 +38,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(SPECDEC_INT8)
   m.def("repack", &repack, "(rows regrouped sixteen at a time for the int8 path, their type); None for other types",
         py::arg("rows"), py::arg("type"), py::arg("K"));
+  m.def("q8_screen", &q8_screen, "a Q8_0 output layer's 4-bit screen (regrouped Q4_1) and its bound factor",
+        py::call_guard<py::gil_scoped_release>(), py::arg("rows"), py::arg("K"));
+  m.def("screened_logits", &screened_logits, "logits whose argmax is a Q8_0 output layer's, from its screen",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("screen"), py::arg("rows"), py::arg("c"));
 #else
   m.def("repack", [](torch::Tensor, int64_t, int64_t) { return py::none(); },
         "None: this build has no int8 kernels, its rows go as they are", py::arg("rows"), py::arg("type"), py::arg("K"));
+  m.def("q8_screen", [](torch::Tensor, int64_t) { return py::make_tuple(py::none(), 0.0); },
+        "(None, 0.0): the screen multiplies with int8 activations, which this build has not", py::arg("rows"),
+        py::arg("K"));
 #endif
   m.def("release", [](torch::Tensor t) {
         // Drops this process's mapping of the whole pages inside a memory-mapped tensor (they stay in the
