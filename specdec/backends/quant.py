@@ -281,6 +281,7 @@ class QuantModel:
         copied, every other weight is shared."""
         view = copy.copy(self)
         view.lm_head = OutputRows(self.lm_head, ids, self.vocab_size)
+        view._greedy_head = None  # the full layer's screen would score every token
         return view
 
     def forward(

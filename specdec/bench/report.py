@@ -182,7 +182,7 @@ def _costs(pair: dict) -> list[str]:
     if roof:
         frac = roof["fraction"]
         widest = max(frac, key=int)
-        screened = " (its output layer in bf16, screened)" if roof.get("screened_output_layer") else ""
+        screened = " (its output layer screened)" if roof.get("screened_output_layer") else ""
         out += [
             "",
             f"Roofline ({pair['backend']} backend, {roof['weights'] or pair['precision']}): a forward "

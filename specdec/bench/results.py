@@ -100,7 +100,7 @@ class Roofline(_Record):
     bandwidth_gbs: float
     floor_ms: float  # weight_mb at bandwidth_gbs
     fraction: dict[str, float]  # by n: floor_ms / V(n)
-    screened_output_layer: bool  # greedy read the output layer in bf16 (specdec.backends.screen)
+    screened_output_layer: bool  # greedy read the output layer screened (specdec.backends.screen, .qscreen)
 
 
 class RowCost(_Record):

@@ -55,12 +55,18 @@ def memory_bandwidth_gbs(
 
 
 def forward_bytes(model: Model, greedy: bool = False) -> tuple[int, bool]:
-    """(bytes of weights one forward of `model` reads, whether its output layer is read screened in
-    bf16). A GGUF model run at its own precision: its quantized blocks as they lie in the file (never
-    its fp32 dequantization, which is not loaded). greedy: the forward is a greedy one, which reads a
-    lean model's output layer in bf16 where it is screened (specdec.backends.screen)."""
+    """(bytes of weights one forward of `model` reads, whether its output layer is read screened).
+    A GGUF model run at its own precision: its quantized blocks as they lie in the file (never its
+    fp32 dequantization, which is not loaded). greedy: the forward is a greedy one, which reads a
+    lean model's output layer in bf16 where it is screened (specdec.backends.screen), and a GGUF
+    model's Q8_0 output layer through its 4-bit screen (specdec.backends.qscreen; the few rows it
+    recomputes exactly are not counted)."""
     if model.gguf is not None:
-        return model.lean().weight_bytes(), False
+        quant = model.lean()
+        head = quant.greedy_head if greedy else None
+        if head is None:
+            return quant.weight_bytes(), False
+        return quant.weight_bytes() - quant.lm_head.nbytes + head.nbytes, True
     screen = model.lean().screen if greedy and model.backend == "lean" else None
     return weight_bytes(model.hf) - (screen.saved_bytes if screen is not None else 0), screen is not None
 
