@@ -166,17 +166,18 @@ def test_greedy_reads_the_screen_and_decodes_as_without_it(smol):
 
 
 @needs_int8
-def test_a_batch_mixing_greedy_and_sampled_requests_gives_each_its_own_logits(smol):
+def test_a_decode_step_is_screened_per_request_and_a_verify_forward_reads_the_full_layer(smol):
     q = smol.lean()
     ids = smol.encode("The quick brown fox jumps over", chat=False)
 
-    def item(argmax_only: bool) -> BatchItem:
+    def item(argmax_only: bool, rows: int = 1) -> BatchItem:
         kv = new_cache(smol)
         kv.argmax_only = argmax_only
-        return kv.item(ids, all_logits=True)
+        return kv.item(ids, all_logits=rows > 1)
 
     alone = [q.forward_batch([item(a)])[0] for a in (True, False)]
-    mixed = q.forward_batch([item(True), item(False)])
+    mixed = q.forward_batch([item(True), item(False), item(True, rows=len(ids))])
     assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[1], alone[1])
-    assert not torch.equal(alone[0], alone[1])  # the greedy one was screened
-    assert torch.equal(alone[0].argmax(1), alone[1].argmax(1))
+    assert not torch.equal(alone[0], alone[1])  # the greedy step was screened...
+    assert torch.equal(alone[0].argmax(1), alone[1].argmax(1))  # ...to the same argmax
+    assert torch.equal(mixed[2], q.forward_batch([item(False, rows=len(ids))])[0])  # several rows: the full layer

@@ -298,9 +298,9 @@ class QuantModel:
     ) -> torch.Tensor:
         """As specdec.backends.lean.LeanModel.forward (same arguments, same cache layout), with
         batch-invariant ops: row i of the returned logits (keep, V) has the bits the same token
-        would get from a forward over fewer or more new tokens. argmax_only: each row's argmax (the
-        first, on ties) and its entry have the full output layer's bits, the other entries may be
-        approximations (greedy_head). It is forward_batch over one request."""
+        would get from a forward over fewer or more new tokens. argmax_only: with keep 1, the row's
+        argmax (the first, on ties) and its entry have the full output layer's bits, the other entries
+        may be approximations (greedy_head). It is forward_batch over one request."""
         return self.forward_batch([BatchItem(ids, keys, values, features, start, keep, tree, argmax_only)], taps)[0]
 
     @torch.inference_mode()
@@ -341,12 +341,16 @@ class QuantModel:
         return list(logits.split([r.keep for r in requests]))
 
     def _output_layer(self, kept: list[torch.Tensor], argmax_only: list[bool]) -> torch.Tensor:
-        """The logits (sum of rows, V) of each request's kept rows (n_i, d): through greedy_head for
-        the requests that read only the argmax, where it applies, else the full output layer."""
-        head = self.greedy_head if any(argmax_only) else None
-        if head is None or all(argmax_only):
+        """The logits (sum of rows, V) of each request's kept rows (n_i, d): through greedy_head for a
+        request that reads only the argmax of one row (a decode step: the screen reads fewer bytes,
+        which pays while one row leaves the product bound by memory; several rows share the full
+        layer's bytes), else the full output layer. Per request, so its logits never depend on the
+        rest of the batch."""
+        screened = [a and len(h) == 1 for h, a in zip(kept, argmax_only)]
+        head = self.greedy_head if any(screened) else None
+        if head is None or all(screened):
             return (head or self.lm_head)(_cat(kept))
-        return torch.cat([(head if a else self.lm_head)(h) for h, a in zip(kept, argmax_only)])
+        return torch.cat([(head if s else self.lm_head)(h) for h, s in zip(kept, screened)])
 
 
 def _window_mask(start: int, positions: torch.Tensor, mask: torch.Tensor | None, window: int) -> torch.Tensor | None:

@@ -185,7 +185,7 @@ def _costs(pair: dict) -> list[str]:
         screened = " (its output layer screened)" if roof.get("screened_output_layer") else ""
         out += [
             "",
-            f"Roofline ({pair['backend']} backend, {roof['weights'] or pair['precision']}): a forward "
+            f"Roofline ({pair['backend']} backend, {roof['weights'] or pair['precision']}): a one-token forward "
             f"reads{screened} {roof['weight_mb']:.0f} MB of weights; at the {roof['bandwidth_gbs']:.1f} GB/s measured "
             f"here that takes at least {_ms(roof['floor_ms'])} ms. V(1) reaches {frac['1']:.0%} of that floor, "
             f"V({widest}) {frac[widest]:.0%}.",

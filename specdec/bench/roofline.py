@@ -54,16 +54,16 @@ def memory_bandwidth_gbs(
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def forward_bytes(model: Model, greedy: bool = False) -> tuple[int, bool]:
-    """(bytes of weights one forward of `model` reads, whether its output layer is read screened).
-    A GGUF model run at its own precision: its quantized blocks as they lie in the file (never its
-    fp32 dequantization, which is not loaded). greedy: the forward is a greedy one, which reads a
-    lean model's output layer in bf16 where it is screened (specdec.backends.screen), and a GGUF
-    model's Q8_0 output layer through its 4-bit screen (specdec.backends.qscreen; the few rows it
-    recomputes exactly are not counted)."""
+def forward_bytes(model: Model, greedy: bool = False, rows: int = 1) -> tuple[int, bool]:
+    """(bytes of weights one forward of `model` over `rows` new tokens reads, whether its output layer
+    is read screened). A GGUF model run at its own precision: its quantized blocks as they lie in the
+    file (never its fp32 dequantization, which is not loaded). greedy: the forward is a greedy one,
+    which reads a lean model's output layer in bf16 where it is screened (specdec.backends.screen),
+    and, over one row, a GGUF model's Q8_0 output layer through its 4-bit screen
+    (specdec.backends.qscreen; the few rows it recomputes exactly are not counted)."""
     if model.gguf is not None:
         quant = model.lean()
-        head = quant.greedy_head if greedy else None
+        head = quant.greedy_head if greedy and rows == 1 else None
         if head is None:
             return quant.weight_bytes(), False
         return quant.weight_bytes() - quant.lm_head.nbytes + head.nbytes, True
@@ -76,16 +76,19 @@ def roofline(model: Model, forward_ms: dict[str, float], bandwidth_gbs: float, g
 
     forward_ms: measured ms of one forward over n new tokens, by str(n) (the bench's verify_ms).
     greedy: the forwards were greedy ones (see forward_bytes). Returns {"weight_mb", "weights",
-    "bandwidth_gbs", "floor_ms", "fraction": {n: floor_ms / forward_ms[n]}, "screened_output_layer"}
-    (1.0 would be reading the weights at full bandwidth and nothing else); "weights" says what
-    the bytes are: the model's precision (Model.precision), e.g. "gguf Q4_1+Q8_0" or "float32"."""
+    "bandwidth_gbs", "floor_ms", "fraction": {n: floor(n) / forward_ms[n]}, "screened_output_layer"}
+    for a one-token forward (1.0 would be reading the weights at full bandwidth and nothing else;
+    floor(n) is the floor of a forward over n tokens, which reads the same weights unless a one-token
+    forward screens its output layer); "weights" says what the bytes are: the model's precision
+    (Model.precision), e.g. "gguf Q4_1+Q8_0" or "float32"."""
     nbytes, screened = forward_bytes(model, greedy)
     floor_ms = nbytes / (bandwidth_gbs * 1e9) * 1e3
+    wider_ms = forward_bytes(model, greedy, rows=2)[0] / (bandwidth_gbs * 1e9) * 1e3
     return {
         "weight_mb": nbytes / 1e6,
         "weights": model.precision,
         "bandwidth_gbs": bandwidth_gbs,
         "floor_ms": floor_ms,
-        "fraction": {n: floor_ms / ms for n, ms in forward_ms.items() if ms > 0},
+        "fraction": {n: (floor_ms if n == "1" else wider_ms) / ms for n, ms in forward_ms.items() if ms > 0},
         "screened_output_layer": screened,
     }
