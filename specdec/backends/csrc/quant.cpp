@@ -38,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(SPECDEC_INT8)
   m.def("repack", &repack, "(rows regrouped sixteen at a time for the int8 path, their type); None for other types",
         py::arg("rows"), py::arg("type"), py::arg("K"));
-  m.def("q8_screen", &q8_screen, "a Q8_0 output layer's 4-bit screen (regrouped Q4_1) and its bound factor",
+  m.def("q8_screen", &q8_screen, "a Q8_0 output layer's 4-bit screen (regrouped Q4_0) and its bound factor",
         py::call_guard<py::gil_scoped_release>(), py::arg("rows"), py::arg("K"));
   m.def("screened_logits", &screened_logits, "logits whose argmax is a Q8_0 output layer's, from its screen",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("screen"), py::arg("rows"), py::arg("c"));

@@ -1,4 +1,4 @@
-// A Q8_0 output layer's argmax for greedy decoding from about 60% of its bytes: a 4-bit screen of every row,
+// A Q8_0 output layer's argmax for greedy decoding from about half its bytes: a 4-bit screen of every row,
 // then the exact logits of the few rows the screen cannot rule out.
 #pragma once
 
