@@ -135,6 +135,29 @@ def test_avx2_regrouped_products_are_batch_invariant_and_the_native_regrouped_bi
         assert torch.equal(product(x), kernels().matmul(x, [native[0]], [native[1]], None, True))
 
 
+def test_an_older_builds_q8_screen_gives_the_native_screens_bits(older):
+    """The greedy output layer's screen (quant/screen.h) on an older build: x86-64-v2, without int8 kernels, has none;
+    x86-64-v3's screened logits are batch-invariant, their argmax entries have that build's full regrouped Q8_0
+    product's bits, and the whole rows are the native build's (on this CPU's AVX2 or a VNNI CPU's native build)."""
+    K, V = 640, 16 * 40
+    rows = torch.from_numpy(random_blocks("Q8_0", V, K, seed=31))
+    rows.view(V, -1, 34)[..., :2] = rows.view(V, -1, 34)[..., :2].view(torch.float16).abs().view(torch.uint8)  # d >= 0
+    screen, c = older.q8_screen(rows, K)
+    if older.int8_kernels() != "avx2":
+        assert screen is None
+        return
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(32))
+    logits = lambda h: older.screened_logits(h, screen, rows, c)  # noqa: E731
+    assert_rows_invariant(logits, x, max_n=9)
+    packed, xtype = older.repack(rows, TYPES["Q8_0"], K)
+    full = older.matmul(x, [packed], [xtype], None, True)
+    picked = full.argmax(1, keepdim=True)
+    assert torch.equal(logits(x).gather(1, picked), full.gather(1, picked))
+    if kernels().int8_available():
+        native, native_c = kernels().q8_screen(rows, K)
+        assert native_c == c and torch.equal(kernels().screened_logits(x, native, rows, native_c), logits(x))
+
+
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t != "F32"])
 def test_older_products_are_batch_invariant_and_the_native_fp32_paths_bits(older, qtype):
     K = 512

@@ -16,8 +16,10 @@ from specdec import generate
 from specdec.backends.lean import BatchItem
 from specdec.backends.qkernel import kernels
 from specdec.backends.qscreen import ScreenedHead
-from specdec.backends.quant import QuantLinear
+from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.cache import new_cache
+
+from .test_quant import _threads, assert_rows_invariant  # noqa: F401 (_threads: restores the thread count)
 
 needs_int8 = pytest.mark.skipif(not kernels().int8_available(), reason="the screen multiplies with int8 activations")
 
@@ -108,18 +110,9 @@ def test_argmax_and_its_logit_are_the_full_layers_bit_for_bit():
 
 
 @needs_int8
-def test_each_row_is_its_own_one_row_calls_whatever_the_batch_and_threads():
+def test_each_row_is_its_own_one_row_call_whatever_the_batch_and_threads():
     rows, x = hard_rows(seed=1)
-    screen = ScreenedHead.of(head_of(rows))
-    alone = torch.cat([screen(x[i : i + 1]) for i in range(len(x))])
-    for n in (1, 2, 5, 9, len(x)):
-        assert torch.equal(torch.cat([screen(x[i : i + n]) for i in range(0, len(x), n)]), alone)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(screen(x), alone)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_invariant(ScreenedHead.of(head_of(rows)), x, max_n=len(x))
 
 
 @needs_int8
@@ -146,23 +139,26 @@ def test_layers_the_bound_does_not_cover_have_no_screen():
 
 
 @needs_int8
-def test_greedy_reads_the_screen_and_decodes_as_without_it(smol):
+def test_greedy_reads_the_screen_and_decodes_as_without_it(smol, monkeypatch):
     q = smol.lean()
-    assert q.greedy_head is not None  # SmolLM2's output layer (its tied embedding) is Q8_0
+    screen = q.greedy_head
+    assert screen is not None  # SmolLM2's output layer (its tied embedding) is Q8_0
+    assert q.subset(list(range(4))).greedy_head is screen  # views of the model share it
     prompt = smol.encode("def fib(n):\n    if n < 2:\n        return n\n    return", chat=False)
     calls = []
-    screen, q._greedy_head = q._greedy_head, lambda h: calls.append(len(h)) or screen(h)
-    try:
-        screened = {d: generate(smol, prompt, d, k=4, max_new_tokens=40).tokens for d in (None, "prompt-lookup")}
-        assert calls
-        n = len(calls)
-        generate(smol, prompt, "prompt-lookup", k=3, max_new_tokens=12, temperature=1.0, seed=0)
-        assert len(calls) == n  # sampling reads the full layer
-        q._greedy_head = None
-        plain = generate(smol, prompt, None, max_new_tokens=40).tokens
-    finally:
-        q._greedy_head = screen
+    monkeypatch.setattr(QuantModel, "greedy_head", property(lambda self: lambda h: calls.append(len(h)) or screen(h)))
+    screened = {d: generate(smol, prompt, d, k=4, max_new_tokens=40).tokens for d in (None, "prompt-lookup")}
+    assert calls
+    n = len(calls)
+    generate(smol, prompt, "prompt-lookup", k=3, max_new_tokens=12, temperature=1.0, seed=0)
+    assert len(calls) == n  # sampling reads the full layer
+    monkeypatch.setattr(QuantModel, "greedy_head", property(lambda self: None))
+    plain = generate(smol, prompt, None, max_new_tokens=40).tokens
     assert screened[None] == plain and screened["prompt-lookup"] == plain
+
+
+def test_a_vocabulary_cut_has_no_screen(smol):
+    assert smol.lean().with_output_rows(torch.arange(0, 1000)).greedy_head is None
 
 
 @needs_int8

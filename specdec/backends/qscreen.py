@@ -15,7 +15,11 @@ sampling or log-probabilities the full layer is used (specdec.cache.KVCache.argm
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+_SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # output layer -> its screen, or None
 
 
 class ScreenedHead:
@@ -28,9 +32,16 @@ class ScreenedHead:
 
     @classmethod
     def of(cls, head) -> ScreenedHead | None:
-        """The screen of an output layer (a specdec.backends.quant.QuantLinear), or None where it does
-        not apply: a layer of several parts or with a bias, a type other than Q8_0, fp32 activations,
-        a build without int8 kernels, a row count not a multiple of 16, or a negative block scale."""
+        """The screen of an output layer (a specdec.backends.quant.QuantLinear), built at the first call
+        and shared by every model view holding that layer; None where it does not apply: a layer of
+        several parts or with a bias, a type other than Q8_0, fp32 activations, a build without int8
+        kernels, a row count not a multiple of 16, or a negative block scale."""
+        if head not in _SCREENS:
+            _SCREENS[head] = cls._build(head)
+        return _SCREENS[head]
+
+    @classmethod
+    def _build(cls, head) -> ScreenedHead | None:
         from specdec.backends.qkernel import TYPES
 
         if len(head.raw) != 1 or head.bias is not None or head.raw_types[0] != TYPES["Q8_0"] or not head.int8:

@@ -226,16 +226,14 @@ class QuantModel:
                 file=sys.stderr,
             )
         self.fallback = sorted(fallback)
-        self._greedy_head: ScreenedHead | None | bool = False  # built at the first greedy forward
 
     @property
     def greedy_head(self) -> ScreenedHead | None:
-        """The output layer's 4-bit screen for greedy forwards (specdec.backends.qscreen), built at
-        first use; None where it does not apply (not Q8_0, fp32 activations, a negative logit scale)."""
-        if self._greedy_head is False:
-            applies = isinstance(self.lm_head, QuantLinear) and self.plan.logit_scale > 0
-            self._greedy_head = ScreenedHead.of(self.lm_head) if applies else None
-        return self._greedy_head
+        """The output layer's 4-bit screen for one-row greedy forwards (specdec.backends.qscreen), built
+        at first use; None where it does not apply (not a Q8_0 QuantLinear, e.g. a draft's vocabulary
+        cut; fp32 activations; a negative logit scale)."""
+        applies = isinstance(self.lm_head, QuantLinear) and self.plan.logit_scale > 0
+        return ScreenedHead.of(self.lm_head) if applies else None
 
     @property
     def kernel(self) -> str:
@@ -281,7 +279,6 @@ class QuantModel:
         copied, every other weight is shared."""
         view = copy.copy(self)
         view.lm_head = OutputRows(self.lm_head, ids, self.vocab_size)
-        view._greedy_head = None  # the full layer's screen would score every token
         return view
 
     def forward(

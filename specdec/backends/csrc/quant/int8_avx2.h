@@ -19,12 +19,6 @@ inline float max_abs(const float* x, int n) {  // max |x_i| over n values, n a m
   return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 }
 
-inline int32_t total(__m256i v) {  // the sum of 8 int32 lanes (exact in any order)
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
-}
-
 // 32 values of x times id, rounded to the nearest integer (ties to even) and stored as int8 at q (they
 // lie in [-127, 127], so the saturating packs never act); sum16, where given, gets the sums of the
 // first and the second 16.

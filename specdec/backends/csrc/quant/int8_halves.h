@@ -23,6 +23,12 @@ inline __m256i dot4(__m256i u, __m256i x, __m256i scale) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale);
 }
 
+inline int32_t total(__m256i v) {  // the sum of 8 int32 lanes (exact in any order)
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
 // 32 bits -> 32 bytes, byte i 16 where bit i is set, else 0 (the fifth bit of Q5_0 and Q5_1).
 inline __m256i fifth_bits(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i: byte i / 8 of bits

@@ -2,6 +2,7 @@
 // then the exact logits of the few rows the screen cannot rule out.
 #pragma once
 
+#include "int8_halves.h"
 #include "regroup.h"
 
 #include <atomic>
@@ -63,12 +64,6 @@ std::tuple<torch::Tensor, double> q8_screen(torch::Tensor rows, int64_t K) {
   return {repack_legacy<Q4_0>(q40), screen_factor(K)};
 }
 
-inline int32_t sum_lanes(__m256i v) {  // the sum of eight int32 lanes
-  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1))));
-}
-
 // The screen's inputs for one input row, per block: xq, dx / 32, -241 X and (c / 16) * dx * A (d1 times it is
 // the block's width).
 struct ScreenRow {
@@ -114,12 +109,12 @@ inline float q8_exact(const uint8_t* row, const QRows& x, int64_t m) {
   const int64_t B = x.K / 32;
   const int8_t* xq = x.q.data() + m * x.chunks * 64;
   const float* dx = x.block_scale.data() + m * B;
+  const __m256i ones = _mm256_set1_epi16(1);
   float acc = 0.0f;
   for (int64_t b = 0; b < B; ++b) {
-    const __m256i w = load32(row + 34 * b + 2);
-    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
-                                           _mm256_sign_epi8(load32(reinterpret_cast<const uint8_t*>(xq + 32 * b)), w));
-    const int32_t I = sum_lanes(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    const __m256i w = block_bytes<Q8_0>(row + 34 * b);  // |w| times xq with w's sign, as int8_halves.h
+    const __m256i x = _mm256_sign_epi8(load32(reinterpret_cast<const uint8_t*>(xq + 32 * b)), w);
+    const int32_t I = total(dot4(_mm256_sign_epi8(w, w), x, ones));
     acc = std::fma(static_cast<float>(I), half_to_float(row + 34 * b) * dx[b], acc);
   }
   return acc;
@@ -152,18 +147,19 @@ torch::Tensor screened_logits(torch::Tensor x, torch::Tensor screen, torch::Tens
   }
   auto y = torch::empty({M, V}, x.options());
   float* out = y.data_ptr<float>();  // the centers first
-  std::vector<float> width(M * V);
+  auto widths = torch::empty({M, V}, x.options());
+  float* width = widths.data_ptr<float>();
   const int64_t gbytes = screen.size(1);
   at::parallel_for(0, V / GROUP, 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t m = 0; m < M; ++m)
         screen_tile(screen.data_ptr<uint8_t>() + g * gbytes, B, in[m], out + m * V + g * GROUP,
-                    width.data() + m * V + g * GROUP);
+                    width + m * V + g * GROUP);
   });
   const uint8_t* src = rows.data_ptr<uint8_t>();
   for (int64_t m = 0; m < M; ++m) {
     float* row = out + m * V;
-    const float* wid = width.data() + m * V;
+    const float* wid = width + m * V;
     int64_t top[SCREEN_FLOOR_ROWS];  // the rows of largest center: their exact logits give the floor
     float least[SCREEN_FLOOR_ROWS];
     std::fill(top, top + SCREEN_FLOOR_ROWS, -1);
