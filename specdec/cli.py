@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run its command. Returns the exit status: 2 with one `error:`
     line for a SpecdecError or ValueError (argparse exits 2 itself, with the usage, for a bad flag)."""
     args = _parser().parse_args(argv)
+    if getattr(args, "drafter", "") is None:  # generate, serve: the draft model with lookup when one is given
+        args.drafter = "model-lookup" if getattr(args, "draft", None) else "prompt-lookup"
     try:
         return COMMANDS[args.command](args)
     except (SpecdecError, ValueError) as e:
@@ -153,8 +155,10 @@ def _add_bench(sub) -> None:
         "--peers",
         default=_default_peers(),
         help="comma-separated: hf, hf-lookup, hf-assisted (model pairs), llama-cpp, llama-cpp-lookup "
-        "(need `pip install -e .[llama]`), or none (default: hf,hf-lookup, and llama-cpp,llama-cpp-lookup "
-        "where llama-cpp-python is installed)",
+        "(need `pip install -e .[llama]`), llama-server, llama-server-draft (model pairs), llama-server-ngram, "
+        "llama-server-ngram-mod (need `bash scripts/llama_server.sh`), or none (default: hf,hf-lookup, "
+        "llama-cpp,llama-cpp-lookup where llama-cpp-python is installed, and llama-server,llama-server-draft,"
+        "llama-server-ngram where llama-server is built)",
     )
     b.add_argument("--peer-k", type=int, default=4, help="draft length the peers use (default 4)")
     b.add_argument(
@@ -191,9 +195,8 @@ def _add_serve(sub) -> None:
     _target_option(sv)
     sv.add_argument(
         "--drafter",
-        default="prompt-lookup",
         choices=[*sorted(DRAFTERS), "none"],
-        help="default drafter of a request that names none (default: prompt-lookup)",
+        help="default drafter of a request that names none (default: model-lookup with --draft, else prompt-lookup)",
     )
     sv.add_argument("--draft", help="draft model for the model drafter (same kinds of spec as --target)")
     sv.add_argument(  # checked by the command, not here: a bad -k is one `error:` line (tests/test_serve.py)
@@ -446,7 +449,12 @@ def _target_option(p: argparse.ArgumentParser) -> None:
 
 def _drafter_options(p: argparse.ArgumentParser) -> None:
     """generate's drafter, its draft length (-k, --k-max) and each drafter's own flags."""
-    p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS), help="default: prompt-lookup")
+    p.add_argument(
+        "--drafter",
+        choices=sorted(DRAFTERS),
+        help="default: model-lookup with --draft (the draft model, and prompt lookup where it matches long), "
+        "else prompt-lookup",
+    )
     p.add_argument("--draft", help="draft model for --drafter model (same kinds of spec as --target)")
     p.add_argument(
         "-k",
@@ -756,11 +764,22 @@ def _workload(name_or_path: str) -> Path:
 
 
 def _default_peers() -> str:
-    """The bench's peers: transformers always, llama.cpp where llama-cpp-python is installed."""
+    """The bench's peers: transformers always, llama.cpp through llama-cpp-python where it is
+    installed, and llama-server where scripts/llama_server.sh built it."""
     import importlib.util
 
+    from specdec.bench.llama_server import server_binary
+
     llama = importlib.util.find_spec("llama_cpp") is not None
-    return "hf,hf-lookup" + (",llama-cpp,llama-cpp-lookup" if llama else "")
+    try:
+        server = bool(server_binary())
+    except RuntimeError:
+        server = False
+    return (
+        "hf,hf-lookup"
+        + (",llama-cpp,llama-cpp-lookup" if llama else "")
+        + (",llama-server,llama-server-draft,llama-server-ngram" if server else "")
+    )
 
 
 def _version() -> str:

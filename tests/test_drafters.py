@@ -516,6 +516,25 @@ def test_a_draft_model_fills_its_cache_with_the_prefill_not_in_the_first_round(t
     assert generate(target, ids, ModelDrafter(draft_model), k=4, max_new_tokens=24).tokens == plain.tokens
 
 
+def test_a_draft_model_reads_only_its_window_of_a_long_prompt_and_stays_exact(target, draft_model):
+    from specdec.engine import stepwise
+
+    drafter = ModelDrafter(draft_model, window=8)
+    ids = prompt_ids(40)
+    rounds = stepwise(target, ids, drafter, k=4, max_new_tokens=24)
+    assert next(rounds) == 0
+    assert drafter.kv.tokens == ids[32:-1]  # the prompt's last 8 tokens but the one the first round feeds
+    for _ in rounds:
+        pass
+    assert drafter.kv.tokens[:7] == ids[32:-1]  # the draft went on from there
+    plain = generate(target, ids, None, k=0, max_new_tokens=24)
+    for window in (1, 8, None):
+        spec = generate(target, ids, ModelDrafter(draft_model, lookup=True, window=window), k=4, max_new_tokens=24)
+        assert spec.tokens == plain.tokens
+    with pytest.raises(ValueError, match="at least 1 token"):
+        ModelDrafter(draft_model, window=0)
+
+
 def _scanned(context: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int | None]:
     """Prompt lookup by a scan of the whole context (its definition), to check the indexed one."""
     L = len(context)

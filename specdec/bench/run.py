@@ -37,6 +37,7 @@ from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.backends import gemv
 from specdec.bench import costmodel
 from specdec.bench.memory import MB, footprint, rss_bytes
+from specdec.bench.llama_server import llama_server_generate
 from specdec.bench.peers import hf_generate, llama_cpp_generate
 from specdec.bench.replay import controller, replayable
 from specdec.bench.replay import replay as replay_run
@@ -56,6 +57,7 @@ from specdec.models.weights import cache_dir, gguf_path
 from specdec.sampling import Sampler, SamplingParams
 
 QUICK_CATEGORIES = ["summarization", "translation", "qa", "math_reasoning", "writing"]
+DRAFT_PEERS = ("hf-assisted", "llama-server-draft")  # peers that run the pair's draft model: model pairs only
 
 
 @dataclass(frozen=True)
@@ -290,8 +292,8 @@ def bench_pair(
     # llama.cpp allocates its whole KV cache up front: room for the longest prompt and its output
     peer_ctx = min(target.n_ctx, -(-(max(map(len, encoded)) + max_new_tokens + peer_k + 16) // 256) * 256)
     peer_run = functools.partial(
-        _peer_run, target=target, spec=pair.target, draft_model=draft_model, max_new_tokens=max_new_tokens,
-        peer_k=peer_k, n_ctx=peer_ctx, cache=cache, greedy=greedy,
+        _peer_run, target=target, spec=pair.target, draft_model=draft_model, draft_spec=pair.draft,
+        max_new_tokens=max_new_tokens, peer_k=peer_k, n_ctx=peer_ctx, cache=cache, greedy=greedy,
     )  # fmt: skip
     records, peer_rows, outputs = [], [], []
     bar = tqdm(
@@ -307,7 +309,7 @@ def bench_pair(
         record, plain = _prompt_record(target, prompt, ids, ks, timed, greedy)
         bar.update(1 + len(ks))
         for name in peers:
-            if not prompt.schema:
+            if not prompt.schema and (draft_model is not None or name not in DRAFT_PEERS):
                 peer_rows.append(peer_run(name, prompt.id, ids, plain))
             bar.update()
         records.append(record)
@@ -464,6 +466,7 @@ def _peer_run(
     target: Model,
     spec: str,
     draft_model: Model | None,
+    draft_spec: str | None,
     max_new_tokens: int,
     peer_k: int,
     n_ctx: int,
@@ -474,7 +477,16 @@ def _peer_run(
     output held against ours (plain: our plain decoding's tokens). A peer that fails gives a row with
     its error and NaN tokens/s: a result to report, not a reason to stop."""
     try:
-        if name.startswith("llama-cpp"):
+        if name.startswith("llama-server"):  # llama.cpp as users serve it, its own speculation included
+            gguf = _gguf_of(target, spec, cache)
+            draft_gguf = _gguf_of(draft_model, draft_spec, cache) if draft_model is not None else None
+            threads = torch.get_num_threads()
+            peer = llama_server_generate(
+                name, gguf, ids, max_new_tokens, target.eos_token_ids, threads, n_ctx, draft_gguf, peer_k
+            )
+            weights = target.precision if target.gguf is not None else _gguf_precision(gguf)
+            same_weights = target.gguf is not None
+        elif name.startswith("llama-cpp"):
             gguf = _gguf_of(target, spec, cache)
             k = peer_k if name == "llama-cpp-lookup" else 0
             peer = llama_cpp_generate(gguf, ids, max_new_tokens, target.eos_token_ids, n_ctx=n_ctx, k=k)

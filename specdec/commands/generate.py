@@ -112,6 +112,9 @@ def _generate(args, target, drafter, ids: list[int], run: GenerationOptions) -> 
             plains.append(quietly(plain))
         print("--- compare")
         print("\n".join(compare_lines([r.stats for r in plains], [r.stats for r in specs])))
+        why = why_line([r.stats for r in plains], [r.stats for r in specs])
+        if why:
+            print(why)
         print(_identical_line(target, ids, plains[0].tokens, spec.tokens, args.temperature))
     return 0
 
@@ -196,6 +199,31 @@ def compare_lines(plains: list, specs: list) -> list[str]:
         f"speculative:     {spec}",
         f"speed-up:        {sd / pd:.2f}x decoding, {st / pt:.2f}x end to end (prefill included{runs})",
     ]
+
+
+def why_line(plains: list, specs: list) -> str | None:
+    """The cost model's account of the decoding speed-up (Leviathan et al. 2023, with measured
+    costs): a round yields tau tokens (bonus included) for the time of V(k+1)/V(1) plain steps
+    verifying plus k*c drafting plus its other work, where a plain step is the plain runs' median
+    seconds per token while decoding and each quantity is the speculative runs' pooled mean per
+    round; tau over that sum is the predicted speed-up. None without rounds."""
+    step = statistics.median((s.total_s - s.prefill_s) / s.new_tokens for s in plains if s.new_tokens)
+    rounds = sum(s.rounds for s in specs)
+    drafted = sum(s.drafted for s in specs)
+    if not rounds or step <= 0:
+        return None
+    verify = sum(s.verify_s for s in specs) / rounds / step
+    draft = sum(s.draft_s for s in specs) / rounds / step
+    other = sum(s.other_s for s in specs) / rounds / step
+    tau = sum(s.new_tokens for s in specs) / rounds
+    k = drafted / rounds
+    c = draft / k if k else 0.0
+    alpha = sum(s.accepted for s in specs) / drafted if drafted else float("nan")
+    return (
+        f"why:             a round yields tau {tau:.2f} tokens (k {k:.2f} drafted, alpha {alpha:.2f}) for "
+        f"{verify:.2f} plain steps verifying (V(k+1)/V(1)) + {draft:.2f} drafting (k x c, c {c:.2f}) + {other:.2f} "
+        f"other: {tau:.2f} / {verify + draft + other:.2f} = {tau / (verify + draft + other):.2f}x decoding"
+    )
 
 
 class TextStreamer:

@@ -15,6 +15,8 @@ from specdec.drafters.vocab import draft_vocab, vocab_view
 from specdec.models.load import Model, check_same_tokenizer, load_model
 from specdec.sampling import Sampler
 
+WINDOW = 64  # the draft reads at most the prompt's last WINDOW tokens (docs/drafting.md: its prefill)
+
 
 class ModelDrafter(Drafter):
     """k autoregressive steps of a draft model over its own KV cache.
@@ -31,11 +33,27 @@ class ModelDrafter(Drafter):
     lookup (greedy only): when prompt lookup's match is at least LONG_MATCH tokens long (text the
     context repeats), propose lookup's draft instead, for free (as eagle-tree does); the draft
     model catches up on those tokens at its next proposal.
+
+    window: the draft model reads only the prompt's last `window` tokens, and everything after
+    them (None: the whole prompt). Its prefill, paid before the first token, then costs at most
+    `window` tokens of the draft whatever the prompt's length; a shorter context changes the
+    draft's guesses, never the output. Raises ValueError below 1.
     """
 
     incremental = True
 
-    def __init__(self, draft: Model | str, vocab: int | None = None, lookup: bool = False, **load_kwargs):
+    def __init__(
+        self,
+        draft: Model | str,
+        vocab: int | None = None,
+        lookup: bool = False,
+        window: int | None = WINDOW,
+        **load_kwargs,
+    ):
+        if window is not None and window < 1:
+            raise ValueError(f"the draft's window must be at least 1 token (or None: the whole prompt), not {window}")
+        self.window = window
+        self.start = 0  # where the draft's context begins in the target's: the prompt's last `window` tokens
         self.draft = draft if isinstance(draft, Model) else load_model(draft, **load_kwargs)
         self.lookup = PromptLookup() if lookup else None
         if vocab is not None:  # its output layer cut to the vocab most frequent tokens (specdec.drafters.vocab)
@@ -48,12 +66,14 @@ class ModelDrafter(Drafter):
             check_same_tokenizer(target, self.draft)
             self.checked = target
         self.kv = new_cache(self.draft)
+        self.start = 0
 
     def prefill(self, prompt: list[int]) -> None:
-        """The draft model's cache over the prompt but its last token (the first proposal feeds that
-        one), in one forward; then its parts' (Drafter.prefill)."""
+        """The draft model's cache over the prompt's last `window` tokens but the last one (the
+        first proposal feeds that one), in one forward; then its parts' (Drafter.prefill)."""
         super().prefill(prompt)
-        todo = self.kv.sync(prompt)[:-1]
+        self.start = max(0, len(prompt) - self.window) if self.window is not None else 0
+        todo = self.kv.sync(prompt[self.start :])[:-1]
         if todo and max(todo) < self.draft.vocab_size:
             self.kv.extend(todo, all_logits=False)
 
@@ -68,13 +88,14 @@ class ModelDrafter(Drafter):
         """Up to k tokens; with keep_going, after each drafted token keep_going(n drafted so far,
         the draft's probability for the last token) decides whether to draft another (the
         adaptive policy of specdec.adaptive.policy), and the Draft carries those confidences."""
-        k = min(k, self.draft.n_ctx - len(context) + 1)  # positions left in the draft's context
+        seen = context[self.start :]  # what the draft reads: from its window's start
+        k = min(k, self.draft.n_ctx - len(seen) + 1)  # positions left in the draft's context
         if k <= 0:
             return Draft([])
         looked = long_lookup(self.lookup, context, k) if sampler.params.greedy else None
         if looked is not None:
             return looked
-        todo = self.kv.sync(context)
+        todo = self.kv.sync(seen)
         self.kv.argmax_only = sampler.params.greedy  # confidences then come from screened logits: close enough
         if max(todo) >= self.draft.vocab_size:  # the target emitted an id the draft cannot embed
             return Draft([])
