@@ -6,6 +6,7 @@ import json
 import math
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -600,3 +601,87 @@ def test_costs_are_timed_where_a_hybrid_drafts_with_its_model():
     assert cost_context(Drafter(), prompts, 12) == [4, 5, 6, 7, 7, 7, 7, 1, 2, 3, 4, 5]  # all shorter: repeated
     with pytest.raises(ValueError, match="two tokens"):
         cost_context(Drafter(), [], 6)
+
+
+FAKE_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+if args[args.index("-m") + 1] == "crash.gguf":
+    print("llama_model_load: error loading model", flush=True)
+    sys.exit(3)
+with open(args[args.index("-m") + 1] + ".argv", "a") as f:
+    f.write(json.dumps(args) + "\\n")
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._reply({"status": "ok"})
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert request["temperature"] == 0.0 and request["cache_prompt"] is False and request["return_tokens"]
+        tokens = [len(request["prompt"]), 7, 8][: request["n_predict"]]
+        stop = "eos" if request["n_predict"] > 3 else "limit"
+        self._reply({"tokens": tokens, "stop_type": stop, "timings": {"predicted_per_second": 50.0}})
+
+HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def fake_server(tmp_path, monkeypatch):
+    """A stand-in llama-server (a Python HTTP server answering /health and /completion) named by
+    SPECDEC_LLAMA_SERVER; its arguments are appended to <model file>.argv."""
+    from specdec.bench import llama_server
+
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    script.chmod(0o755)
+    monkeypatch.setenv("SPECDEC_LLAMA_SERVER", str(script))
+    yield tmp_path
+    llama_server._close()
+
+
+def test_llama_server_peer_says_how_to_build_it(tmp_path, monkeypatch):
+    from specdec.bench import llama_server
+
+    monkeypatch.setenv("SPECDEC_LLAMA_SERVER", str(tmp_path / "nothing"))
+    with pytest.raises(RuntimeError, match=r"bash scripts/llama_server\.sh"):
+        llama_server.llama_server_generate("llama-server", "a.gguf", [1, 2], 4, frozenset(), 2)
+    with pytest.raises(ValueError, match="unknown llama-server peer"):
+        llama_server.server_args("llama-server-eagle", "a.gguf", None, 4, 2, 256)
+    with pytest.raises(ValueError, match="needs a draft"):
+        llama_server.server_args("llama-server-draft", "a.gguf", None, 4, 2, 256)
+
+
+def test_llama_server_peer_runs_each_configuration_on_a_server_of_its_own(fake_server, monkeypatch):
+    from specdec.bench import llama_server
+
+    target, draft = str(fake_server / "t.gguf"), str(fake_server / "d.gguf")
+    run = llama_server.llama_server_generate("llama-server", target, [3, 4, 5], 6, frozenset({11}), 2, n_ctx=256)
+    assert run.name == "llama-server" and run.tokens == [3, 7, 8, 11]  # the end token it leaves out, put back
+    assert run.tokens_per_s > 0 and run.decode_tokens_per_s == 50.0 and run.n_ctx == 256
+    pid = llama_server._SERVER[1].process.pid
+    assert llama_server.llama_server_generate("llama-server", target, [3], 2, frozenset({11}), 2, 256).tokens == [1, 7]
+    assert llama_server._SERVER[1].process.pid == pid  # kept for the same configuration
+    spec = llama_server.llama_server_generate("llama-server-draft", target, [3], 6, frozenset(), 2, 256, draft, k=5)
+    assert spec.name == "llama-server-draft" and llama_server._SERVER[1].process.pid != pid
+    started = [json.loads(line) for line in open(target + ".argv")]
+    assert len(started) == 2 and "--spec-type" not in started[0]  # plain, then the draft configuration
+    drafting = started[1]
+    assert drafting[drafting.index("-md") + 1] == draft
+    assert drafting[drafting.index("--spec-type") + 1] == "draft-simple"
+    assert drafting[drafting.index("--spec-draft-n-max") + 1] == "5" and drafting[drafting.index("-t") + 1] == "2"
+    assert ("--no-repack" in drafting) == llama_worker.cpu_has_amx()
+    with pytest.raises(RuntimeError, match="llama-server exited .*error loading model"):
+        llama_server.llama_server_generate("llama-server-ngram", "crash.gguf", [3], 2, frozenset(), 2, 256)

@@ -62,6 +62,19 @@ def test_compare_reports_the_median_run_of_each_path():
         compare_lines([], specs)
 
 
+def test_compare_says_why_from_the_rounds_costs():
+    # plain: 0.1 s a token; speculative: 10 rounds of 5 tokens, each 2 plain steps verifying,
+    # 1 drafting 4 tokens (c 0.25) and 0.1 other: 5 / 3.1 = 1.61x
+    plain = RunStats(k=0, new_tokens=100, prefill_s=1.0, total_s=11.0)
+    spec = RunStats(k="auto", new_tokens=50, rounds=10, drafted=40, accepted=40, prefill_s=1.0)
+    spec.verify_s, spec.draft_s, spec.total_s = 2.0, 1.0, 1.0 + 2.0 + 1.0 + 0.1
+    line = specdec.commands.generate.why_line([plain], [spec])
+    assert "tau 5.00 tokens (k 4.00 drafted, alpha 1.00)" in line
+    assert "2.00 plain steps verifying (V(k+1)/V(1)) + 1.00 drafting (k x c, c 0.25) + 0.10 other" in line
+    assert line.endswith("5.00 / 3.10 = 1.61x decoding")
+    assert specdec.commands.generate.why_line([plain], [RunStats(k="auto")]) is None  # no rounds
+
+
 def test_generate_with_a_model_drafter_and_sampling(model_dir, capsys):
     args = [
         "generate",
@@ -197,7 +210,8 @@ class _Built(Exception):
     [
         ([], PromptLookup, dict(max_ngram=3, min_ngram=1)),
         (["--max-ngram", "4", "--min-ngram", "2"], PromptLookup, dict(max_ngram=4, min_ngram=2)),
-        (["--drafter", "model", "--draft", "MODEL_DIR"], ModelDrafter, {}),
+        (["--drafter", "model", "--draft", "MODEL_DIR"], ModelDrafter, dict(lookup=None)),
+        (["--draft", "MODEL_DIR"], ModelDrafter, dict(lookup_kind=PromptLookup)),  # with a draft: model-lookup
         (["--drafter", "random"], RandomDrafter, {}),
         (
             ["--drafter", "suffix", "--min-match", "2", "--corpus", "CORPUS"],
@@ -242,6 +256,8 @@ def test_generate_builds_the_drafter_its_flags_name(model_dir, tmp_path, monkeyp
     for attr, value in expect.items():
         if attr == "corpus_read":
             assert (len(drafter.corpus) > 0) == value
+        elif attr == "lookup_kind":
+            assert type(drafter.lookup) is value
         else:
             want = subst.get(value, value) if isinstance(value, str) else value
             assert getattr(drafter, attr) == want, attr

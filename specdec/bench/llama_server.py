@@ -24,6 +24,7 @@ from pathlib import Path
 
 from specdec.bench.llama_worker import cpu_has_amx
 from specdec.bench.peers import PeerRun
+from specdec.models.weights import cache_dir
 
 VERSION = "0.3.36"
 START_S = 300.0  # the most a server may take to load its models and answer /health
@@ -40,11 +41,7 @@ def server_binary() -> Path:
     """The llama-server binary: $SPECDEC_LLAMA_SERVER, else the one scripts/llama_server.sh built in
     the specdec cache. Raises RuntimeError, saying how to build it, when there is none."""
     given = os.environ.get("SPECDEC_LLAMA_SERVER")
-    if given:
-        path = Path(given)
-    else:
-        cache = os.environ.get("SPECDEC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec"
-        path = Path(cache) / f"llama-server-{VERSION}" / "llama-server"
+    path = Path(given) if given else cache_dir() / f"llama-server-{VERSION}" / "llama-server"
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise RuntimeError(
             f"llama-server is not built ({path}): run `bash scripts/llama_server.sh` (about 9 minutes on 2 cores) "

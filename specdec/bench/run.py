@@ -36,8 +36,8 @@ from tqdm import tqdm
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.backends import gemv
 from specdec.bench import costmodel
-from specdec.bench.memory import MB, footprint, rss_bytes
 from specdec.bench.llama_server import llama_server_generate
+from specdec.bench.memory import MB, footprint, rss_bytes
 from specdec.bench.peers import hf_generate, llama_cpp_generate
 from specdec.bench.replay import controller, replayable
 from specdec.bench.replay import replay as replay_run
