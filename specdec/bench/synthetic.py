@@ -103,63 +103,72 @@ def _data(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarr
 
 
 def synthetic_file(size: str, cache=None) -> Path:
-    """The synthetic GGUF file of Qwen2.5 size `size` (a key of SHAPES), written at the first call:
-    the template's metadata with this shape, each layer's types those of the template's layer at the
-    same relative depth, random blocks. Raises ValueError for an unknown size; ValueError also when the
-    template model is not pulled (`specdec models pull qwen2.5-coder-1.5b`) too."""
-    import gguf
-
+    """The synthetic GGUF file of Qwen2.5 size `size` (a key of SHAPES) in <cache>/synthetic/, written
+    by write_synthetic from the pulled TEMPLATE at the first call. Raises ValueError for an unknown
+    size, or when TEMPLATE is not pulled (`specdec models pull qwen2.5-coder-1.5b`)."""
     from specdec.models.registry import REGISTRY
     from specdec.models.weights import gguf_path, is_pulled
 
     if size not in SHAPES:
         raise ValueError(f"unknown size {size!r}; known: {', '.join(SHAPES)}")
     path = cache_dir(cache) / "synthetic" / f"qwen2.5-{size}-synthetic-q4_k_m.gguf"
-    if path.is_file():
-        return path
-    if not is_pulled(TEMPLATE, cache_dir(cache)):
-        raise ValueError(f"the synthetic files copy {TEMPLATE}'s metadata: `specdec models pull {TEMPLATE}` first")
-    template = gguf.GGUFReader(gguf_path(REGISTRY[TEMPLATE], cache_dir(cache)))
-    s, vocab = SHAPES[size], _vocab(template)
-    top, layer_types = _types(template)
+    if not path.is_file():
+        if not is_pulled(TEMPLATE, cache_dir(cache)):
+            raise ValueError(f"the synthetic files copy {TEMPLATE}'s metadata: `specdec models pull {TEMPLATE}` first")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_synthetic(path, gguf_path(REGISTRY[TEMPLATE], cache_dir(cache)), SHAPES[size])
+    return path
+
+
+def write_synthetic(path: Path, template: Path, shape: Shape) -> Path:
+    """Write a qwen2 GGUF file of this shape at `path` (atomically): the template's metadata (its
+    tokenizer included) with the shape's sizes, each layer's GGML types those of the template's layer
+    at the same relative depth, the template's vocabulary and global types (no output layer where it
+    ties it to the embeddings), random blocks with small scales. Returns the path."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(template))
+    s, vocab = shape, _vocab(reader)
+    top, layer_types = _types(reader)
+    arch = "qwen2"
     hyper = {
-        "qwen2.block_count": s.layers,
-        "qwen2.embedding_length": s.d,
-        "qwen2.feed_forward_length": s.ff,
-        "qwen2.attention.head_count": s.heads,
-        "qwen2.attention.head_count_kv": s.kv_heads,
+        f"{arch}.block_count": s.layers,
+        f"{arch}.embedding_length": s.d,
+        f"{arch}.feed_forward_length": s.ff,
+        f"{arch}.attention.head_count": s.heads,
+        f"{arch}.attention.head_count_kv": s.kv_heads,
+        f"{arch}.attention.key_length": s.d // s.heads,
+        f"{arch}.attention.value_length": s.d // s.heads,
     }
+    tensors = [("token_embd.weight", (vocab, s.d), top["token_embd.weight"])]
+    for i in range(s.layers):
+        like = layer_types[min(len(layer_types) - 1, round(i * len(layer_types) / s.layers))]
+        for name, size in _block_tensors(s).items():
+            kind = like[name] if size[0] > 1 else ("F32Z" if name.endswith("bias") else "F32")
+            tensors.append((f"blk.{i}.{name}", size, kind))
+    tensors.append(("output_norm.weight", (1, s.d), "F32"))
+    if "output.weight" in top:
+        tensors.append(("output.weight", (vocab, s.d), top["output.weight"]))
 
     def write(tmp: Path) -> None:
-        writer = gguf.GGUFWriter(str(tmp), arch="qwen2")
-        for key, field in template.fields.items():
+        writer = gguf.GGUFWriter(str(tmp), arch=arch)
+        for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key == "general.architecture":
                 continue
             vtype = field.types[0]
-            value = hyper.get(key, field.contents())
             sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, value, vtype, sub_type=sub)
-        tensors = [("token_embd.weight", (vocab, s.d), top["token_embd.weight"])]
-        n_template = len(layer_types)
-        for i in range(s.layers):
-            like = layer_types[min(n_template - 1, round(i * n_template / s.layers))]
-            for name, shape in _block_tensors(s).items():
-                kind = like[name] if shape[0] > 1 else ("F32Z" if name.endswith("bias") else "F32")
-                tensors.append((f"blk.{i}.{name}", shape, kind))
-        tensors += [("output_norm.weight", (1, s.d), "F32"), ("output.weight", (vocab, s.d), top["output.weight"])]
+            writer.add_key_value(key, hyper.get(key, field.contents()), vtype, sub_type=sub)
         rng = np.random.default_rng(0)
         for name, (rows, cols), kind in tensors:
             data = _data(kind, rows, cols, rng)
             raw = None if kind.startswith("F32") else gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(name, data if rows > 1 or raw else data.reshape(cols), raw_dtype=raw)
+            writer.add_tensor(name, data if raw else data.reshape(cols) if rows == 1 else data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, write)
-    return path
+    return atomic_write(path, write)
 
 
 def _vocab(template) -> int:
