@@ -15,7 +15,7 @@ from specdec.drafters.vocab import draft_vocab, vocab_view
 from specdec.models.load import Model, check_same_tokenizer, load_model
 from specdec.sampling import Sampler
 
-WINDOW = 256  # the draft reads at most the prompt's last WINDOW tokens (docs/drafting.md: its prefill)
+WINDOW = 256  # the draft reads at most the prompt's last WINDOW tokens (docs/drafters.md: its prefill)
 
 
 class ModelDrafter(Drafter):
