@@ -265,7 +265,12 @@ def _add_loadtest(sub) -> None:
         help="specdec's drafters, comma-separated, one server each (default none,prompt-lookup; none: plain)",
     )
     lt.add_argument("-k", type=_k, default="auto", help="specdec's draft length (default auto)")
-    lt.add_argument("--peers", default="", help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python)")
+    lt.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python), llama-server, llama-server-ngram "
+        "(llama.cpp's server on the target's GGUF file: `bash scripts/llama_server.sh`)",
+    )
     _vllm_python_option(lt)
     lt.add_argument("--ngram-k", type=int, default=4, help="vllm-ngram's draft length (default 4)")
     lt.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", "none"), help="sent as the bearer key")

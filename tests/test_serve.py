@@ -1093,3 +1093,64 @@ def test_loadtest_command_drives_a_running_server(served, tmp_path, capsys):
     assert "cpu" in run and run["max_tokens"] == 4
     assert main(["loadtest", "--url", served, "--concurrency", "0"]) != 0
     assert "--concurrency, --limit, --requests and --max-tokens must be >= 1" in capsys.readouterr().err
+
+
+FAKE_LLAMA_SERVER = '''
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+args = sys.argv[1:]
+with open(os.environ["FAKE_ARGV"], "w") as f:
+    json.dump(args, f)
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/completions" and body["stream"] and isinstance(body["prompt"], list)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = min(3, body["max_tokens"])
+        for i in range(n):
+            choice = {"index": 0, "text": "ab"[i % 2], "finish_reason": None, "logprobs": None}
+            chunk = {"id": "x", "object": "text_completion", "created": 0, "model": body["model"], "choices": [choice]}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\\n\\n")
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n}
+        end = {"id": "x", "object": "text_completion", "created": 0, "model": body["model"], "choices": []}
+        end["usage"] = usage
+        self.wfile.write(b"data: " + json.dumps(end).encode() + b"\\n\\ndata: [DONE]\\n\\n")
+
+ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+'''
+
+
+def test_loadtest_drives_llama_server_on_the_targets_gguf_file(tmp_path, monkeypatch, capsys):
+    from specdec.models.load import load_model
+    from specdec.models.registry import REGISTRY
+    from specdec.models.weights import cache_dir, is_pulled
+
+    if not is_pulled("smollm2-135m", cache_dir()):
+        pytest.skip("smollm2-135m is not pulled: run `specdec models pull smollm2-135m`")
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!{sys.executable}\n{FAKE_LLAMA_SERVER}")
+    script.chmod(0o755)
+    monkeypatch.setenv("SPECDEC_LLAMA_SERVER", str(script))
+    monkeypatch.setenv("FAKE_ARGV", str(tmp_path / "argv.json"))  # where the stand-in writes its arguments
+    argv = ["loadtest", "--target", "smollm2-135m", "--drafter", "", "--peers", "llama-server-ngram"]
+    argv += ["--concurrency", "1,2", "--requests", "2", "--max-tokens", "3", "--workload", "humaneval"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| llama.cpp server ngram-simple | 2 | 2 |" in printed
+    started = json.loads((tmp_path / "argv.json").read_text())
+    assert started[started.index("-m") + 1] == str(load_model(REGISTRY["smollm2-135m"].name).gguf.path)
+    assert started[started.index("-np") + 1] == "2" and started[started.index("--spec-type") + 1] == "ngram-simple"
+    assert main(["loadtest", "--target", "smollm2-135m", "--peers", "llama-server-draft"]) != 0
+    assert "--peers takes vllm, vllm-ngram, llama-server, llama-server-ngram" in capsys.readouterr().err

