@@ -1095,7 +1095,7 @@ def test_loadtest_command_drives_a_running_server(served, tmp_path, capsys):
     assert "--concurrency, --limit, --requests and --max-tokens must be >= 1" in capsys.readouterr().err
 
 
-FAKE_LLAMA_SERVER = '''
+FAKE_LLAMA_SERVER = """
 import json, os, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
@@ -1129,7 +1129,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: " + json.dumps(end).encode() + b"\\n\\ndata: [DONE]\\n\\n")
 
 ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
-'''
+"""
 
 
 def test_loadtest_drives_llama_server_on_the_targets_gguf_file(tmp_path, monkeypatch, capsys):
