@@ -631,8 +631,7 @@ class Handler(BaseHTTPRequestHandler):
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert request["temperature"] == 0.0 and request["cache_prompt"] is False and request["return_tokens"]
         tokens = [len(request["prompt"]), 7, 8][: request["n_predict"]]
-        stop = "eos" if request["n_predict"] > 3 else "limit"
-        self._reply({"tokens": tokens, "stop_type": stop, "timings": {"predicted_per_second": 50.0}})
+        self._reply({"tokens": tokens, "stop_type": "limit", "timings": {"predicted_per_second": 50.0}})
 
 HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
 """
@@ -657,7 +656,7 @@ def test_llama_server_peer_says_how_to_build_it(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECDEC_LLAMA_SERVER", str(tmp_path / "nothing"))
     with pytest.raises(RuntimeError, match=r"bash scripts/llama_server\.sh"):
-        llama_server.llama_server_generate("llama-server", "a.gguf", [1, 2], 4, frozenset(), 2)
+        llama_server.llama_server_generate("llama-server", "a.gguf", [1, 2], 4, 2)
     with pytest.raises(ValueError, match="unknown llama-server peer"):
         llama_server.server_args("llama-server-eagle", "a.gguf", None, 4, 2, 256)
     with pytest.raises(ValueError, match="needs a draft"):
@@ -668,13 +667,13 @@ def test_llama_server_peer_runs_each_configuration_on_a_server_of_its_own(fake_s
     from specdec.bench import llama_server
 
     target, draft = str(fake_server / "t.gguf"), str(fake_server / "d.gguf")
-    run = llama_server.llama_server_generate("llama-server", target, [3, 4, 5], 6, frozenset({11}), 2, n_ctx=256)
-    assert run.name == "llama-server" and run.tokens == [3, 7, 8, 11]  # the end token it leaves out, put back
+    run = llama_server.llama_server_generate("llama-server", target, [3, 4, 5], 6, 2, n_ctx=256)
+    assert run.name == "llama-server" and run.tokens == [3, 7, 8]
     assert run.tokens_per_s > 0 and run.decode_tokens_per_s == 50.0 and run.n_ctx == 256
     pid = llama_server._SERVER[1].process.pid
-    assert llama_server.llama_server_generate("llama-server", target, [3], 2, frozenset({11}), 2, 256).tokens == [1, 7]
+    assert llama_server.llama_server_generate("llama-server", target, [3], 2, 2, 256).tokens == [1, 7]
     assert llama_server._SERVER[1].process.pid == pid  # kept for the same configuration
-    spec = llama_server.llama_server_generate("llama-server-draft", target, [3], 6, frozenset(), 2, 256, draft, k=5)
+    spec = llama_server.llama_server_generate("llama-server-draft", target, [3], 6, 2, 256, draft, k=5)
     assert spec.name == "llama-server-draft" and llama_server._SERVER[1].process.pid != pid
     started = [json.loads(line) for line in open(target + ".argv")]
     assert len(started) == 2 and "--spec-type" not in started[0]  # plain, then the draft configuration
@@ -684,4 +683,4 @@ def test_llama_server_peer_runs_each_configuration_on_a_server_of_its_own(fake_s
     assert drafting[drafting.index("--spec-draft-n-max") + 1] == "5" and drafting[drafting.index("-t") + 1] == "2"
     assert ("--no-repack" in drafting) == llama_worker.cpu_has_amx()
     with pytest.raises(RuntimeError, match="llama-server exited .*error loading model"):
-        llama_server.llama_server_generate("llama-server-ngram", "crash.gguf", [3], 2, frozenset(), 2, 256)
+        llama_server.llama_server_generate("llama-server-ngram", "crash.gguf", [3], 2, 2, 256)

@@ -150,7 +150,6 @@ def llama_server_generate(
     gguf: str,
     prompt: list[int],
     max_new_tokens: int,
-    eos: frozenset[int],
     threads: int,
     n_ctx: int = 4096,
     draft_gguf: str | None = None,
@@ -160,8 +159,8 @@ def llama_server_generate(
     `threads` threads and a context of n_ctx tokens; the draft configuration with draft_gguf and
     `--spec-draft-n-max k`. The server is started (and warmed up with a short request) at the
     first call of a configuration and kept. tokens_per_s: end to end, the request's wall clock;
-    decode_tokens_per_s: llama-server's own generation timing. The tokens end with the EOS token
-    when one ended the answer (as ours do). Raises RuntimeError when llama-server is not built,
+    decode_tokens_per_s: llama-server's own generation timing. The tokens end with the end token
+    that stopped the answer, if one did (as ours do). Raises RuntimeError when llama-server is not built,
     does not start, or fails a request; ValueError as server_args."""
     global _SERVER
     args = server_args(name, gguf, draft_gguf, k, threads, n_ctx)
@@ -171,9 +170,7 @@ def llama_server_generate(
         server.complete(prompt[:16], 4)  # warm up
         _SERVER = (tuple(args), server)
     reply, seconds = _SERVER[1].complete(prompt, max_new_tokens)
-    tokens = [int(t) for t in reply.get("tokens", [])]
-    if reply.get("stop_type") == "eos" and eos and (not tokens or tokens[-1] not in eos):
-        tokens.append(min(eos))  # llama-server leaves the end token out of its answer
+    tokens = [int(t) for t in reply.get("tokens", [])]  # the end token that stopped it included, as in ours
     timings = reply.get("timings", {})
     decode = timings.get("predicted_per_second")
     return PeerRun(name, tokens, len(tokens) / seconds if seconds > 0 else float("nan"), decode, None, n_ctx)

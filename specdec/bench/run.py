@@ -481,9 +481,7 @@ def _peer_run(
             gguf = _gguf_of(target, spec, cache)
             draft_gguf = _gguf_of(draft_model, draft_spec, cache) if draft_model is not None else None
             threads = torch.get_num_threads()
-            peer = llama_server_generate(
-                name, gguf, ids, max_new_tokens, target.eos_token_ids, threads, n_ctx, draft_gguf, peer_k
-            )
+            peer = llama_server_generate(name, gguf, ids, max_new_tokens, threads, n_ctx, draft_gguf, peer_k)
             weights = target.precision if target.gguf is not None else _gguf_precision(gguf)
             same_weights = target.gguf is not None
         elif name.startswith("llama-cpp"):
