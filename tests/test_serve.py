@@ -1132,7 +1132,7 @@ ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler)
 """
 
 
-def test_loadtest_drives_llama_server_on_the_targets_gguf_file(tmp_path, monkeypatch, capsys):
+def test_loadtest_drives_llama_server_on_the_targets_gguf_file(tmp_path, monkeypatch, capsys, model_dir):
     from specdec.models.load import load_model
     from specdec.models.registry import REGISTRY
     from specdec.models.weights import cache_dir, is_pulled
@@ -1154,3 +1154,5 @@ def test_loadtest_drives_llama_server_on_the_targets_gguf_file(tmp_path, monkeyp
     assert started[started.index("-np") + 1] == "2" and started[started.index("--spec-type") + 1] == "ngram-simple"
     assert main(["loadtest", "--target", "smollm2-135m", "--peers", "llama-server-draft"]) != 0
     assert "--peers takes vllm, vllm-ngram, llama-server, llama-server-ngram" in capsys.readouterr().err
+    assert main(["loadtest", "--target", str(model_dir), "--peers", "llama-server"]) != 0  # no server started
+    assert "--peers llama-server runs a GGUF file: give a GGUF target" in capsys.readouterr().err

@@ -94,6 +94,8 @@ def _drive_started(args, prompts, n: int, peers: list[str], drive) -> list:
     rows = []
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **load_kwargs(args))
+    if target.gguf is None and any(p.startswith("llama-server") for p in peers):  # before any server runs
+        raise ValueError(f"--peers llama-server runs a GGUF file: give a GGUF target, not {args.target}")
     ids = [target.encode(p.text, chat=True) for p in prompts]
     requests = [loadtest.Request(ids=ids[i % len(ids)]) for i in range(n)]
     for drafter in [d.strip() for d in args.drafter.split(",") if d.strip()]:
@@ -119,12 +121,10 @@ def _drive_started(args, prompts, n: int, peers: list[str], drive) -> list:
 
 def _drive_llama_server(args, peer: str, target, requests, drive) -> list:
     """llama-server (`peer`: plain or its n-gram drafter) on the target's GGUF file, with as many
-    slots as the highest concurrency level. Raises ValueError for a target without a GGUF file."""
+    slots as the highest concurrency level (the target has a GGUF file: checked before)."""
     from specdec.bench.serving import llama_server
     from specdec.serve import loadtest
 
-    if target.gguf is None:
-        raise ValueError(f"--peers {peer} runs a GGUF file: give a GGUF target, not {args.target}")
     slots = max(int(x) for x in args.concurrency.split(",") if x.strip())
     threads = args.threads or torch.get_num_threads()
     log = Path(tempfile.gettempdir()) / f"specdec-{peer}.log"
