@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     draft = load_model(args.draft, cache=args.cache_dir)
     print(f"# {torch.get_num_threads()} threads; alpha {args.alpha}; draft {args.draft}", file=sys.stderr)
-    print("| target | V(1) ms | V(k+1)/V(1), k = 1..8 | c | predicted speed-up by k | best |")
+    print(f"| target | V(1) ms | V(k+1)/V(1), k = 1..{args.k_max} | c | predicted speed-up by k | best |")
     print("|---|---:|---|---:|---|---:|")
     for size in args.sizes.split(","):
         target = load_model(str(synthetic_file(size, args.cache_dir)), cache=args.cache_dir)
