@@ -178,6 +178,8 @@ def test_verify_shape_follows_the_context_length():
     assert v(1) == pytest.approx(0.7 * 10.0 + 0.3 * 20.0)
     v.at(50)
     assert v(4) == pytest.approx(0.9 * v(1))
+    assert not v.needs(30) and not v.needs(3000) and v.needs(20) and v.needs(4000)  # within 4x of a timed one
+    v.spacing = 2.0
     assert not v.needs(130) and not v.needs(640) and v.needs(300) and v.needs(2000)
 
 
@@ -188,7 +190,7 @@ def test_calibration_times_the_curve_where_the_output_will_end():
     kv.extend(prompt[:-1], all_logits=False)
     before = kv.extend(prompt[-1:]).clone()
     kv.rollback(len(prompt) - 1)
-    costs = VerifyCosts()
+    costs = VerifyCosts(spacing=1.5)
     costs.calibrate(kv, prompt, 4, ahead=40)
     assert sorted(costs.shapes) == [len(prompt) - 1, len(prompt) - 1 + 40]
     assert all(set(s) == {1, 2, 3, 4} and s[1] == 1.0 for s in costs.shapes.values())
@@ -196,7 +198,7 @@ def test_calibration_times_the_curve_where_the_output_will_end():
     kv.rollback(len(prompt) - 1)
     costs.calibrate(kv, prompt, 4, ahead=3)  # both ends within the spacing of a timed length: nothing new
     assert len(costs.shapes) == 2
-    capped = VerifyCosts(ahead_max=16)
+    capped = VerifyCosts(ahead_max=16, spacing=1.5)
     capped.calibrate(kv, prompt, 4, ahead=1000)  # a long generation: the fill is capped
     assert sorted(capped.shapes) == [len(prompt) - 1, len(prompt) - 1 + 16] and len(kv) == len(prompt) - 1
 

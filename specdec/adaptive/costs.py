@@ -142,7 +142,7 @@ class VerifyCosts:
 
     ema: float = 0.3  # weight of the newest observation
     optimistic_slope: float = 0.25  # beyond the tried n: V(n + 1) - V(n) = slope * V(1)
-    spacing: float = math.sqrt(2)  # a context within this factor of a timed one needs no timing
+    spacing: float = 4.0  # a context within this factor of a timed one needs no timing (docs/adaptive-k.md)
     ahead_max: int = 256  # calibrate() fills at most this many tokens to time the context ahead
     ms: dict[int, float] = field(default_factory=dict)  # V(1), the level; V(n) for n outside the shape
     shape: dict[int, float] = field(default_factory=dict)  # V(n) / V(1) at the current context
