@@ -2,8 +2,9 @@
 the target's KV cache, the drafter, the adaptive policy and the stop rules (a Decoding).
 
 specdec.engine runs one Decoding with its own forwards; specdec.batch runs many, their forwards
-batched. Both go through the same steps (prefill, then rounds of specdec.round's propose, a
-verify forward and conclude, then commit), so a sequence's tokens do not depend on which runs it.
+batched. Both go through the same steps (prefill, then rounds: specdec.round's speculative_round,
+whose propose, verify forward and conclude a batch runs apart, then take), so a sequence's tokens do
+not depend on which runs it.
 A driver talks only to the Decoding: it says what each forward is to run (Rows) and takes back
 its scores.
 """
@@ -25,11 +26,11 @@ from specdec.errors import ContextLengthError
 from specdec.grammar import Constraint
 from specdec.models.load import Model, synchronize
 from specdec.options import GenerationOptions
-from specdec.round import Proposal, Round, Speculation, conclude, propose
+from specdec.round import Proposal, Speculation, conclude, propose, speculative_round
 from specdec.sampling import Sampler, TokenLogprob
+from specdec.scoring import TargetVerifier
 from specdec.stats import RunStats
 from specdec.textstream import IncrementalText
-from specdec.verifier import TargetVerifier
 
 
 @dataclass
@@ -187,35 +188,45 @@ class Decoding:
                 self.stats.stop_reason = "context"
         return bool(self.stats.stop_reason)
 
-    def next_round(self, share: Share | None = None) -> Proposal:
-        """Plan and draft the next round (specdec.round.propose); share: in a batch, its part in
-        the round's costs, for the policy. Only while not finished."""
+    def _limits(self) -> tuple[int, int, list[int]]:
+        """The next round's budget (new tokens still allowed), room (positions left in the target's
+        context) and forced tokens (a grammar's, when speculating: k = 0 is plain decoding)."""
         budget, room = self.max_new_tokens - len(self.out), self.target.n_ctx - len(self.tokens)
-        speculating = self.constraint is not None and self.drafter is not None and self.k != 0  # k = 0: plain
-        forced = self.constraint.forced() if speculating else ()
+        speculating = self.constraint is not None and self.drafter is not None and self.k != 0
+        return budget, room, list(self.constraint.forced()) if speculating else []
+
+    def step(self) -> list[int]:
+        """One round alone (specdec.round.speculative_round: plan and draft, the target's forward
+        over it, timed by the run's clock, judge, roll back), then its tokens committed (take).
+        Returns the tokens committed. Only while not finished."""
+        budget, room, forced = self._limits()
+        rnd = speculative_round(self.spec, self.tokens, budget, room, self.verifier, self.stats, forced)
+        return self.take(rnd.committed)
+
+    def next_round(self, share: Share | None = None) -> Proposal:
+        """A batched round's step 1 (specdec.round.propose): its plan and draft; share: its part in
+        the batch's costs, for the policy. Only while not finished."""
+        budget, room, forced = self._limits()
         return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees, share, forced)
 
     def verify_rows(self, proposal: Proposal) -> Rows:
-        """What the target scores for a proposal, as rows of a forward: the last committed token
-        then the draft (and a tree's parents), logits for every row."""
+        """A batched round's step 2: what the target scores for a proposal, as rows of a forward:
+        the last committed token then the draft (and a tree's parents), logits for every row."""
         block, parents = self.verifier.block(self.tokens, proposal.checked)
         return Rows(self.kv, block, True, parents)
 
-    def step(self) -> list[int]:
-        """One round alone: plan and draft, the target's forward over it (timed by the run's
-        clock), commit. Returns the tokens committed. Only while not finished."""
-        proposal = self.next_round()
-        t1 = self.spec.clock()
-        scores = self.verifier.score(self.tokens, proposal.checked)
-        return self.commit(proposal, scores, self.spec.clock() - t1)
-
     def commit(self, proposal: Proposal, scores: torch.Tensor, verify_s: float, timed: bool = True) -> list[int]:
-        """Conclude the round from the target's scores of block(proposal) (a forward of verify_s
-        seconds; timed as in specdec.round.conclude) and commit its tokens up to an EOS, a stop
-        string or the budget. Returns the tokens committed."""
-        rnd: Round = conclude(self.spec, proposal, scores, verify_s, self.verifier, self.stats, timed)
+        """A batched round's step 3 (specdec.round.conclude) from the target's scores of
+        verify_rows(proposal) (a forward of verify_s seconds; timed as conclude's), then its tokens
+        committed (take). Returns the tokens committed."""
+        rnd = conclude(self.spec, proposal, scores, verify_s, self.verifier, self.stats, timed)
+        return self.take(rnd.committed)
+
+    def take(self, tokens: list[int]) -> list[int]:
+        """Commit a round's tokens up to an EOS, a stop token or string, or the budget. Returns the
+        tokens committed."""
         committed = []
-        for t in rnd.committed:
+        for t in tokens:
             committed.append(t)
             if t in self.eos:
                 self.stats.stop_reason = "eos"

@@ -4,7 +4,7 @@ library, a backend of llama.cpp, vLLM and SGLang; why it and not xgrammar, measu
 docs/structured-output.md).
 
 A Grammar is the request (what to follow); a Constraint is one generation's state (an llguidance
-matcher over the target's tokenizer). The target's verifier (specdec.verifier) masks each row of a
+matcher over the target's tokenizer). The target's verifier (specdec.scoring) masks each row of a
 verified block by the state after that row's prefix: the committed tokens, then the drafted tokens
 before it, consumed while the grammar allows them and rolled back once the verdict is known, so
 that a rejected draft leaves no trace and every row is what plain constrained decoding sees.

@@ -1,20 +1,22 @@
-"""One speculative round, shared by the engine (specdec.engine) and the bench's replay
-(specdec.bench.replay).
+"""One speculative round (Leviathan et al. 2023; gpt-fast's loop): speculative_round, the one function
+that runs a round, for the engine (specdec.decoding's Decoding.step), the batched engine (specdec.batch:
+the same steps, its score step one forward for many sequences) and the bench's replay (specdec.bench.replay).
 
-A round, as in gpt-fast and Leviathan et al. 2023:
-  1. plan: the draft length k, fixed or chosen by the adaptive policy (specdec.adaptive), clamped
-     to the budget and the context left;
-  2. propose: the drafter proposes up to k tokens after the committed ones (a chain, or a token
-     tree where the verifier takes one);
-  3. verify: the target scores the last committed token plus the drafted ones in ONE forward;
-     the verifier keeps the longest prefix (the longest path of a tree) the target agrees with and
-     adds one target token (recovered, or bonus when every drafted token was accepted);
-  4. roll back: the target's cache is cut to the committed tokens minus the last;
-  5. learn: the policy observes the round's costs and outcome.
+Call map of speculative_round(spec, context, budget, room, verifier, stats, forced):
+  1. propose              plan k (spec.policy.plan: fixed k, or adaptive, specdec.adaptive),
+                          draft (spec.drafter.propose: a chain or a token tree), cut it (policy.cut);
+                          a grammar's forced tokens lead the draft for free
+  2. verifier.score       the target's ONE forward over context[-1] + the draft (specdec.scoring)
+  3. conclude             verifier.judge: the longest prefix (tree path) the target agrees with, plus
+                          one target token, recovered or bonus (the rejection rule, specdec.rejection);
+                          verifier.rollback: the target's cache cut to the committed tokens but the last;
+                          the round counted in stats; the policy learns its costs and outcome
+  -> Round: the tokens it commits; the caller applies EOS, stop strings and the budget
+     (specdec.decoding.Decoding.take).
 
-What the target does is behind a Verifier (specdec.verifier): the engine's runs the target's forward over its KV cache
-and times it with the clock; the replay's compares the draft with a recorded greedy output and
-advances a simulated clock by measured costs. Everything else is this one function.
+What the target does is behind a Verifier: the engine's (specdec.scoring.TargetVerifier) runs the
+target's forward over its KV cache and times it with the clock; the replay's compares the draft with a
+recorded greedy output and advances a simulated clock by measured costs.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from specdec.adaptive import AdaptiveK, Outcome, RoundPlan, Share
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.sampling import Sampler
+from specdec.scoring import Verifier
 from specdec.stats import RunStats
-from specdec.verifier import Verifier
 
 
 @dataclass
@@ -72,99 +74,112 @@ class Round:
 
 @dataclass
 class Proposal:
-    """A round up to its verify: `checked`, the draft the target scores after the last committed
-    token (a chain, or a tree where the verifier takes one); kk, the draft length planned;
-    n_verified drafted tokens to score, depth the draft's; times from spec.clock; plan: the
-    policy's RoundPlan (None without a policy); n_forced: the tokens a grammar forced, first in
-    `checked` and not counted in n_verified."""
+    """A round up to its verify.
 
-    tokens: list[int]
+    context: the prompt and the committed tokens the draft follows. checked: the draft the target
+    scores after context[-1] (a chain, or a tree where the verifier takes one). planned: the draft
+    length planned (k this round). n_verified: drafted tokens to score; depth: the draft's.
+    match_length: prompt lookup's match, when the drafter reports one. t_round: spec.clock() when
+    planning began; draft_s: seconds drafting. plan: the policy's RoundPlan (None without a
+    policy). n_forced: the tokens a grammar forced, first in `checked`, not counted in n_verified.
+    """
+
+    context: list[int]
     checked: Draft
-    kk: int
+    planned: int
     n_verified: int
     depth: int
     match_length: int | None
-    t_round: float  # when planning began
-    draft_s: float  # seconds drafting
+    t_round: float
+    draft_s: float
     plan: RoundPlan | None = None
     n_forced: int = 0
 
 
 def speculative_round(
-    spec: Speculation, tokens: list[int], budget: int, room: int, verifier: Verifier, stats: RunStats
+    spec: Speculation,
+    context: list[int],
+    budget: int,
+    room: int,
+    verifier: Verifier,
+    stats: RunStats,
+    forced: list[int] = (),
 ) -> Round:
-    """Run one round after `tokens` (prompt + committed output): it commits 1 to k+1 tokens.
+    """Run one round after `context` (prompt + committed output): it commits 1 to k+1 tokens.
 
     budget: new tokens still allowed (>= 1); room: positions left in the target's context (>= 1).
-    A round commits at most k+1 tokens and its forward reaches position len(tokens) - 1 + k, so k is
-    clamped to budget - 1 and room - 1. The round's draft and verify seconds and its counts are
-    added to stats; the policy, if any, learns from it. It is propose(), the verifier's score, and
-    conclude(); a batched engine (specdec.batch) runs the score of many sequences as one forward.
+    A round commits at most k+1 tokens and its forward reaches position len(context) - 1 + k, so k
+    is clamped to budget - 1 and room - 1. forced: tokens a grammar allows only one way from here
+    (specdec.grammar), drafted for free. The round's draft and verify seconds and its counts are
+    added to stats; the policy, if any, learns from it.
     """
-    proposal = propose(spec, tokens, budget, room, verifier.verifies_trees)
+    proposal = propose(spec, context, budget, room, verifier.verifies_trees, forced=forced)  # 1
     t1 = spec.clock()
-    scores = verifier.score(tokens, proposal.checked)
-    return conclude(spec, proposal, scores, spec.clock() - t1, verifier, stats)
+    scores = verifier.score(context, proposal.checked)  # 2
+    return conclude(spec, proposal, scores, spec.clock() - t1, verifier, stats)  # 3
 
 
 def propose(
     spec: Speculation,
-    tokens: list[int],
+    context: list[int],
     budget: int,
     room: int,
     trees: bool,
     share: Share | None = None,
     forced: list[int] = (),
 ) -> Proposal:
-    """A round's plan and draft (steps 1-2): what the target is to score after `tokens`.
+    """Step 1 of a round: its plan and draft, what the target is to score after `context`.
     trees: whether the verifier takes a token tree (else a tree's main chain is verified).
     share: in a batch, its part in the round's costs (specdec.adaptive.policy.Share), for the
     policy. forced: tokens a grammar allows only one way from here (specdec.grammar): they lead
-    the draft for free, the drafter drafting after them, and the policy plans the rest as if they
-    were committed. Other arguments as speculative_round."""
+    the draft, the drafter drafting after them, and the policy plans the rest as if they were
+    committed (no tree then). Other arguments as speculative_round."""
     forced = list(forced)[: max(0, min(budget, room) - 1)]
-    if forced:
-        proposal = propose(spec, tokens + forced, budget - len(forced), room - len(forced), False, share)
-        return _after_forced(proposal, tokens, forced)
+    if not forced:
+        return _draft(spec, context, budget, room, trees, share)
+    proposal = _draft(spec, context + forced, budget - len(forced), room - len(forced), False, share)
+    return _after_forced(proposal, context, forced)
+
+
+def _draft(spec: Speculation, context: list[int], budget: int, room: int, trees: bool, share: Share | None) -> Proposal:
+    """propose() after any forced tokens: plan k, draft, cut the draft to what the target scores."""
     policy, drafter, clock = spec.policy, spec.drafter, spec.clock
     t_round = clock()
-    kk = min(spec.k_max if policy else spec.k, budget - 1, room - 1)
-    if drafter is None:
-        kk = 0
+    k = 0 if drafter is None else min(spec.k_max if policy else spec.k, budget - 1, room - 1)
     plan = None
     if policy:
-        policy.costs.at(len(tokens))
-        match = (lambda: drafter.long_match(tokens)) if spec.sampler.params.greedy else None
-        plan = policy.plan(kk, spec.incremental, match, share)
-        kk = plan.k
+        policy.costs.at(len(context))
+        match = (lambda: drafter.long_match(context)) if spec.sampler.params.greedy else None
+        plan = policy.plan(k, spec.incremental, match, share)
+        k = plan.k
     t0 = clock()
-    if kk <= 0:
+    if k <= 0:
         draft = Draft([])
     elif spec.incremental:
-        draft = drafter.propose(tokens, kk, spec.sampler, keep_going=partial(policy.keep_going, plan))
+        draft = drafter.propose(context, k, spec.sampler, keep_going=partial(policy.keep_going, plan))
     else:
-        draft = drafter.propose(tokens, kk, spec.sampler)
+        draft = drafter.propose(context, k, spec.sampler)
     t1 = clock()
     tree = draft.parents is not None
     if tree and not trees:
         draft, tree = draft.chain(), False
-    chain = usable((draft.chain() if tree else draft).tokens[:kk], spec.vocab)
+    chain = usable((draft.chain() if tree else draft).tokens[:k], spec.vocab)
     cut_at = len(chain)
     if policy:  # a tree is cut by depth, as its main chain would be
         deterministic = spec.sampler.params.greedy or draft.probs is None
-        cut_at = policy.cut(plan, chain, deterministic, len(tokens), draft.match_length)
+        cut_at = policy.cut(plan, chain, deterministic, len(context), draft.match_length)
     if tree:
-        checked = draft.pruned(cut_at, spec.vocab, kk)
+        checked = draft.pruned(cut_at, spec.vocab, k)
         n_verified, depth = len(checked.tokens), max(checked.depths(), default=0)
     else:
         probs = None if draft.probs is None else draft.probs[:cut_at]
         checked = Draft(chain[:cut_at], probs)
         n_verified = depth = cut_at
-    return Proposal(tokens, checked, kk, n_verified, depth, draft.match_length, t_round, t1 - t0, plan)
+    return Proposal(context, checked, k, n_verified, depth, draft.match_length, t_round, t1 - t0, plan)
 
 
-def _after_forced(proposal: Proposal, tokens: list[int], forced: list[int]) -> Proposal:
-    """A proposal drafted after `forced` tokens, as one after `tokens`: the forced tokens lead its
+def _after_forced(proposal: Proposal, context: list[int], forced: list[int]) -> Proposal:
+    """A proposal drafted after `forced` tokens, as one after `context`: the forced tokens lead its
     chain, with one-hot draft probabilities where the draft has probabilities."""
     draft = proposal.checked
     probs = draft.probs
@@ -173,7 +188,7 @@ def _after_forced(proposal: Proposal, tokens: list[int], forced: list[int]) -> P
         onehot[torch.arange(len(forced)), torch.tensor(forced)] = 1.0
         probs = torch.cat([onehot, probs])
     checked = Draft(forced + draft.tokens, probs)
-    return replace(proposal, tokens=tokens, checked=checked, n_forced=len(forced))
+    return replace(proposal, context=context, checked=checked, n_forced=len(forced))
 
 
 def conclude(
@@ -185,16 +200,16 @@ def conclude(
     stats: RunStats,
     timed: bool = True,
 ) -> Round:
-    """A round after its verify (steps 3-5): judge the target's `scores` of proposal.checked (a
+    """Step 3 of a round, after its verify: judge the target's `scores` of proposal.checked (a
     forward of verify_s seconds), roll back, count, and let the policy learn. timed: whether that
     forward scored this round alone (else the caller times the forward for the verify-cost curve)."""
     policy, clock = spec.policy, spec.clock
-    tokens = proposal.tokens
+    context = proposal.context
     draft_s = proposal.draft_s
     stats.draft_s += draft_s
     stats.verify_s += verify_s
-    accepted, token = verifier.judge(scores, tokens, proposal.checked)
-    verifier.rollback(len(tokens) + len(accepted))
+    accepted, token = verifier.judge(scores, context, proposal.checked)
+    verifier.rollback(len(context) + len(accepted))
     forced = min(len(accepted), proposal.n_forced)  # forced tokens stay out of the drafter's counts
     n_accepted = len(accepted) - forced
     stats.record_round(proposal.n_verified, n_accepted, proposal.depth)
@@ -207,7 +222,7 @@ def conclude(
             verify_s * 1e3,
             draft_s * 1e3,
             other_ms,
-            requested=proposal.kk,
+            requested=proposal.planned,
             depth=proposal.depth,
             match_length=proposal.match_length,
             timed=timed,

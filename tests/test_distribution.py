@@ -27,8 +27,8 @@ import pytest
 import torch
 from scipy import stats
 
+from specdec.rejection import Verdict, verify_sampling
 from specdec.sampling import SamplingParams, processed_probs
-from specdec.verify import Verdict, verify_sampling
 
 V = 6
 N = 100_000

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-import specdec.verifier as verifier_module
+import specdec.scoring as scoring_module
 from specdec import ContextLengthError, TokenizerMismatchError, generate, make_drafter
 from specdec.cache import new_cache
 from specdec.drafters import Draft, ModelDrafter
@@ -209,9 +209,9 @@ def test_padded_draft_vocabulary_is_accepted(draft_model, monkeypatch):
     prompt = prompt_ids()
     base = plain(wide, prompt)
     assert generate(wide, prompt, ModelDrafter(draft_model), k=3, max_new_tokens=N_NEW).tokens == base.tokens
-    seen, real = [], verifier_module.verify_sampling
+    seen, real = [], scoring_module.verify_sampling
     monkeypatch.setattr(
-        verifier_module, "verify_sampling", lambda tokens, q, p, g: seen.append((tokens, q, p)) or real(tokens, q, p, g)
+        scoring_module, "verify_sampling", lambda tokens, q, p, g: seen.append((tokens, q, p)) or real(tokens, q, p, g)
     )
     sampled = generate(wide, prompt, ModelDrafter(draft_model), k=3, max_new_tokens=20, temperature=1.0, seed=0)
     assert len(sampled.tokens) == 20

@@ -17,8 +17,8 @@ from specdec.drafters.model import ModelDrafter
 from specdec.engine import generate
 from specdec.grammar import Constraint, Grammar, GrammarError
 from specdec.models.quantize import quantize_model
+from specdec.rejection import verify_sampling
 from specdec.sampling import SamplingParams, processed_probs
-from specdec.verify import verify_sampling
 
 from .conftest import BYTE_CHARS, make_byte_tokenizer, make_model, prompt_ids, remake
 

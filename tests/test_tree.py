@@ -16,7 +16,7 @@ from specdec.cache import LeanKVCache
 from specdec.drafters import Draft, SuffixDrafter
 from specdec.drafters.base import Drafter
 from specdec.drafters.suffix import SuffixAutomaton
-from specdec.verify import verify_tree_greedy
+from specdec.rejection import verify_tree_greedy
 
 from .conftest import VOCAB, make_model, prompt_ids, remake
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy import stats
 
+from specdec.rejection import Verdict, verify_greedy, verify_sampling
 from specdec.sampling import Sampler, SamplingParams, argmax_rows, processed_probs
-from specdec.verify import Verdict, verify_greedy, verify_sampling
 
 SEEDS = range(300)
 

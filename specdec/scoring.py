@@ -1,6 +1,7 @@
-"""The target's side of a round (specdec.round): the Verifier protocol, and TargetVerifier, the
-engine's, which runs the target's forward over its KV cache and applies the acceptance rules of
-specdec.verify (greedy, speculative sampling, token trees) with the run's penalties and logprobs.
+"""The target's scoring of a draft, its side of a round (specdec.round): the Verifier protocol, and
+TargetVerifier, the engine's, which runs the target's forward over its KV cache and applies the
+rejection rule (specdec.rejection: greedy, speculative sampling, token trees) with the run's
+penalties and logprobs.
 The bench's replay has its own Verifier (specdec.bench.replay), with no forward.
 """
 
@@ -12,8 +13,8 @@ import torch
 
 from specdec.drafters.draft import Draft
 from specdec.grammar import Constraint
+from specdec.rejection import verify_greedy, verify_sampling, verify_tree_greedy
 from specdec.sampling import Penalties, Sampler, TokenLogprob, logprobs_of, processed_probs
-from specdec.verify import verify_greedy, verify_sampling, verify_tree_greedy
 
 
 class Verifier(Protocol):

@@ -1,4 +1,5 @@
-"""The verifier: which drafted tokens to keep, and the one token the target adds.
+"""The rejection rule: which drafted tokens to keep, and the one token the target adds
+(Leviathan et al. 2023, Chen et al. 2023; greedy: the longest prefix the target's argmax agrees with).
 
 Words, as in vLLM's rejection sampler:
 - accepted tokens: the longest prefix of the draft the verifier keeps;
