@@ -35,8 +35,9 @@ from specdec.grammar import Constraint, Grammar
 from specdec.models.load import load_model
 from specdec.models.quantize import quantize_model
 from specdec.sampling import Penalties
-from specdec.serve import app as serve_app
+from specdec.serve import server as serve_server
 from specdec.serve.app import create_app
+from specdec.serve.config import ServeConfig
 
 from .conftest import VOCAB, make_byte_tokenizer, make_model, make_tokenizer, remake
 
@@ -113,7 +114,7 @@ def tiny(model_dir):
 
 @pytest.fixture(scope="module")
 def served(tiny):
-    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny", max_queue=64, max_tokens=16)
+    app = create_app(tiny, ServeConfig(drafter="prompt-lookup", k=3, model_name="tiny", max_queue=64, max_tokens=16))
     with running(app) as url:
         yield url
 
@@ -228,7 +229,7 @@ def test_a_draft_model_per_request(tiny):
     draft = make_model("llama", seed=7)  # the same word-level vocabulary as the tiny target
     prompt = words(8)
     ref = greedy(tiny, tiny.encode(prompt), 12, drafter=None, k=0)
-    with running(create_app(tiny, "none", 2, draft=draft, model_name="tiny")) as url:
+    with running(create_app(tiny, ServeConfig(drafter="none", k=2, model_name="tiny"), draft=draft)) as url:
         c = client(url)
         r = c.completions.create(
             model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"drafter": "model"}
@@ -240,7 +241,7 @@ def test_a_draft_model_per_request(tiny):
         assert default.usage.model_extra["speculative"]["drafter"] == "none"
     other = make_model("llama", seed=7, tokenizer=make_tokenizer([f"x{i}" for i in range(VOCAB - 3)]))
     with pytest.raises(TokenizerMismatchError):
-        create_app(tiny, "model", draft=other)
+        create_app(tiny, ServeConfig(drafter="model"), draft=other)
 
 
 def test_sampling_with_a_seed_is_the_librarys_run_with_that_seed(served, tiny):
@@ -335,7 +336,9 @@ def test_full_queue_answers_429_and_the_queue_drains():
     gate = GateDrafter()
     model = make_model("llama", seed=1)  # never stops on EOS
     app = create_app(
-        model, "gate", 2, drafters={"gate": gate}, model_name="tiny", max_queue=2, max_tokens=4, max_batch=1
+        model,
+        ServeConfig(drafter="gate", k=2, model_name="tiny", max_queue=2, max_tokens=4, max_batch=1),
+        drafters={"gate": gate},
     )  # one sequence in the batch: the next two wait in the queue
     with running(app) as url, ThreadPoolExecutor(3) as pool:
         c = client(url)
@@ -359,7 +362,7 @@ def test_full_queue_answers_429_and_the_queue_drains():
 def test_client_disconnect_cancels_its_generation(stream):
     slow = SlowDrafter()
     model = make_model("llama", seed=1)
-    app = create_app(model, "slow", 1, drafters={"slow": slow}, model_name="tiny", max_tokens=80)
+    app = create_app(model, ServeConfig(drafter="slow", k=1, model_name="tiny", max_tokens=80), drafters={"slow": slow})
     with running(app) as url:
         u = urlparse(url)
         body = json.dumps({"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 80, "temperature": 0, "stream": stream})
@@ -612,7 +615,7 @@ def bytes_model():
 
 @pytest.fixture(scope="module")
 def bytes_served(bytes_model):
-    app = create_app(bytes_model, "prompt-lookup", 3, model_name="bytes", max_tokens=40)
+    app = create_app(bytes_model, ServeConfig(drafter="prompt-lookup", k=3, model_name="bytes", max_tokens=40))
     with running(app) as url:
         yield url
 
@@ -620,7 +623,7 @@ def bytes_served(bytes_model):
 def test_the_grammar_tokenizer_is_built_at_startup():
     model = byte_model()
     assert model.tokenizer not in grammar_module._TOKENIZERS
-    with running(create_app(model, model_name="bytes")):
+    with running(create_app(model, ServeConfig(model_name="bytes"))):
         assert model.tokenizer in grammar_module._TOKENIZERS  # the first grammar request does not build it
 
 
@@ -722,9 +725,9 @@ def test_bad_structured_output_gets_400_naming_the_field(bytes_served, body, par
 
 
 def test_a_grammar_is_compiled_once_per_server(bytes_model, monkeypatch):
-    app = create_app(bytes_model, model_name="bytes", max_tokens=20)
+    app = create_app(bytes_model, ServeConfig(model_name="bytes", max_tokens=20))
     built = []
-    monkeypatch.setattr(serve_app, "Constraint", lambda g, m: built.append(g) or Constraint(g, m))
+    monkeypatch.setattr(serve_server, "Constraint", lambda g, m: built.append(g) or Constraint(g, m))
     with running(app) as url:
         body = dict(model="bytes", prompt="ab", max_tokens=20, temperature=0)
         texts = [
@@ -739,7 +742,7 @@ def test_a_grammar_is_compiled_once_per_server(bytes_model, monkeypatch):
 
 
 def test_steps_are_reported_per_step(tiny):
-    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny")
+    app = create_app(tiny, ServeConfig(drafter="prompt-lookup", k=3, model_name="tiny"))
     with running(app) as url, ThreadPoolExecutor(8) as pool:
         c = client(url)
         list(
@@ -757,7 +760,12 @@ def test_steps_are_reported_per_step(tiny):
 
 
 def test_an_api_key_is_required_when_set_and_limits_are_kept(tiny):
-    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny", max_tokens=8, api_key="s3cret", max_body_bytes=2000)
+    app = create_app(
+        tiny,
+        ServeConfig(
+            drafter="prompt-lookup", k=3, model_name="tiny", max_tokens=8, api_key="s3cret", max_body_bytes=2000
+        ),
+    )
     with running(app) as url:
         with pytest.raises(openai.AuthenticationError, match="API key"):
             client(url).completions.create(model="tiny", prompt="w1 w2", max_tokens=2, temperature=0)
@@ -772,7 +780,7 @@ def test_an_api_key_is_required_when_set_and_limits_are_kept(tiny):
             good.completions.create(model="tiny", prompt="w1 w2", max_tokens=tiny.n_ctx, temperature=0)
         assert e.value.body["param"] == "max_tokens"
     with pytest.raises(ValueError, match="api_key"):
-        create_app(tiny, api_key=" ")
+        create_app(tiny, ServeConfig(api_key=" "))
 
 
 @pytest.mark.parametrize(
@@ -858,7 +866,7 @@ def test_a_body_not_sent_as_json_is_refused_saying_how_to_send_it(served):
 
 def test_a_chunked_body_over_the_limit_gets_413(tiny):
     """Without a Content-Length the limit is checked on the body read."""
-    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny", max_body_bytes=500)
+    app = create_app(tiny, ServeConfig(drafter="prompt-lookup", k=3, model_name="tiny", max_body_bytes=500))
     with running(app) as url:
         u = urlparse(url)
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
@@ -871,7 +879,7 @@ def test_a_chunked_body_over_the_limit_gets_413(tiny):
 
 
 def test_a_model_without_a_chat_template_says_so():
-    app = create_app(make_model("llama", seed=1), model_name="plain")
+    app = create_app(make_model("llama", seed=1), ServeConfig(model_name="plain"))
     with running(app) as url:
         with pytest.raises(openai.BadRequestError) as e:
             client(url).chat.completions.create(model="plain", messages=[{"role": "user", "content": "w1"}])
@@ -880,11 +888,11 @@ def test_a_model_without_a_chat_template_says_so():
 
 def test_bad_server_options_are_refused(tiny, capsys):
     with pytest.raises(ValueError, match="unknown drafter 'model'.*--draft MODEL"):
-        create_app(tiny, "model")
+        create_app(tiny, ServeConfig(drafter="model"))
     with pytest.raises(ValueError, match="max_queue"):
-        create_app(tiny, max_queue=0)
+        create_app(tiny, ServeConfig(max_queue=0))
     with pytest.raises(ValueError, match="prefill_ratio must be >= 0"):
-        create_app(tiny, prefill_ratio=-1)
+        create_app(tiny, ServeConfig(prefill_ratio=-1))
     assert main(["serve", "-k", "-1"]) == 2
     assert "k (draft length) must be >= 0" in capsys.readouterr().err
 
@@ -901,7 +909,7 @@ def test_models_and_health(served, tiny):
 
 
 def test_metrics_count_one_request_exactly(tiny):
-    app = create_app(tiny, "prompt-lookup", 3, model_name="tiny")
+    app = create_app(tiny, ServeConfig(drafter="prompt-lookup", k=3, model_name="tiny"))
     prompt = "w1 w2 w3 w4 w5 w1 w2 w3 w4"
     ref = greedy(tiny, tiny.encode(prompt), 20)
     with running(app) as url:
@@ -964,7 +972,7 @@ METRIC_FAMILIES = {  # what users scrape: each metric's name and type
 
 
 def test_metric_families_are_kept_and_each_app_counts_apart(tiny):
-    apps = [create_app(tiny, model_name="tiny", max_queue=q) for q in (5, 7)]
+    apps = [create_app(tiny, ServeConfig(model_name="tiny", max_queue=q)) for q in (5, 7)]
     apps[0].state.server.metrics.count("invalid")
     texts = [app.state.server.metrics.render().decode() for app in apps]
     for text, invalid, capacity in zip(texts, (1, 0), (5, 7)):
@@ -1017,7 +1025,7 @@ def test_64_concurrent_streams_of_real_smollm2_each_equal_their_solo_output():
     texts = ["Name three colours.", "Count to ten: one, two,", "Hi", "Write a haiku about the sea.",
              "What is 2 + 2?", "List the planets.", "Say hello in French.", "def fib(n):"]  # fmt: skip
     ids = [target.encode(f"{t} (request {i})", chat=True) for i, t in enumerate(texts * 8)]
-    app = create_app(target, "prompt-lookup", "auto", model_name="smol", max_tokens=24)
+    app = create_app(target, ServeConfig(drafter="prompt-lookup", k="auto", model_name="smol", max_tokens=24))
     with running(app) as url:
         level = asyncio.run(
             run_level(url, "smol", [Request(ids=i) for i in ids], 64, dict(max_tokens=24, temperature=0))
@@ -1062,7 +1070,9 @@ def test_run_server_steps_the_batch_in_the_thread_that_called_it(tiny, monkeypat
 
     thread = threading.Thread(target=user)
     thread.start()
-    run_server(create_app(tiny, "prompt-lookup", 3, model_name="tiny"), port=port, log_level="warning")
+    run_server(
+        create_app(tiny, ServeConfig(drafter="prompt-lookup", k=3, model_name="tiny")), port=port, log_level="warning"
+    )
     thread.join(30)
     assert stepped == {threading.current_thread().name} and threading.current_thread() is threading.main_thread()
     assert texts == [greedy(tiny, tiny.encode(prompt), 8).text] * 2

@@ -57,7 +57,7 @@ def _driver(args, levels: list[int]):
     def drive(name: str, url: str, model: str, requests, extra=None) -> list[loadtest.Level]:
         out = []
         for c in levels:
-            level = asyncio.run(loadtest.run_level(url, model, requests, c, params, extra, args.api_key))
+            level = asyncio.run(loadtest.run_level(url, model, requests, c, params, extra=extra, api_key=args.api_key))
             s = level.summary()
             print(
                 f"# {name}: {c} concurrent, {s['tokens_per_s']:.1f} tokens/s aggregate, "

@@ -16,6 +16,7 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.serve.app import create_app, run_server
+    from specdec.serve.config import ServeConfig
 
     k = k_arg(args.k)
     if args.max_queue < 1 or args.max_tokens < 0:
@@ -30,11 +31,9 @@ def run(args) -> int:
     recalibrate(args, [args.target])
     target = load_model(args.target, **load_kwargs(args))
     draft = load_model(args.draft, **load_kwargs(args, draft=True)) if args.draft else None
-    app = create_app(
-        target,
-        args.drafter,
-        k,
-        draft=draft,
+    config = ServeConfig(
+        drafter=args.drafter,
+        k=k,
         model_name=args.served_model_name,
         max_queue=args.max_queue,
         max_tokens=args.max_tokens,
@@ -47,6 +46,7 @@ def run(args) -> int:
         prefill_chunk=args.prefill_chunk,
         prefill_ratio=args.prefill_ratio,
     )
+    app = create_app(target, config, draft=draft)
     print(
         f"# serving {args.served_model_name or args.target} at http://{args.host}:{args.port}/v1 "
         f"(drafter {args.drafter}, k {k}); Ctrl-C stops",

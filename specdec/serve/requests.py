@@ -1,7 +1,13 @@
 """The request bodies of specdec's OpenAI-compatible server: typed pydantic models of the two
 endpoints (FastAPI validates each body against one before it is queued), the one place that turns
 a validation failure into a 400 naming the field (`invalid`), and the structured-output fields of a
-request read as a specdec Grammar (`grammar_of`).
+request read as a specdec Grammar (`Params.grammar`).
+
+Every check that needs only the request is made here, once: types and ranges by the fields, and
+the server's own refusals (n, k, logprobs, logit_bias, unsupported fields, structured output) by
+validators raising `refuse(...)`, answered with their message as is. What needs the model (the
+prompt's tokens, the context, logit_bias' token ids, the drafters, the grammar's compile) is
+specdec.serve.server's.
 """
 
 from __future__ import annotations
@@ -10,12 +16,32 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from specdec.grammar import Grammar, GrammarError
+from specdec.options import MAX_TOP_LOGPROBS
 from specdec.serve.errors import ApiError
 
 MAX_STOP = 16  # stop strings per request
+MAX_N = 16  # choices per request
+REFUSED = "refused"  # the error type of refuse(): answered with its own message, param and code
+
+
+def refuse(message: str, param: str, code: str = "invalid_parameter") -> PydanticCustomError:
+    """A validator's refusal of a request: `invalid` answers it as ApiError(400, message, code=code,
+    param=param), word for word (raise what this returns)."""
+    return PydanticCustomError(REFUSED, "{message}", {"message": message, "param": param, "code": code})
 
 
 class _StreamOptions(BaseModel):
@@ -97,7 +123,18 @@ class Params(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     drafter: str | None = None  # extension: a drafter this server has, or "none"
-    k: StrictInt | str | None = None  # extension: draft length (a string goes to the engine as it is)
+    k: StrictInt | str | None = None  # extension: draft length, or "auto" ("4" is read as 4)
+    _grammar: tuple[Grammar | None, str | None] = PrivateAttr((None, None))
+
+    @property
+    def grammar(self) -> Grammar | None:
+        """The grammar the output must follow (structured output), or None for free text."""
+        return self._grammar[0]
+
+    @property
+    def grammar_field(self) -> str | None:
+        """The field that asked for the grammar (response_format, guided_json, ...), or None."""
+        return self._grammar[1]
 
     @field_validator("stop")
     @classmethod
@@ -106,12 +143,38 @@ class Params(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop strings, got {len(v)}")
         return v
 
+    @field_validator("n")
+    @classmethod
+    def _few_choices(cls, v):
+        if v is not None and not 1 <= v <= MAX_N:
+            raise refuse(f"n must be between 1 and {MAX_N}, got {v}", "n")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, v):
+        for key, value in (v or {}).items():
+            if not -100 <= value <= 100:
+                raise refuse(
+                    f"logit_bias: the bias of token {key} must be between -100 and 100, got {value}", "logit_bias"
+                )
+        return v
+
     @field_validator("k")
     @classmethod
     def _k_not_negative(cls, v):
         if isinstance(v, int) and v < 0:
             raise ValueError("k (draft length) must be >= 0 (0 = plain decoding)")
+        if isinstance(v, str) and v != "auto":
+            if not v.strip().isdigit():
+                raise refuse(f'k = {v!r} is not supported: send an integer >= 0 or "auto"', "k")
+            return int(v)
         return v
+
+    @model_validator(mode="after")
+    def _read_grammar(self):
+        self._grammar = _grammar_of(self)
+        return self
 
 
 class CompletionRequest(Params):
@@ -119,6 +182,38 @@ class CompletionRequest(Params):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.echo or self.suffix or (self.best_of or 1) > 1:
+            field_ = "echo" if self.echo else "suffix" if self.suffix else "best_of"
+            raise refuse(
+                f"{field_} is not supported by this server; leave the field out", field_, "unsupported_parameter"
+            )
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+            raise refuse(
+                f"a batch of {len(prompt)} prompts is not supported: send one prompt per request",
+                "prompt",
+                "unsupported_parameter",
+            )
+        if self.top_logprobs is not None:
+            raise refuse("top_logprobs is a chat field; a completion request sends logprobs = 0..20", "top_logprobs")
+        if isinstance(self.logprobs, bool):
+            raise refuse("logprobs must be an integer 0..20 in a completion request", "logprobs")
+        _check_top_logprobs("logprobs", self.logprobs)
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top logprobs to report beside each token's (None: no logprobs)."""
+        return self.logprobs
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt: a string or token ids (a batch of one unwrapped)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]
+        return prompt
 
 
 class _ContentPart(BaseModel):
@@ -144,6 +239,48 @@ class ChatRequest(Params):
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     tools: Any = None
 
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.tools:
+            raise refuse(
+                "tools are not supported by this server; leave the field out", "tools", "unsupported_parameter"
+            )
+        for i, m in enumerate(self.messages):
+            other = [p.type for p in m.content if p.type != "text"] if isinstance(m.content, list) else []
+            if other:
+                raise refuse(
+                    f"messages.{i}.content: only text parts are supported, got {other[0]!r}",
+                    f"messages.{i}.content",
+                    "unsupported_parameter",
+                )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise refuse("top_logprobs needs logprobs = true", "top_logprobs")
+        if self.logprobs not in (None, False, True):
+            raise refuse(
+                "logprobs must be true or false in a chat request (top_logprobs: how many alternatives)", "logprobs"
+            )
+        _check_top_logprobs("top_logprobs", (self.top_logprobs or 0) if self.logprobs else None)
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top logprobs to report beside each token's (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def texts(self) -> list[dict[str, str]]:
+        """The messages as {"role", "content"} with each content one string (text parts joined)."""
+        return [
+            {
+                "role": m.role,
+                "content": "".join(p.text or "" for p in m.content) if isinstance(m.content, list) else m.content or "",
+            }
+            for m in self.messages
+        ]
+
+
+def _check_top_logprobs(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise refuse(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", name)
+
 
 _ONE_OF = {  # fields that take one of several types, and how to say so
     "prompt": "a string or a list of token ids (or a list holding one of these)",
@@ -160,8 +297,14 @@ def invalid(errors: Iterable[Mapping[str, Any]], cls: type[BaseModel], content_t
     RequestValidationError's, each located under "body"): a body that is not JSON, not an object,
     or sent without a JSON Content-Type (code invalid_json); a field the server does not honour
     (unsupported_parameter, naming it); else every bad field with what it expects
-    (invalid_parameter, param: the first one)."""
+    (invalid_parameter, param: the first one). A validator's refusal (see refuse) is answered as it
+    is, once no field has a wrong type or range."""
     errors = [{**err, "loc": tuple(err["loc"])[1:]} for err in errors]  # drop "body"
+    refused = [err for err in errors if err["type"] == REFUSED]
+    if refused and len(refused) == len(errors):  # a validator's own refusal, once the types are right
+        ctx = refused[0]["ctx"]
+        return ApiError(400, ctx["message"], code=ctx["code"], param=ctx["param"])
+    errors = [err for err in errors if err["type"] != REFUSED]
     for err in errors:
         if err["type"] == "json_invalid":
             where = f" at character {err['loc'][0]}" if err["loc"] else ""
@@ -221,19 +364,14 @@ def structured_fields(req: Params) -> list[str]:
     ]
 
 
-def grammar_of(req: Params) -> tuple[Grammar | None, str | None]:
+def _grammar_of(req: Params) -> tuple[Grammar | None, str | None]:
     """The grammar a request's output must follow, and the field that asked for it (None, None:
-    free text). ApiError 400 for two such fields at once (response_format {"type": "text"} asks for
-    none), structured_outputs without exactly one kind, or a grammar that is malformed on its face
-    (llguidance's compile is Server.check_grammar's)."""
+    free text). Raises a refusal for two such fields at once (response_format {"type": "text"} asks
+    for none), structured_outputs without exactly one kind, or a grammar that is malformed on its
+    face (llguidance's compile is Server.check_grammar's)."""
     given = structured_fields(req)
     if len(given) > 1:
-        raise ApiError(
-            400,
-            f"{' and '.join(given)} each ask for structured output: send only one of them",
-            code="invalid_parameter",
-            param=given[0],
-        )
+        raise refuse(f"{' and '.join(given)} each ask for structured output: send only one of them", given[0])
     if not given:
         return None, None
     field_ = given[0]
@@ -248,12 +386,10 @@ def grammar_of(req: Params) -> tuple[Grammar | None, str | None]:
             values["json_object"] = so.json_object or None  # false asks for nothing
             kinds = [kind for kind in _STRUCTURED_KINDS if values[kind] is not None]
             if len(kinds) != 1:
-                raise ApiError(
-                    400,
+                raise refuse(
                     f"structured_outputs takes exactly one of {', '.join(_STRUCTURED_KINDS)} (json_object: true); "
                     f"got {', '.join(kinds) if kinds else 'none'}",
-                    code="invalid_parameter",
-                    param=field_,
+                    field_,
                 )
             kind, value = kinds[0], values[kinds[0]]
             grammar = {
@@ -269,5 +405,5 @@ def grammar_of(req: Params) -> tuple[Grammar | None, str | None]:
         else:
             grammar = Grammar.lark(req.guided_grammar)
     except GrammarError as e:
-        raise ApiError(400, f"{field_}: {e}", code="invalid_parameter", param=field_) from None
+        raise refuse(f"{field_}: {e}", field_) from None
     return grammar, field_

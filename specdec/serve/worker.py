@@ -25,6 +25,7 @@ from specdec.decoding import Decoding, Generation
 from specdec.drafters.base import Drafter
 from specdec.models.load import Model
 from specdec.options import AUTO_K_MAX, GenerationOptions
+from specdec.serve.config import ServeConfig
 from specdec.serve.errors import ApiError
 from specdec.serve.metrics import Metrics
 from specdec.stats import RunStats
@@ -69,8 +70,9 @@ class _Live:
 
 class Worker:
     """The queue, the batch and the thread that steps it. costs: the target's verify-cost curve,
-    shared by every k="auto" sequence's policy. max_batch: sequences decoded at once; max_queue:
-    requests that may wait beyond them (past it, submit raises a 429). on_step: called with each
+    shared by every k="auto" sequence's policy. config: the server's settings, of which the worker
+    reads max_batch (sequences decoded at once), max_queue (requests that may wait beyond them;
+    past it, submit raises a 429), prefill_chunk and prefill_ratio. on_step: called with each
     Step (the metrics); on_done: with each completed generation's RunStats (after the metrics')."""
 
     def __init__(
@@ -78,18 +80,15 @@ class Worker:
         target: Model,
         costs: VerifyCosts,
         metrics: Metrics,
-        max_batch: int,
-        max_queue: int,
-        prefill_chunk: int,
-        prefill_ratio: int,
+        config: ServeConfig,
         on_step: Callable[[Step], None] | None = None,
         on_done: Callable[[RunStats], None] | None = None,
     ):
         self.target, self.costs, self.metrics = target, costs, metrics
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.prefill_chunk, self.prefill_ratio = prefill_chunk, prefill_ratio
+        self.max_batch, self.max_queue = config.max_batch, config.max_queue
+        self.prefill_chunk, self.prefill_ratio = config.prefill_chunk, config.prefill_ratio
         self.on_step, self.on_done = on_step, on_done
-        self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.queue: queue.Queue[Job] = queue.Queue(maxsize=config.max_queue)
         self.live: dict[int, _Live] = {}  # id(job) -> its state, for the jobs in the batch
         self.owner: dict[int, tuple[_Live, int]] = {}  # id(sequence) -> (its job, its choice index)
         self.finished: list[_Live] = []  # jobs a step finished, answered once the step is counted
