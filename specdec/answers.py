@@ -295,4 +295,8 @@ def conversation_data(
     rows = dataset_rows(target, data, c)[0] if answers == "mix" else []
     rows += self_answers(target, data, out_dir, c)
     source = {"data": data, "answers": answers, "code_only": c.code_only, "conversations": len(rows)}
-    return rows, source | {"max_tokens": c.max_tokens, "answer_temperature": c.temperature, "answer_tokens": c.max_new_tokens}
+    return rows, source | {
+        "max_tokens": c.max_tokens,
+        "answer_temperature": c.temperature,
+        "answer_tokens": c.max_new_tokens,
+    }

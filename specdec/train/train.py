@@ -13,9 +13,9 @@ self-distilled data.
 4. training (the loss: specdec.train.loss): at position t the head reads (f_t plus a little
    noise, e(x_{t+1})) and is trained to predict f_{t+1} (smooth L1) and the target's next token
    from it (cross-entropy over the head's vocabulary, weight 0.5: EAGLE (Li et al. 2024) uses
-   0.1; greedy acceptance depends on the token), and, with steps > 1, the same again from its own predicted features for draft steps 2..steps
-   (the training-time test of EAGLE-3 / HASS: drafting feeds its predictions back, so training
-   does too); AdamW, cosine schedule, one sequence per update;
+   0.1; greedy acceptance depends on the token), and, with steps > 1, the same again from its
+   own predicted features for draft steps 2..steps (the training-time test of EAGLE-3 / HASS:
+   drafting feeds its predictions back, so training does too); AdamW, cosine schedule, one sequence per update;
    a checkpoint after every epoch (`<out>/checkpoint.pt`, atomic) from which a rerun resumes;
 5. output: the head (`<cache>/heads/<target>.safetensors` unless --head-out), `<out>/loss.png`
    and `<out>/summary.json` (losses and held-out accuracy per draft step and epoch).
@@ -127,7 +127,6 @@ def choose_vocab(data, vocab_size: int, n: int) -> torch.Tensor:
     chosen = set(seen)
     rest = [i for i in range(vocab_size) if i not in chosen][: n - len(seen)]
     return torch.tensor(sorted(seen + rest))
-
 
 
 def train_head(target: Model, out: Path, config: TrainConfig | None = None, conversation_data=None) -> dict:
