@@ -39,6 +39,7 @@ from specdec.models.weights import atomic_write
 from specdec.options import GenerationOptions
 from specdec.train.conversations import (
     SHAREGPT,
+    ConversationConfig,
     DataError,
     chat_ids,
     dataset_rows,
@@ -168,21 +169,11 @@ def store_key(target, source: str, max_tokens: int, max_new_tokens: int, tempera
 
 
 def self_answers(
-    target,
-    source: str,
-    n: int,
-    max_tokens: int,
-    exclude: tuple[str, ...] = (),
-    seed: int = 0,
-    out_dir: Path = Path("specdec-train/answers"),
-    temperature: float = 0.0,
-    max_new_tokens: int = 256,
-    batch: int = 8,
-    code_only: bool = False,
+    target, source: str, out_dir: Path = Path("specdec-train/answers"), config: ConversationConfig | None = None
 ) -> list[dict]:
-    """Up to n training rows [{"text", "prompt": [], "answer": ids, "mask": [bool]}] as
+    """Up to config.n training rows [{"text", "prompt": [], "answer": ids, "mask": [bool]}] as
     conversation_rows gives (the same conversations, in the same order: specdec.train.conversations.
-    selected, with `exclude` and `code_only`), but with the target's own answers in place of the
+    selected, with config's exclude and code_only), but with the target's own answers in place of the
     dataset's assistant turns; mask true on the assistant turns' tokens (the target's answers and
     the template's end of turn), the row cut to max_tokens.
 
@@ -196,18 +187,23 @@ def self_answers(
     the new user turn is prefilled (the same bits as the whole context's). Answers are stored under
     out_dir (AnswerStore), each conversation as it finishes, and reused on a rerun.
 
+    n, max_tokens, exclude, seed, code_only, temperature, max_new_tokens and batch are config's
+    (ConversationConfig; its defaults when None).
+
     Raises DataError when the target has no chat template, the source cannot be read, or no
-    conversation's first turn fits in max_tokens; ValueError for bad arguments."""
+    conversation's first turn fits in max_tokens; ValueError for bad settings."""
+    c = config or ConversationConfig()
+    n, max_tokens, max_new_tokens, batch, temperature = c.n, c.max_tokens, c.max_new_tokens, c.batch, c.temperature
     if not getattr(target.tokenizer, "chat_template", None):
         raise DataError(f"{target.name} has no chat template to render conversations with")
     if n < 1 or max_tokens < 2 or max_new_tokens < 1 or batch < 1 or temperature < 0:
         raise ValueError("need n >= 1, max_tokens >= 2, max_new_tokens >= 1, batch >= 1 and temperature >= 0")
     path = source_path(source)
     limit = min(max_tokens, target.n_ctx)
-    todo = list(itertools.islice(_fitting(target.tokenizer, path, exclude, seed, code_only, limit), n))
+    todo = list(itertools.islice(_fitting(target.tokenizer, path, c, limit), n))
     if not todo:
         raise DataError(f"{path}: no conversation whose first user turn fits in {limit} tokens")
-    key = store_key(target, source, max_tokens, max_new_tokens, temperature, seed)
+    key = store_key(target, source, max_tokens, max_new_tokens, temperature, c.seed)
     store = AnswerStore(out_dir, key, target.name)
     pending = []
     for conv in todo:
@@ -217,13 +213,14 @@ def self_answers(
         else:
             conv.answers = stored
     options = GenerationOptions(k=0, max_new_tokens=max_new_tokens, temperature=temperature)
-    _answer(target, pending, options, seed, limit, batch, store, len(todo))
+    _answer(target, pending, options, seed=c.seed, limit=limit, size=batch, store=store, total=len(todo))
     return [row for conv in todo if (row := _row(target.tokenizer, conv, max_tokens)) is not None]
 
 
-def _fitting(tokenizer, path: Path, exclude, seed: int, code_only: bool, limit: int):
-    """selected()'s conversations with a user turn whose first context renders in under `limit` tokens."""
-    for index, _, messages in selected(path, exclude, seed, code_only):
+def _fitting(tokenizer, path: Path, config: ConversationConfig, limit: int):
+    """selected()'s conversations (config's exclude, seed and code_only) with a user turn whose
+    first context renders in under `limit` tokens."""
+    for index, _, messages in selected(path, config.exclude, config.seed, config.code_only):
         conv = Conversation.of(index, messages)
         try:
             context = conv.context(tokenizer)
@@ -283,30 +280,23 @@ def _row(tokenizer, conv: Conversation, max_tokens: int) -> dict | None:
 
 
 def conversation_data(
-    target,
-    data: str,
-    out_dir: Path,
-    answers: str = "sharegpt",
-    n: int = 2000,
-    max_tokens: int = 512,
-    exclude: tuple[str, ...] = (),
-    seed: int = 0,
-    temperature: float = 0.0,
-    max_new_tokens: int = 256,
-    batch: int = 8,
-    code_only: bool = False,
+    target, data: str, out_dir: Path, answers: str = "sharegpt", config: ConversationConfig | None = None
 ) -> tuple[list[dict], dict]:
     """The rows specdec train learns from real conversations, and their description for the summary:
     answers "sharegpt" (the dataset's assistant turns, dataset_rows), "self" (the target's own,
-    self_answers, stored in out_dir) or "mix" (both: each conversation twice). Raises ValueError for
-    another `answers`, DataError as those two do."""
+    self_answers, stored in out_dir) or "mix" (both: each conversation twice); config: which
+    conversations and how answered (ConversationConfig; its defaults when None). Raises ValueError
+    for another `answers`, DataError as those two do."""
     if answers not in ANSWERS:
         raise ValueError(f"answers must be one of {', '.join(ANSWERS)}, got {answers!r}")
+    c = config or ConversationConfig()
     if answers == "sharegpt":
-        return dataset_rows(target, data, n, max_tokens, exclude, seed, code_only)
-    rows = dataset_rows(target, data, n, max_tokens, exclude, seed, code_only)[0] if answers == "mix" else []
-    rows += self_answers(
-        target, data, n, max_tokens, exclude, seed, out_dir, temperature, max_new_tokens, batch, code_only
-    )
-    source = {"data": data, "answers": answers, "code_only": code_only, "conversations": len(rows)}
-    return rows, source | {"max_tokens": max_tokens, "answer_temperature": temperature, "answer_tokens": max_new_tokens}
+        return dataset_rows(target, data, c)
+    rows = dataset_rows(target, data, c)[0] if answers == "mix" else []
+    rows += self_answers(target, data, out_dir, c)
+    source = {"data": data, "answers": answers, "code_only": c.code_only, "conversations": len(rows)}
+    return rows, source | {
+        "max_tokens": c.max_tokens,
+        "answer_temperature": c.temperature,
+        "answer_tokens": c.max_new_tokens,
+    }

@@ -14,8 +14,8 @@ from specdec.answers import AnswerStore, conversation_data, self_answers, store_
 from specdec.cli import _parser, main
 from specdec.engine import generate
 from specdec.models.quantize import quantize_model
-from specdec.train.conversations import DataError, chat_ids, conversation_rows, has_code
-from specdec.train.train import train_head
+from specdec.train.conversations import ConversationConfig, DataError, chat_ids, conversation_rows, has_code
+from specdec.train.train import TrainConfig, train_head
 
 from .conftest import make_model, remake
 from .test_conversations import TEMPLATE, _sharegpt
@@ -53,7 +53,7 @@ def contexts(monkeypatch):
 
 def _run(target, data, out, **kw):
     kw = {"n": 5, "max_tokens": 80, "max_new_tokens": MAX_NEW, "batch": 3, **kw}
-    return self_answers(target, data, out_dir=out, **kw)
+    return self_answers(target, data, out, ConversationConfig(**kw))
 
 
 def _store(target, data, out, max_tokens=80, max_new_tokens=MAX_NEW, temperature=0.0, seed=0):
@@ -223,20 +223,19 @@ def test_code_only_and_exclude_choose_the_conversations(target, tmp_path, contex
 
 
 def test_mix_gives_both_and_the_source_says_which(target, data, tmp_path):
-    rows, source = conversation_data(target, data, tmp_path / "a", "mix", n=2, max_tokens=80, max_new_tokens=3)
+    config = ConversationConfig(n=2, max_tokens=80, max_new_tokens=3)
+    rows, source = conversation_data(target, data, tmp_path / "a", "mix", config)
     assert rows[:2] == conversation_rows(target, data, 2, 80)
-    assert rows[2:] == self_answers(target, data, 2, 80, out_dir=tmp_path / "a", max_new_tokens=3)
+    assert rows[2:] == self_answers(target, data, tmp_path / "a", config)
     assert source["answers"] == "mix" and source["answer_tokens"] == 3 and source["answer_temperature"] == 0.0
-    _, plain = conversation_data(target, data, tmp_path / "a", "sharegpt", n=2)
+    _, plain = conversation_data(target, data, tmp_path / "a", "sharegpt", ConversationConfig(n=2))
     assert plain["answers"] == "sharegpt" and "answer_tokens" not in plain
     with pytest.raises(ValueError, match="answers must be one of"):
         conversation_data(target, data, tmp_path / "a", "theirs")
 
 
 def test_a_head_trains_on_the_targets_answers(target, data, tmp_path):
-    s = train_head(
-        target,
-        tmp_path / "run",
+    config = TrainConfig(
         epochs=1,
         vocab=40,
         head_out=tmp_path / "h.safetensors",
@@ -246,15 +245,15 @@ def test_a_head_trains_on_the_targets_answers(target, data, tmp_path):
         answers="self",
         answer_tokens=4,
         max_tokens=80,
-        conversation_data=conversation_data,
     )
+    s = train_head(target, tmp_path / "run", config, conversation_data=conversation_data)
     assert s["answers"] == "self" and s["answer_tokens"] == 4 and s["code_only"] is False and s["sequences"] == 4
     assert s["positions"] == 4 * (4 + 1 + 4 + 1)  # two answers of 4 tokens and their ends of turn
     assert any((tmp_path / "run" / "answers").iterdir())
     with pytest.raises(ValueError, match="needs data"):
-        train_head(target, tmp_path / "run2", vocab=40, answers="self", conversation_data=conversation_data)
+        train_head(target, tmp_path / "run2", TrainConfig(vocab=40, answers="self"), conversation_data)
     with pytest.raises(ValueError, match="needs conversation_data"):
-        train_head(target, tmp_path / "run3", vocab=40, data=data, answers="self")
+        train_head(target, tmp_path / "run3", TrainConfig(vocab=40, data=data, answers="self"))
 
 
 def test_the_command_line_takes_the_flags_and_refuses_self_without_data(capsys):

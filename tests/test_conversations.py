@@ -10,7 +10,7 @@ import pytest
 
 from specdec.train.conversations import DataError, conversation_rows, encode, messages_of, read_records
 from specdec.train.head import load_head
-from specdec.train.train import train_head
+from specdec.train.train import TrainConfig, train_head
 
 from .conftest import make_model
 
@@ -88,9 +88,8 @@ def test_a_head_trains_on_conversations(tmp_path):
     path.write_text("\n".join(json.dumps(_sharegpt(i)) for i in range(12)))
     dest = tmp_path / "head.safetensors"
     target = _target()
-    s = train_head(
-        target, tmp_path / "run", epochs=1, vocab=40, head_out=dest, data=str(path), conversations=10, steps=2
-    )
+    config = TrainConfig(epochs=1, vocab=40, head_out=dest, data=str(path), conversations=10, steps=2)
+    s = train_head(target, tmp_path / "run", config)
     assert s["data"] == str(path) and s["conversations"] == 10 and s["sequences"] == 10
     assert s["positions"] == 10 * 8  # the assistant tokens only: 8 per conversation
     _, meta = load_head(dest, hidden_size=64)

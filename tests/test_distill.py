@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from specdec import generate
 from specdec.cli import main
 from specdec.drafters import make_drafter
 from specdec.models.load import check_same_tokenizer, load_model
-from specdec.train.distill import distill, spaced_layers, student_from_target
-from specdec.train.train import training_prompts
+from specdec.train.distill import DistillConfig, distill, spaced_layers, student_from_target
+from specdec.train.selfdistill import training_prompts
 
 from .conftest import make_model, make_tokenizer, prompt_ids
 
@@ -41,16 +42,15 @@ def test_distill_trains_writes_a_loadable_draft_and_resumes(tmp_path):
     words = sorted({w for p in training_prompts(24) for w in p.split()})  # a tokenizer that knows the prompts
     target = make_model("llama", seed=1, vocab_size=len(words) + 3, tokenizer=make_tokenizer(words))
     out, dest = tmp_path / "run", tmp_path / "draft"
-    s = distill(target, out, n_layers=1, prompts=24, max_new_tokens=12, epochs=3, lr=3e-3, batch=4, draft_out=dest)
+    config = DistillConfig(n_layers=1, prompts=24, max_new_tokens=12, epochs=3, lr=3e-3, batch=4, draft_out=dest)
+    s = distill(target, out, config)
     assert [h["epoch"] for h in s["history"]] == [0, 1, 2, 3] and s["layers"] == [1]
     assert s["history"][-1]["loss"] < s["history"][1]["loss"]  # it learns the target's answers
     for name in ("data.json", "checkpoint.pt", "loss.png", "summary.json"):
         assert (out / name).is_file()
     assert json.loads((out / "summary.json").read_text())["history"] == s["history"]
     assert not list(tmp_path.glob("draft.*"))  # no temporary folder left behind
-    resumed = distill(
-        target, out, n_layers=1, prompts=24, max_new_tokens=12, epochs=4, lr=3e-3, batch=4, draft_out=dest
-    )
+    resumed = distill(target, out, replace(config, epochs=4))
     assert resumed["history"][:4] == s["history"] and len(resumed["history"]) == 5
 
     draft = load_model(str(dest))

@@ -29,6 +29,7 @@ from specdec.models.load import load_model
 from specdec.models.skip import parse_layers, skip_view
 from specdec.sampling import Sampler, SamplingParams
 from specdec.train.calibrate import (
+    CalibrateConfig,
     _run_from,
     calibrate_skip,
     save_skip_layers,
@@ -306,7 +307,8 @@ def test_teacher_forced_tau_is_the_engines(target):
 
 def test_calibration_is_written_atomically_and_loaded(tmp_path, monkeypatch):
     target = make_model("qwen2", seed=1, name="tiny/qwen2")
-    res = calibrate_skip(target, prompts=["w1 w2 w3 w1 w2", "w9 w8 w7"], k=3, max_new_tokens=12, verify_ratio=1.5)
+    config = CalibrateConfig(prompts=("w1 w2 w3 w1 w2", "w9 w8 w7"), k=3, max_new_tokens=12, verify_ratio=1.5)
+    res = calibrate_skip(target, config)
     assert res["n_layers"] == 2 and len(res["layers"]) == 1 and res["verify_ratio"] == 1.5
     assert [len(p["layers"]) for p in res["path"]] == [2, 1] and res["path"][0][
         "tau"

@@ -14,7 +14,8 @@ from specdec.cache import LeanKVCache
 from specdec.drafters import EagleDrafter
 from specdec.sampling import Sampler, SamplingParams
 from specdec.train.head import DraftHead, HeadCache, HeadError, load_head, save_head
-from specdec.train.train import train_head, training_prompts
+from specdec.train.selfdistill import training_prompts
+from specdec.train.train import TrainConfig, train_head
 
 from .conftest import make_model, prompt_ids, remake
 
@@ -225,15 +226,19 @@ def test_train_writes_everything_resumes_and_the_head_drafts(target, tmp_path):
     # the tiny word-level tokenizer knows none of the prompts' words: they become <unk>s, fine here
     out = tmp_path / "run"
     dest = tmp_path / "head.safetensors"
-    s = train_head(target, out, prompts=8, max_new_tokens=6, epochs=2, vocab=40, head_out=dest, batch=4)
+    s = train_head(target, out, TrainConfig(prompts=8, max_new_tokens=6, epochs=2, vocab=40, head_out=dest, batch=4))
     assert [h["epoch"] for h in s["history"]] == [1, 2] and s["sequences"] == 8 and s["steps"] == 3
     assert all(len(h["heldout_acc_by_step"]) == 3 for h in s["history"])
     for name in ("data.json", "checkpoint.pt", "loss.png", "summary.json"):
         assert (out / name).is_file()
     assert json.loads((out / "summary.json").read_text())["history"] == s["history"]
-    resumed = train_head(target, out, prompts=8, max_new_tokens=6, epochs=3, vocab=40, head_out=dest, batch=4)
+    resumed = train_head(
+        target, out, TrainConfig(prompts=8, max_new_tokens=6, epochs=3, vocab=40, head_out=dest, batch=4)
+    )
     assert resumed["history"][:2] == s["history"] and len(resumed["history"]) == 3
-    fresh = train_head(target, out, prompts=8, max_new_tokens=6, epochs=3, vocab=40, steps=1, head_out=dest, batch=4)
+    fresh = train_head(
+        target, out, TrainConfig(prompts=8, max_new_tokens=6, epochs=3, vocab=40, steps=1, head_out=dest, batch=4)
+    )
     assert len(fresh["history"][0]["heldout_acc_by_step"]) == 1  # another unroll depth: no resuming
     head, meta = load_head(dest, hidden_size=64)
     assert len(head.vocab_ids) == 40 and meta["epochs"] == 3
@@ -322,9 +327,10 @@ def test_train_from_an_init_head_keeps_its_vocabulary_and_taps_and_starts_from_i
     init = save_head(start, tmp_path / "init.safetensors")
     dest = tmp_path / "head.safetensors"
     s = train_head(
-        target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, batch=3,
-        init=init, lr=1e-9,
-    )  # fmt: skip
+        target,
+        tmp_path / "run",
+        TrainConfig(prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, batch=3, init=init, lr=1e-9),
+    )
     head, _ = load_head(dest, hidden_size=64)
     assert s["init"] == str(init) and s["vocab"] == 32 and s["taps"] == [1]
     assert torch.equal(head.vocab_ids, start.vocab_ids) and head.taps == (1,)
@@ -335,14 +341,17 @@ def test_train_from_an_init_head_keeps_its_vocabulary_and_taps_and_starts_from_i
 
 def test_train_with_taps_reads_the_tapped_layers(target, tmp_path):
     dest = tmp_path / "head.safetensors"
-    s = train_head(
-        target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, batch=3, taps=[1, 0]
-    )
+    config = TrainConfig(prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, batch=3, taps=(1, 0))
+    s = train_head(target, tmp_path / "run", config)
     head, meta = load_head(dest, hidden_size=64)
     assert s["taps"] == [0, 1] and meta["taps"] == [0, 1] and head.taps == (0, 1)
     assert head.fuse.weight.shape == (64, 3 * 64)
     with pytest.raises(ValueError, match="decoder layers"):
-        train_head(target, tmp_path / "run", prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, taps=[7])
+        train_head(
+            target,
+            tmp_path / "run",
+            TrainConfig(prompts=6, max_new_tokens=5, epochs=1, vocab=40, head_out=dest, taps=(7,)),
+        )
 
 
 def test_auto_proposes_a_long_lookup_match_even_when_the_heads_trees_do_not_pay(target, head):
@@ -472,7 +481,9 @@ def test_train_at_gguf_precision_never_loads_the_fp32_model_and_the_head_drafts_
             for i, p in enumerate(prompts)]  # fmt: skip
     monkeypatch.setattr("specdec.train.train.training_rows", lambda *args, **kwargs: rows)  # answers made above
     dest = tmp_path / "head.safetensors"
-    s = train_head(quant, tmp_path / "run", prompts=8, max_new_tokens=10, epochs=1, vocab=40, head_out=dest)
+    s = train_head(
+        quant, tmp_path / "run", TrainConfig(prompts=8, max_new_tokens=10, epochs=1, vocab=40, head_out=dest)
+    )
     assert quant._hf is None  # embeddings, output rows, features and the head's start: all from the GGUF model
     head, _ = load_head(dest, hidden_size=64)
     assert len(s["history"]) == 1 and head.config.get("qkv_bias", False) == (arch == "qwen2")

@@ -19,7 +19,7 @@ from specdec.cli import main
 from specdec.models.load import load_model
 from specdec.train.export import ExportError, export_head
 from specdec.train.head import DraftHead, load_head, save_head
-from specdec.train.train import train_head
+from specdec.train.train import TrainConfig, train_head
 
 from .conftest import VOCAB, make_byte_tokenizer, make_model, prompt_ids
 
@@ -138,7 +138,8 @@ def test_vllm_loads_the_export_keeps_its_plain_output_and_accepts_what_specdec_a
     tiny.tokenizer.save_pretrained(folder)
     target = load_model(str(folder), dtype=torch.float32)
     dest = tmp_path / "head.safetensors"
-    train_head(target, tmp_path / "run", prompts=8, max_new_tokens=24, epochs=3, vocab=VOCAB, head_out=dest, batch=4)
+    config = TrainConfig(prompts=8, max_new_tokens=24, epochs=3, vocab=VOCAB, head_out=dest, batch=4)
+    train_head(target, tmp_path / "run", config)
     prompts = [prompt_ids(12, seed) for seed in range(4)]
     workload = tmp_path / "w.jsonl"  # HumanEval-style rows: plain text, no chat template
     workload.write_text("\n".join(json.dumps({"prompt": target.tokenizer.decode(p[1:])}) for p in prompts))

@@ -53,7 +53,11 @@ def small(monkeypatch, tmp_path):
     monkeypatch.setattr(calibrate, "SHIPPED", shipped)
     monkeypatch.setattr(calibrate, "calibration_prompts", lambda: ["w1 w2 w3 w1 w2", "w9 w8 w7"])
     monkeypatch.setattr(
-        calibrate, "calibrate_skip", functools.partial(calibrate.calibrate_skip, max_new_tokens=12, verify_ratio=1.5)
+        calibrate,
+        "calibrate_skip",
+        functools.partial(
+            calibrate.calibrate_skip, config=calibrate.CalibrateConfig(max_new_tokens=12, verify_ratio=1.5)
+        ),
     )
     return shipped
 

@@ -12,19 +12,18 @@ def run(args) -> int:
     """Calibrate on the target, store the choice, print it and its estimated speed-up."""
     from transformers.utils import logging as hf_logging
 
-    from specdec.train.calibrate import calibrate_skip, save_skip_layers
+    from specdec.train.calibrate import CalibrateConfig, calibrate_skip, save_skip_layers
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **load_kwargs(args))
-    res = calibrate_skip(
-        target,
+    config = CalibrateConfig(
         k=args.k,
         max_new_tokens=args.max_new_tokens,
         beam=args.beam,
         max_keep=args.max_keep,
         verify_ratio=args.verify_ratio,
-        progress=lambda line: print(line, file=sys.stderr),
     )
+    res = calibrate_skip(target, config, progress=lambda line: print(line, file=sys.stderr))
     path = save_skip_layers(res, args.cache_dir)
     print(f"keep {len(res['layers'])} of {res['n_layers']} layers: {','.join(map(str, res['layers']))}")
     print(

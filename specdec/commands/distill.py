@@ -10,13 +10,11 @@ def run(args) -> int:
     """Distill the draft and print its held-out agreement with the target, before and after."""
     from transformers.utils import logging as hf_logging
 
-    from specdec.train.distill import distill
+    from specdec.train.distill import DistillConfig, distill
 
     hf_logging.disable_progress_bar()
     target = load_model(args.target, **load_kwargs(args))
-    s = distill(
-        target,
-        args.out,
+    config = DistillConfig(
         n_layers=args.layers,
         prompts=args.prompts,
         sampled=args.sampled_prompts,
@@ -28,6 +26,7 @@ def run(args) -> int:
         restart=args.restart,
         cache=args.cache_dir,
     )
+    s = distill(target, args.out, config)
     first, last = s["history"][0], s["history"][-1]
     print(
         f"draft of {s['target']} (layers {s['layers']}): held-out agreement with the target "

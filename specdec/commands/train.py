@@ -12,14 +12,12 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.answers import conversation_data
-    from specdec.train.train import train_head
+    from specdec.train.train import TrainConfig, train_head
 
     hf_logging.disable_progress_bar()
     _check_data_options(args)  # before the model loads
     target = load_model(args.target, **load_kwargs(args))
-    summary = train_head(
-        target,
-        args.out,
+    config = TrainConfig(
         prompts=args.prompts,
         sampled=args.sampled_prompts,
         max_new_tokens=args.max_new_tokens,
@@ -30,7 +28,7 @@ def run(args) -> int:
         head_out=args.head_out,
         restart=args.restart,
         cache=args.cache_dir,
-        taps=_taps(args.taps, target.config.num_hidden_layers),
+        taps=tuple(_taps(args.taps, target.config.num_hidden_layers)),
         data=args.data,
         conversations=args.conversations,
         max_tokens=args.max_tokens,
@@ -39,9 +37,9 @@ def run(args) -> int:
         answer_temperature=args.answer_temperature,
         answer_tokens=args.answer_tokens,
         code_only=args.code_only,
-        conversation_data=conversation_data,
         exclude=tuple(p.text for name in PACKAGED for p in load_workload(workload_path(name))),  # benchmarks unseen
     )
+    summary = train_head(target, args.out, config, conversation_data=conversation_data)
     last = summary["history"][-1]
     print(
         f"head for {summary['target']}: {summary['positions']} positions from {summary['sequences']} sequences "

@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -182,108 +183,75 @@ def verify_cost_ratio(target: Model, k: int, context: list[int], repeats: int = 
     return statistics.median(times[k + 1]) / statistics.median(times[1])
 
 
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """What `specdec calibrate-skip` is asked for; calibrate_skip checks it.
+
+    prompts: texts (None: the packaged calibration prompts), wrapped in the chat template when
+    chat and the model has one. k: draft length the estimate assumes (>= 1). max_new_tokens:
+    length of the target's greedy output per prompt that acceptance is measured on (>= 2). beam:
+    after the first step (which tries every layer), try only the `beam` layers whose removal
+    scored best when last tried (0: every layer at every step, the exact greedy search, about
+    L/beam times slower). max_keep: the choice keeps at most this many of the L layers (None:
+    L - 1; Draft & Verify skips about half the layers of 13B models, but on a small model each
+    layer matters more and the output layer alone is a large share of a step, see
+    docs/drafters.md). patience: once within max_keep layers, stop after this many steps without
+    a better estimate (>= 1). verify_ratio: v, None to time it."""
+
+    prompts: tuple[str, ...] | None = None
+    k: int = 4
+    max_new_tokens: int = 32
+    beam: int = 4
+    max_keep: int | None = None
+    patience: int = 3
+    verify_ratio: float | None = None
+    chat: bool = True
+
+
 def calibrate_skip(
     target: Model,
-    prompts: list[str] | None = None,
-    k: int = 4,
-    max_new_tokens: int = 32,
-    beam: int = 4,
-    max_keep: int | None = None,
-    patience: int = 3,
-    verify_ratio: float | None = None,
-    chat: bool = True,
+    config: CalibrateConfig | None = None,
     progress: Callable[[str], None] | None = None,
     bar: bool = False,
 ) -> dict:
-    """Pick the decoder layers a layer-skip draft of `target` keeps; see the module docstring.
-
-    prompts: texts (default: the packaged calibration prompts), wrapped in the chat template when
-    chat and the model has one. k: draft length the estimate assumes. max_new_tokens: length of
-    the target's greedy output per prompt that acceptance is measured on. beam: after the first
-    step (which tries every layer), try only the `beam` layers whose removal scored best when
-    last tried (0: every layer at every step, the exact greedy search, about L/beam times slower).
-    max_keep: the choice keeps at most this many of the L layers (default L - 1; Draft & Verify
-    skips about half the layers of 13B models, but on a small model each layer matters more and
-    the output layer alone is a large share of a step, see docs/drafters.md).
-    patience: once within max_keep layers, stop after this many steps without a better estimate.
-    verify_ratio: v, else timed. progress: called with a line per step. bar: show progress bars
-    on stderr, over the reference prompts, then over the search's steps (at most L - 1).
+    """Pick the decoder layers a layer-skip draft of `target` keeps as `config` says
+    (CalibrateConfig; its defaults when None); see the module docstring. progress: called with a
+    line per step. bar: show progress bars on stderr, over the reference prompts, then over the
+    search's steps (at most L - 1).
 
     Returns a dict (schema specdec.layer-skip/1): model, n_layers, layers (the choice), tau,
     est_speedup, draft_cost, verify_ratio, k, the settings, and `path`: every step's layers, τ
     and estimated speed-up. Raises ValueError on k < 1, max_new_tokens < 2, beam < 0, patience < 1,
     max_keep outside 1..L-1, or no prompts.
     """
+    c = config or CalibrateConfig()
     n_layers = len(decoder_layers(target.hf))
-    max_keep = n_layers - 1 if max_keep is None else max_keep
-    if k < 1 or max_new_tokens < 2 or beam < 0 or patience < 1 or not 1 <= max_keep < n_layers:
+    max_keep = n_layers - 1 if c.max_keep is None else c.max_keep
+    if c.k < 1 or c.max_new_tokens < 2 or c.beam < 0 or c.patience < 1 or not 1 <= max_keep < n_layers:
         raise ValueError(
             f"need k >= 1, max_new_tokens >= 2, beam >= 0, patience >= 1 and 1 <= max_keep < {n_layers} "
-            f"(the layers); got k={k}, max_new_tokens={max_new_tokens}, beam={beam}, patience={patience}, "
+            f"(the layers); got k={c.k}, max_new_tokens={c.max_new_tokens}, beam={c.beam}, patience={c.patience}, "
             f"max_keep={max_keep}"
         )
-    prompts = calibration_prompts() if prompts is None else list(prompts)
+    prompts = calibration_prompts() if c.prompts is None else list(c.prompts)
     if not prompts:
         raise ValueError("no calibration prompts")
     say = progress or (lambda line: None)
-    use_chat = chat and bool(getattr(target.tokenizer, "chat_template", None))
+    use_chat = c.chat and bool(getattr(target.tokenizer, "chat_template", None))
     started = time.perf_counter()
-
-    # The target's own greedy outputs: what a draft has to agree with.
-    seqs = []  # (ids (1, T) = prompt + output[:-1], output (n,))
-    for text in tqdm(prompts, desc="reference outputs", unit="prompt", disable=not bar):
-        ids = target.encode(text, chat=use_chat)
-        out = greedy_reference(target, ids, max_new_tokens)
-        if len(out) >= 2:
-            seqs.append((torch.tensor([ids + out[:-1]]), torch.tensor(out)))
-    if not seqs:
-        raise ValueError("the target ended every calibration prompt at once: nothing to measure on")
+    seqs = _reference_outputs(target, prompts, use_chat, c.max_new_tokens, bar)
     say(
         f"reference outputs: {len(seqs)} prompts, {sum(len(o) for _, o in seqs)} tokens "
         f"({time.perf_counter() - started:.0f} s)"
     )
-    v = verify_ratio if verify_ratio is not None else verify_cost_ratio(target, k, seqs[0][0][0].tolist())
+    v = c.verify_ratio if c.verify_ratio is not None else verify_cost_ratio(target, c.k, seqs[0][0][0].tolist())
+    estimate = _Estimate(target, c.k, v)
 
-    def tau_of(matches: list[list[bool]]) -> float:
-        return sum(len(m) for m in matches) / sum(simulated_tau(m, k)[0] for m in matches)
+    def log(line: str) -> None:
+        say(f"{line} ({time.perf_counter() - started:.0f} s)")
 
-    def point(kept: list[int], tau: float) -> dict:
-        c = draft_cost_ratio(target, kept)
-        return {"layers": list(kept), "tau": tau, "est_speedup": tau / (k * c + v), "draft_cost": c}
-
-    kept = list(range(n_layers))
-    path = [point(kept, tau_of([[True] * len(out) for _, out in seqs]))]
-    with torch.inference_mode():  # per prompt: the hidden state entering each kept layer
-        embed = target.hf.get_input_embeddings()
-        inputs = [_run_from(build_view(target, kept), embed(ids), 1)[1] for ids, _ in seqs]
-    last_tau: dict[int, float] = {}  # layer -> τ when it was last tried for removal
-    best_est, stale = float("-inf"), 0  # best estimate within max_keep, steps since it improved
-    steps = tqdm(total=n_layers - 1, desc="layer search", unit="step", disable=not bar)
-    while len(kept) > 1 and stale < patience:
-        tried = kept if beam == 0 or not last_tau else sorted(kept, key=lambda j: -last_tau[j])[:beam]
-        best = None
-        for j in tried:
-            i = kept.index(j)
-            rest = build_view(target, kept[i + 1 :])  # the layers after j, fed the state entering j
-            runs = [_run_from(rest, hs[i], len(out)) for hs, (_, out) in zip(inputs, seqs)]
-            last_tau[j] = tau_of([(pred == out).tolist() for (pred, _), (_, out) in zip(runs, seqs)])
-            if best is None or last_tau[j] > last_tau[best[0]]:
-                best = (j, [hs[:i] + after for hs, (_, after) in zip(inputs, runs)])
-        drop, inputs = best
-        kept = [j for j in kept if j != drop]
-        path.append(point(kept, last_tau.pop(drop)))
-        if len(kept) <= max_keep:
-            stale = 0 if path[-1]["est_speedup"] > best_est else stale + 1
-            best_est = max(best_est, path[-1]["est_speedup"])
-        say(
-            f"drop layer {drop:>3}: {len(kept):>3} left, tau {path[-1]['tau']:.2f}, "
-            f"est. speed-up {path[-1]['est_speedup']:.2f}x ({time.perf_counter() - started:.0f} s)"
-        )
-        steps.set_postfix_str(f"{len(kept)} layers, est. speed-up {path[-1]['est_speedup']:.2f}x", refresh=False)
-        steps.update()
-    steps.close()
-    allowed = [p for p in path if len(p["layers"]) <= max_keep]
-    best = max(allowed, key=lambda p: p["est_speedup"])
+    path = _search(estimate, seqs, c, max_keep, log, bar)
+    best = max((p for p in path if len(p["layers"]) <= max_keep), key=lambda p: p["est_speedup"])
     return {
         "schema": SCHEMA,
         "model": target.name,
@@ -293,14 +261,94 @@ def calibrate_skip(
         "est_speedup": best["est_speedup"],
         "draft_cost": best["draft_cost"],
         "verify_ratio": v,
-        "k": k,
-        "max_new_tokens": max_new_tokens,
+        "k": c.k,
+        "max_new_tokens": c.max_new_tokens,
         "prompts": len(seqs),
-        "beam": beam,
+        "beam": c.beam,
         "max_keep": max_keep,
-        "patience": patience,
+        "patience": c.patience,
         "chat": use_chat,
         "seconds": time.perf_counter() - started,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "path": path,
     }
+
+
+def _reference_outputs(
+    target: Model, prompts: list[str], chat: bool, max_new_tokens: int, bar: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The target's own greedy outputs, what a draft has to agree with: per prompt whose output
+    has >= 2 tokens, (ids (1, T) = prompt + output[:-1], output (n,)). Raises ValueError when
+    there is none."""
+    seqs = []
+    for text in tqdm(prompts, desc="reference outputs", unit="prompt", disable=not bar):
+        ids = target.encode(text, chat=chat)
+        out = greedy_reference(target, ids, max_new_tokens)
+        if len(out) >= 2:
+            seqs.append((torch.tensor([ids + out[:-1]]), torch.tensor(out)))
+    if not seqs:
+        raise ValueError("the target ended every calibration prompt at once: nothing to measure on")
+    return seqs
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    """τ and the estimated speed-up τ / (k·c + v) of a set of kept layers."""
+
+    target: Model
+    k: int
+    v: float
+
+    def tau(self, matches: list[list[bool]]) -> float:
+        """τ over outputs whose positions the draft gets right or not (simulated_tau)."""
+        return sum(len(m) for m in matches) / sum(simulated_tau(m, self.k)[0] for m in matches)
+
+    def point(self, kept: list[int], tau: float) -> dict:
+        """A step of the search's path: its layers, τ, estimated speed-up and draft cost c."""
+        c = draft_cost_ratio(self.target, kept)
+        return {"layers": list(kept), "tau": tau, "est_speedup": tau / (self.k * c + self.v), "draft_cost": c}
+
+
+def _search(estimate: _Estimate, seqs: list, config: CalibrateConfig, max_keep: int, log, bar: bool) -> list[dict]:
+    """The greedy search's path from all layers (module docstring): one point per step, each
+    dropping the tried layer whose removal keeps τ highest; log is called with a line per step."""
+    target = estimate.target
+    kept = list(range(len(decoder_layers(target.hf))))
+    path = [estimate.point(kept, estimate.tau([[True] * len(out) for _, out in seqs]))]
+    with torch.inference_mode():  # per prompt: the hidden state entering each kept layer
+        embed = target.hf.get_input_embeddings()
+        inputs = [_run_from(build_view(target, kept), embed(ids), 1)[1] for ids, _ in seqs]
+    last_tau: dict[int, float] = {}  # layer -> τ when it was last tried for removal
+    best_est, stale = float("-inf"), 0  # best estimate within max_keep, steps since it improved
+    steps = tqdm(total=len(kept) - 1, desc="layer search", unit="step", disable=not bar)
+    while len(kept) > 1 and stale < config.patience:
+        beam = config.beam
+        tried = kept if beam == 0 or not last_tau else sorted(kept, key=lambda j: -last_tau[j])[:beam]
+        drop, inputs = _best_removal(estimate, kept, tried, inputs, seqs, last_tau)
+        kept = [j for j in kept if j != drop]
+        path.append(estimate.point(kept, last_tau.pop(drop)))
+        if len(kept) <= max_keep:
+            stale = 0 if path[-1]["est_speedup"] > best_est else stale + 1
+            best_est = max(best_est, path[-1]["est_speedup"])
+        log(
+            f"drop layer {drop:>3}: {len(kept):>3} left, tau {path[-1]['tau']:.2f}, "
+            f"est. speed-up {path[-1]['est_speedup']:.2f}x"
+        )
+        steps.set_postfix_str(f"{len(kept)} layers, est. speed-up {path[-1]['est_speedup']:.2f}x", refresh=False)
+        steps.update()
+    steps.close()
+    return path
+
+
+def _best_removal(estimate: _Estimate, kept: list[int], tried: list[int], inputs: list, seqs: list, last_tau: dict):
+    """Of the layers `tried`, the one whose removal from `kept` keeps τ highest, and the hidden
+    states entering each layer left, per prompt; records every tried layer's τ in last_tau."""
+    best = None
+    for j in tried:
+        i = kept.index(j)
+        rest = build_view(estimate.target, kept[i + 1 :])  # the layers after j, fed the state entering j
+        runs = [_run_from(rest, hs[i], len(out)) for hs, (_, out) in zip(inputs, seqs)]
+        last_tau[j] = estimate.tau([(pred == out).tolist() for (pred, _), (_, out) in zip(runs, seqs)])
+        if best is None or last_tau[j] > last_tau[best[0]]:
+            best = (j, [hs[:i] + after for hs, (_, after) in zip(inputs, runs)])
+    return best

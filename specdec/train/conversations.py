@@ -19,6 +19,7 @@ import itertools
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +32,27 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 class DataError(SpecdecError, ValueError):
     """Conversations that cannot be read: says which file and what to do."""
+
+
+@dataclass(frozen=True)
+class ConversationConfig:
+    """Which conversations of a --data source become training rows, and how the target answers
+    their user turns when it writes the answers itself (specdec.answers).
+
+    n: at most this many conversations. max_tokens: each cut to this many tokens. exclude: texts a
+    conversation must not contain (the benchmarks' prompts). seed: the starting record (`selected`)
+    and the sampled answers' seeds. code_only: only conversations whose user turns contain code
+    (has_code). temperature: the target's answers' (0: greedy). max_new_tokens: the longest
+    answer, in tokens. batch: answers decoding at once. Checked where used."""
+
+    n: int = 2000
+    max_tokens: int = 512
+    exclude: tuple[str, ...] = ()
+    seed: int = 0
+    code_only: bool = False
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    batch: int = 8
 
 
 def sharegpt_file() -> Path:
@@ -193,11 +215,11 @@ def conversation_rows(
     return rows
 
 
-def dataset_rows(
-    target, source: str, n: int, max_tokens: int, exclude: tuple[str, ...] = (), seed: int = 0, code_only: bool = False
-) -> tuple[list[dict], dict]:
-    """conversation_rows' rows (the dataset's own assistant turns) and their description for a
-    head's summary; raises as conversation_rows does."""
-    rows = conversation_rows(target, source, n, max_tokens, exclude, seed, code_only)
-    description = {"data": source, "answers": "sharegpt", "code_only": code_only, "conversations": len(rows)}
-    return rows, description | {"max_tokens": max_tokens}
+def dataset_rows(target, source: str, config: ConversationConfig) -> tuple[list[dict], dict]:
+    """conversation_rows' rows (the dataset's own assistant turns; config's n, max_tokens,
+    exclude, seed and code_only) and their description for a head's summary; raises as
+    conversation_rows does."""
+    c = config
+    rows = conversation_rows(target, source, c.n, c.max_tokens, exclude=c.exclude, seed=c.seed, code_only=c.code_only)
+    description = {"data": source, "answers": "sharegpt", "code_only": c.code_only, "conversations": len(rows)}
+    return rows, description | {"max_tokens": c.max_tokens}

@@ -8,7 +8,7 @@ final norm and output layer; so it has the target's tokenizer by construction, a
 training it is a layer-skip draft (specdec.drafters.layerskip). The embedding and output layer
 stay frozen; the kept layers and the final norm are trained with cross-entropy against the
 target's greedy next token at every answer position of the self-distilled data
-(specdec.train.train.training_rows: the target's greedy answers to generated prompts, never the
+(specdec.train.selfdistill.training_rows: the target's greedy answers to generated prompts, never the
 workloads), which is exactly the choice greedy verification accepts.
 
 AdamW with a cosine schedule over padded batches; a checkpoint of the trained weights after every
@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +38,8 @@ from tqdm import tqdm
 
 from specdec.models.load import Model
 from specdec.models.weights import atomic_write, cache_dir
-from specdec.train.train import plot_loss, training_rows
+from specdec.train.plot import plot_loss
+from specdec.train.selfdistill import training_rows
 
 
 def spaced_layers(n_layers: int, n: int) -> list[int]:
@@ -106,33 +108,47 @@ def _loss_and_agreement(student, batch) -> tuple[torch.Tensor, float, int]:
     return loss, float((logits.argmax(-1)[valid] == gold[valid]).sum()), int(valid.sum())
 
 
-def distill(
-    target: Model,
-    out: Path,
-    n_layers: int = 2,
-    prompts: int = 320,
-    sampled: int = 0,
-    max_new_tokens: int = 128,
-    epochs: int = 4,
-    lr: float = 2e-4,
-    batch: int = 8,
-    draft_out: Path | None = None,
-    seed: int = 0,
-    restart: bool = False,
-    cache=None,
-) -> dict:
-    """Distill a draft of n_layers of the target's layers (module docstring); returns the
+@dataclass(frozen=True)
+class DistillConfig:
+    """What `specdec distill` is asked for; distill checks it.
+
+    n_layers: the target's layers the draft keeps (1..the target's, spaced_layers). prompts (>= 2)
+    and sampled: template and target-written prompts of the self-distilled data, answered up to
+    max_new_tokens tokens each (specdec.train.selfdistill.training_rows). epochs (>= 1) of AdamW at
+    learning rate lr over batches of `batch` sequences (>= 1); seed: of every random choice;
+    restart: ignore a checkpoint in the output folder. draft_out: the folder the draft is written
+    to (default: draft_folder's, in the cache folder `cache`, None for specdec's)."""
+
+    n_layers: int = 2
+    prompts: int = 320
+    sampled: int = 0
+    max_new_tokens: int = 128
+    epochs: int = 4
+    lr: float = 2e-4
+    batch: int = 8
+    seed: int = 0
+    restart: bool = False
+    draft_out: Path | None = None
+    cache: Path | str | None = None
+
+
+def distill(target: Model, out: Path, config: DistillConfig | None = None) -> dict:
+    """Distill a draft of config.n_layers of the target's layers (module docstring) as `config`
+    says (DistillConfig; its defaults when None), writing into the folder `out`; returns the
     summary dict (also out/summary.json), its "draft" the folder written.
 
-    Raises ValueError on bad arguments (layers outside 1..the target's, prompts < 2, epochs < 1)."""
-    if prompts < 2 or epochs < 1 or batch < 1:
-        raise ValueError(f"need prompts >= 2, epochs >= 1 and batch >= 1, got {prompts}, {epochs}, {batch}")
-    layers = spaced_layers(target.hf.config.num_hidden_layers, n_layers)
-    torch.manual_seed(seed)
-    rows = [r for r in training_rows(target, out, prompts, sampled, max_new_tokens, seed=seed) if r["answer"]]
+    Raises ValueError on bad settings (layers outside 1..the target's, prompts < 2, epochs < 1,
+    batch < 1)."""
+    c = config or DistillConfig()
+    if c.prompts < 2 or c.epochs < 1 or c.batch < 1:
+        raise ValueError(f"need prompts >= 2, epochs >= 1 and batch >= 1, got {c.prompts}, {c.epochs}, {c.batch}")
+    layers = spaced_layers(target.hf.config.num_hidden_layers, c.n_layers)
+    torch.manual_seed(c.seed)
+    rows = training_rows(target, out, c.prompts, c.sampled, c.max_new_tokens, seed=c.seed)
+    rows = [r for r in rows if r["answer"]]
     held = max(1, len(rows) // 20)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    valid = _batches(rows[:held], batch, pad)
+    valid = _batches(rows[:held], c.batch, pad)
     train_rows = rows[held:]
 
     student = student_from_target(target, layers)
@@ -140,69 +156,82 @@ def distill(
         p.requires_grad_(False)  # shared with the target; tied in most small models
     params = [p for p in student.parameters() if p.requires_grad]
     names = [n for n, p in student.named_parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps = epochs * math.ceil(len(train_rows) / batch)
+    opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0)
+    steps = c.epochs * math.ceil(len(train_rows) / c.batch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-
-    def agreement() -> float:
-        student.eval()
-        with torch.no_grad():
-            hits = [_loss_and_agreement(student, b)[1:] for b in valid]
-        return sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))
-
-    history: list[dict] = []
     ckpt = out / "checkpoint.pt"
-    if ckpt.is_file() and not restart:
-        state = torch.load(ckpt, weights_only=False)
-        if state["layers"] == layers and state["names"] == names:
-            student.load_state_dict(state["trained"], strict=False)
-            opt.load_state_dict(state["opt"])
-            sched.load_state_dict(state["sched"])
-            history = state["history"]
-            print(f"resuming from {ckpt} after epoch {history[-1]['epoch']}")
+    history = [] if c.restart else _resume(ckpt, student, opt, sched, layers, names)
     if not history:
-        history.append({"epoch": 0, "loss": None, "heldout_acc": agreement(), "seconds": 0.0})
-    order = random.Random(seed + len(history))
-    for epoch in range(history[-1]["epoch"], epochs):
-        student.train()
-        start, total, n = time.perf_counter(), 0.0, 0
+        history.append({"epoch": 0, "loss": None, "heldout_acc": _agreement(student, valid), "seconds": 0.0})
+    order = random.Random(c.seed + len(history))
+    for epoch in range(history[-1]["epoch"], c.epochs):
+        start = time.perf_counter()
         order.shuffle(train_rows)
-        bar = tqdm(_batches(train_rows, batch, pad), desc=f"epoch {epoch + 1}/{epochs}", unit="batch")
-        for b in bar:
-            loss, _, _ = _loss_and_agreement(student, b)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            total, n = total + float(loss.detach()), n + 1
-            bar.set_postfix(loss=f"{total / n:.3f}")
-        acc = agreement()
-        history.append(
-            {"epoch": epoch + 1, "loss": total / n, "heldout_acc": acc, "seconds": time.perf_counter() - start}
-        )
-        print(f"epoch {epoch + 1}: loss {total / n:.4f}, held-out agreement with the target {acc:.3f}")
-        state = {
-            "trained": {k: v for k, v in student.state_dict().items() if k in set(names)},
-            "names": names,
-            "opt": opt.state_dict(),
-            "sched": sched.state_dict(),
-            "history": history,
-            "layers": layers,
-        }
-        atomic_write(ckpt, partial(torch.save, state))
+        batches = _batches(train_rows, c.batch, pad)
+        loss = _train_epoch(student, params, opt, sched, batches, desc=f"epoch {epoch + 1}/{c.epochs}")
+        acc = _agreement(student, valid)
+        history.append({"epoch": epoch + 1, "loss": loss, "heldout_acc": acc, "seconds": time.perf_counter() - start})
+        print(f"epoch {epoch + 1}: loss {loss:.4f}, held-out agreement with the target {acc:.3f}")
+        trained = {k: v for k, v in student.state_dict().items() if k in set(names)}
+        state = {"trained": trained, "names": names, "opt": opt.state_dict(), "sched": sched.state_dict()}
+        atomic_write(ckpt, partial(torch.save, state | {"history": history, "layers": layers}))
 
-    dest = Path(draft_out) if draft_out else draft_folder(target.name, len(layers), cache)
+    dest = Path(c.draft_out) if c.draft_out else draft_folder(target.name, len(layers), c.cache)
     _save_folder(student, target.tokenizer, dest)
+    return _summary(target, out, c, layers=layers, rows=rows, history=history, dest=dest)
+
+
+def _resume(ckpt: Path, student, opt, sched, layers: list[int], names: list[str]) -> list[dict]:
+    """The history of the checkpoint `ckpt`, its trained weights, optimizer and schedule loaded,
+    when it is one of the same layers and trained parameters; else []."""
+    if not ckpt.is_file():
+        return []
+    state = torch.load(ckpt, weights_only=False)
+    if state["layers"] != layers or state["names"] != names:
+        return []
+    student.load_state_dict(state["trained"], strict=False)
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    print(f"resuming from {ckpt} after epoch {state['history'][-1]['epoch']}")
+    return state["history"]
+
+
+def _agreement(student, batches) -> float:
+    """The share of the batches' answer positions where the student's argmax is the target's token."""
+    student.eval()
+    with torch.no_grad():
+        hits = [_loss_and_agreement(student, b)[1:] for b in batches]
+    return sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))
+
+
+def _train_epoch(student, params: list, opt, sched, batches: list, desc: str) -> float:
+    """One update per batch (gradients of `params` clipped to norm 1); returns the mean loss."""
+    student.train()
+    total, n = 0.0, 0
+    bar = tqdm(batches, desc=desc, unit="batch")
+    for b in bar:
+        loss, _, _ = _loss_and_agreement(student, b)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        total, n = total + float(loss.detach()), n + 1
+        bar.set_postfix(loss=f"{total / n:.3f}")
+    return total / n
+
+
+def _summary(target: Model, out: Path, config: DistillConfig, layers: list[int], rows, history, dest: Path) -> dict:
+    """The run's summary, also written to out/summary.json, and its loss curve (out/loss.png)."""
     summary = {
         "target": target.name,
         "layers": layers,
-        "prompts": prompts,
-        "sampled_prompts": sampled,
+        "prompts": config.prompts,
+        "sampled_prompts": config.sampled,
         "sequences": len(rows),
         "answer_tokens": sum(len(r["answer"]) for r in rows),
-        "max_new_tokens": max_new_tokens,
-        "epochs": epochs,
+        "max_new_tokens": config.max_new_tokens,
+        "epochs": config.epochs,
         "history": history,
         "draft": str(dest),
     }

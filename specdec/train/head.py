@@ -196,7 +196,7 @@ class DraftHead(nn.Module):
             attn = attn.transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
         else:
             cache.reserve(start, start + T)
-            attn = cached_attention(q, k, v, cache.k, cache.v, start, causal_mask(start, T, x.device))
+            attn = cached_attention(q, k, v, cache.k, cache.v, start, mask=causal_mask(start, T, x.device))
         return self._finish(x, attn)
 
     def unrolled(self, features: torch.Tensor, embeds: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -270,9 +270,9 @@ def last_layer_weights(model) -> dict[str, torch.Tensor | None]:
         [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias],
         [m.gate_proj.weight, m.up_proj.weight],
         m.down_proj.weight,
-        last.input_layernorm.weight,
-        last.post_attention_layernorm.weight,
-        hf.model.norm.weight,
+        norm_in=last.input_layernorm.weight,
+        norm_post=last.post_attention_layernorm.weight,
+        final_norm=hf.model.norm.weight,
     )
 
 
@@ -293,9 +293,9 @@ def _gguf_last_layer(gguf, i: int) -> dict[str, torch.Tensor | None]:
         [get(f"{blk}.attn_{p}.bias", required=False) for p in "qkv"],
         [get(f"{blk}.ffn_gate.weight"), get(f"{blk}.ffn_up.weight")],
         get(f"{blk}.ffn_down.weight"),
-        get(f"{blk}.attn_norm.weight"),
-        get(f"{blk}.ffn_norm.weight"),
-        get("output_norm.weight"),
+        norm_in=get(f"{blk}.attn_norm.weight"),
+        norm_post=get(f"{blk}.ffn_norm.weight"),
+        final_norm=get("output_norm.weight"),
     )
 
 
