@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 from specdec.bench.run import Pair
-from specdec.bench.workloads import default_workload, load_workload
+from specdec.bench.workloads import PACKAGED, default_workload, load_workload
+from specdec.commands import flags
 from specdec.commands.common import DTYPES, load_kwargs, recalibrate
 
 KS = ["auto", 1, 2, 3, 4, 6, 8]  # --k's default
@@ -71,3 +73,68 @@ def run(args) -> int:
     print(report)
     print(f"wrote {path}, {args.out / 'report.md'} and {len(pngs)} plots in {args.out}", file=sys.stderr)
     return 0
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    b = sub.add_parser(
+        "bench", help="sweep k over a workload: exactness, acceptance, costs, speed-up, cost model, peers"
+    )
+    b.add_argument(
+        "--pair",
+        action="append",
+        type=Pair.parse,
+        metavar="TARGET[:DRAFTER[:DRAFT]]",
+        help="repeatable; default smollm2-135m:prompt-lookup",
+    )
+    b.add_argument(
+        "--workload",
+        type=flags.workload_type,
+        help=f"a packaged workload ({', '.join(PACKAGED)}; default spec-bench) or a .jsonl of "
+        "Spec-Bench or HumanEval rows",
+    )
+    b.add_argument("--categories", help="comma-separated categories to keep")
+    b.add_argument("--limit", type=int, help="prompts per category (default 2; --quick: 1)")
+    b.add_argument(
+        "--k",
+        dest="ks",
+        type=flags.k_list,
+        help="comma-separated draft lengths, `auto` included (default auto,1,2,3,4,6,8; --quick: auto,1,2,4)",
+    )
+    b.add_argument("--max-new-tokens", type=int, help="default 128; --quick: 48")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument(
+        "--peers",
+        default=flags.default_peers(),
+        help="comma-separated: hf, hf-lookup, hf-assisted (model pairs), llama-cpp, llama-cpp-lookup "
+        "(need `pip install -e .[llama]`), llama-server, llama-server-draft (model pairs), llama-server-ngram, "
+        "llama-server-ngram-mod (need `bash scripts/llama_server.sh`), or none (default: hf,hf-lookup, "
+        "llama-cpp,llama-cpp-lookup where llama-cpp-python is installed, and llama-server,llama-server-draft,"
+        "llama-server-ngram where llama-server is built)",
+    )
+    b.add_argument("--peer-k", type=int, default=4, help="draft length the peers use (default 4)")
+    b.add_argument(
+        "--quick", action="store_true", help="5 categories x 1 prompt, k auto,1,2,4, 48 tokens: 2-3 minutes on 2 cores"
+    )
+    b.add_argument(
+        "--out", type=Path, default=Path("specdec-bench"), help="folder for results.json, report.md and plots"
+    )
+    b.add_argument(
+        "--repeats", type=int, default=1, help="runs of each prompt per config; its median run counts (default 1)"
+    )
+    b.add_argument(
+        "--no-interleave",
+        dest="interleave",
+        action="store_false",
+        help="run each prompt's configs one after another, not together round by round",
+    )
+    b.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="skip replaying each config on the plain output under the measured costs (specdec.bench.replay)",
+    )
+    b.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    flags.loading_options(b)
+    flags.draft_vocab_option(b)
+    flags.recalibrate_option(b)

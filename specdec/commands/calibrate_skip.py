@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from specdec.commands import flags
 from specdec.commands.common import load_kwargs
 from specdec.models.load import load_model
 
@@ -31,3 +32,15 @@ def run(args) -> int:
         f"{res['verify_ratio']:.2f}, estimated speed-up {res['est_speedup']:.2f}x; wrote {path}"
     )
     return 0
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    cs = sub.add_parser("calibrate-skip", help="choose the decoder layers a layer-skip draft keeps, and store them")
+    flags.target_option(cs)
+    cs.add_argument("-k", type=int, default=4, help="draft length the speed-up estimate assumes (default 4)")
+    cs.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per calibration prompt (default 32)")
+    cs.add_argument("--max-keep", type=int, help="keep at most this many layers (default: all but one)")
+    cs.add_argument("--beam", type=int, default=4, help="layers re-tried per step after the first; 0 = all (default 4)")
+    cs.add_argument("--verify-ratio", type=float, help="cost of verifying k+1 tokens over one (default: timed)")
+    flags.loading_options(cs, draft=False, device=False)

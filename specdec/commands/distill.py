@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from specdec.commands import flags
 from specdec.commands.common import load_kwargs
 from specdec.models.load import load_model
 
@@ -34,3 +37,26 @@ def run(args) -> int:
         f"{args.out / 'loss.png'}; use it with --drafter model --draft {s['draft']}"
     )
     return 0
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    ds = sub.add_parser(
+        "distill", help="distill a small draft model (a few of the target's layers) on the target's own outputs"
+    )
+    flags.training_data_options(ds)
+    ds.add_argument("--layers", type=int, default=2, help="decoder layers the draft keeps, evenly spaced (default 2)")
+    ds.add_argument("--epochs", type=int, default=4, help="default 4")
+    ds.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (default 2e-4)")
+    ds.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    ds.add_argument(
+        "--out",
+        type=Path,
+        default=Path("specdec-distill"),
+        help="folder for data, checkpoint, loss.png, summary.json (the same --out as `specdec train` reuses its data)",
+    )
+    ds.add_argument(
+        "--draft-out", type=Path, help="folder for the draft (default: <cache>/drafts/<target>-distilled-<L>L)"
+    )
+    ds.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
+    flags.loading_options(ds, draft=False, device=False)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from specdec.commands import flags
 from specdec.commands.common import head_path, load_kwargs
 from specdec.models.load import load_model
+from specdec.train.export import ENGINES
 
 
 def run(args) -> int:
@@ -23,3 +27,15 @@ def run(args) -> int:
     )
     print(f"wrote {args.out} (EAGLE-1, for {args.engine}) from {path}; load it with {how}")
     return 0
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    ex = sub.add_parser("export-head", help="write a draft head as an EAGLE-1 checkpoint for vLLM or SGLang")
+    ex.add_argument(
+        "--target", default="smollm2-135m", help="the head's target: registry name, folder, .gguf file or hub id"
+    )
+    ex.add_argument("--head", type=Path, help="a head file (default: the target's, from `specdec train` or shipped)")
+    ex.add_argument("--out", type=Path, required=True, help="folder for config.json and model.safetensors")
+    ex.add_argument("--engine", choices=ENGINES, default="vllm", help="the engine that will load it (default vllm)")
+    flags.loading_options(ex, draft=False, device=False)

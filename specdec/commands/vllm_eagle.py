@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.workloads import load_workload, workload_path
+from specdec.bench.workloads import MT_BENCH, load_workload, workload_path
+from specdec.commands import flags
 from specdec.commands.common import head_path
 from specdec.models.load import load_model
 from specdec.models.registry import REGISTRY
@@ -55,3 +56,25 @@ def run(args) -> int:
         (args.out / "compare.json").write_text(json.dumps({**meta, **result}, indent=1) + "\n")
         (args.out / "README.md").write_text(page)
     return 0
+
+
+def add_parser(sub) -> None:
+    """The command's parser and flags, on the command line's subparsers."""
+    ve = sub.add_parser(
+        "vllm-eagle",
+        help="run a draft head exported as EAGLE-1 in vLLM beside specdec's eagle drafter: outputs and acceptance",
+    )
+    ve.add_argument(
+        "--target", default="smollm2-135m", help="a registry name or Hugging Face folder (default: smollm2-135m)"
+    )
+    ve.add_argument("--head", type=Path, help="a head file (default: the target's, from `specdec train` or shipped)")
+    ve.add_argument("--workload", default="spec-bench", help="packaged name or .jsonl path (default spec-bench)")
+    ve.add_argument(
+        "--categories", default=",".join(MT_BENCH), help="comma-separated (default: the 8 MT-bench categories)"
+    )
+    ve.add_argument("--limit", type=int, default=1, help="prompts per category (default 1)")
+    ve.add_argument("-k", type=int, default=4, help="draft tokens per round, in both engines (default 4)")
+    ve.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    flags.vllm_python_option(ve)
+    ve.add_argument("--out", type=Path, help="folder for compare.json and README.md (a results/ entry)")
+    ve.add_argument("--cache-dir")
