@@ -11,8 +11,8 @@ from pathlib import Path
 
 from specdec.answers import ANSWERS
 from specdec.backends.quant import KV_DTYPES
+from specdec.bench.config import Pair
 from specdec.bench.kernels import DEFAULT_TYPES
-from specdec.bench.run import Pair
 from specdec.bench.workloads import MT_BENCH, PACKAGED, workload_path
 from specdec.commands import (
     bench,
