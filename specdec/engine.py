@@ -80,7 +80,7 @@ def stepwise(
     """generate(), one round at a time: a generator that yields the number of new tokens committed
     so far after the prefill (0) and after every round, and returns the Generation. The time it
     spends suspended does not count in its stats, so that several generations can be run
-    interleaved, round by round, and each still timed alone (specdec.bench.run measures its configs
+    interleaved, round by round, and each still timed alone (specdec.bench.measure runs its configs
     so: the host's slow spells then fall on all of them alike). Parameters and errors: generate();
     bad options raise at the call, the rest at the first next().
     """

@@ -17,18 +17,14 @@ from torch.utils import cpp_extension
 
 from specdec.backends import gemv
 from specdec.bench import costmodel, llama_worker, memory, peers, results
+from specdec.bench.config import BenchConfig, Pair
+from specdec.bench.environment import git_commit
+from specdec.bench.fit import _auto_summary, fit, ratio_noise
+from specdec.bench.loading import load_measured
+from specdec.bench.measure import run_all
+from specdec.bench.peer_rows import _agreement
 from specdec.bench.report import markdown_report
-from specdec.bench.run import (
-    Pair,
-    _agreement,
-    _auto_summary,
-    fit,
-    git_commit,
-    load_measured,
-    ratio_noise,
-    run_all,
-    run_bench,
-)
+from specdec.bench.run import run_bench
 from specdec.bench.workloads import load_workload
 from specdec.cli import main
 from specdec.drafters import ModelDrafter, make_drafter
@@ -288,15 +284,15 @@ def test_bench_end_to_end_on_a_tiny_model(model_dir, workload, monkeypatch):
     monkeypatch.setattr(gemv, "status", lambda: "kernels named by a stand-in")
     prompts = load_workload(workload, limit=1)
     assert [p.category for p in prompts] == ["qa", "summarization"]
-    res = run_bench(
-        [Pair(str(model_dir)), Pair(str(model_dir), "model", str(model_dir))],
-        prompts,
-        workload.name,
-        [1, 3],
-        10,
-        peers=["hf", "hf-lookup"],
+    config = BenchConfig(
+        pairs=(Pair(str(model_dir)), Pair(str(model_dir), "model", str(model_dir))),
+        workload=workload.name,
+        ks=(1, 3),
+        max_new_tokens=10,
+        peers=("hf", "hf-lookup"),
         progress=False,
     )
+    res = run_bench(config, prompts)
     results.validate(res)
     lookup, model = res["pairs"]
     for pair in (lookup, model):
@@ -519,9 +515,10 @@ def test_a_crashing_llama_cpp_peer_is_reported_and_the_bench_goes_on(workload, f
     files["__init__.py"] = files["__init__.py"].replace('"crash" in self.path', "True")
     fake_llama(files)
     prompts = load_workload(workload, ["qa", "summarization"], 1)
-    res = run_bench(
-        [Pair("smollm2-135m")], prompts, workload.name, [2], 6, peers=["llama-cpp", "llama-cpp-lookup"], progress=False
+    config = BenchConfig(
+        (Pair("smollm2-135m"),), workload.name, (2,), 6, peers=("llama-cpp", "llama-cpp-lookup"), progress=False
     )
+    res = run_bench(config, prompts)
     results.validate(res)
     pair = res["pairs"][0]
     assert len(pair["prompts"]) == 2 and all(r["runs"]["2"]["identical"] for r in pair["prompts"])
@@ -561,7 +558,8 @@ def test_bench_runs_a_quantized_model_without_its_fp32_dequantization(workload, 
         raise AssertionError("the bench loaded the fp32 dequantization of a quantized model")
 
     monkeypatch.setattr(load, "_load_transformers", refuse)
-    res = run_bench([Pair("smollm2-135m")], load_workload(workload, ["qa"], 1), workload.name, [2], 8, progress=False)
+    config = BenchConfig((Pair("smollm2-135m"),), workload.name, (2,), 8, progress=False)
+    res = run_bench(config, load_workload(workload, ["qa"], 1))
     results.validate(res)
     pair = res["pairs"][0]
     assert pair["precision"] == "gguf Q4_1+Q8_0" and pair["backend"] == "lean"
@@ -588,7 +586,7 @@ def test_bench_runs_a_quantized_model_without_its_fp32_dequantization(workload, 
 def test_costs_are_timed_where_a_hybrid_drafts_with_its_model():
     """cost_context: the prompts joined, longest first, cut to the length, then shortened until the
     drafter's free lookup branch (long_match) would not fire."""
-    from specdec.bench.run import cost_context
+    from specdec.bench.measure import cost_context
     from specdec.drafters.base import Drafter
 
     class Hybrid(Drafter):

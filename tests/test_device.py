@@ -15,7 +15,8 @@ import torch
 
 from specdec import generate
 from specdec.bench import results
-from specdec.bench.run import Pair, run_bench
+from specdec.bench.config import BenchConfig, Pair
+from specdec.bench.run import run_bench
 from specdec.bench.workloads import load_workload
 from specdec.cache import KVCache, LeanKVCache
 from specdec.cli import main
@@ -90,9 +91,10 @@ def test_bench_runs_on_the_device_and_records_it(device, model_dir, tmp_path):
     ]
     workload.write_text("\n".join(json.dumps(r) for r in rows))
     prompts = load_workload(workload, limit=1)
-    res = run_bench(
-        [Pair(str(model_dir))], prompts, workload.name, ["auto", 2], 10, peers=["hf"], progress=False, device=device
+    config = BenchConfig(
+        (Pair(str(model_dir)),), workload.name, ("auto", 2), 10, peers=("hf",), progress=False, load={"device": device}
     )
+    res = run_bench(config, prompts)
     results.validate(res)
     pair = res["pairs"][0]
     assert pair["device"].startswith(device) and res["environment"]["memory_bandwidth_gbs"] > 0

@@ -9,7 +9,7 @@ import torch
 
 from specdec import generate
 from specdec.adaptive import AdaptiveK, VerifyCosts, match_class
-from specdec.bench.run import measure_costs
+from specdec.bench.measure import measure_costs
 from specdec.cache import LeanKVCache
 from specdec.drafters import EagleDrafter
 from specdec.sampling import Sampler, SamplingParams

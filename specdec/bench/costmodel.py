@@ -5,7 +5,7 @@ length k and cost ratio c = (draft step) / (target step), a round yields
 E = (1 - alpha^(k+1)) / (1 - alpha) tokens and costs k*c + 1 target steps, so the speed-up is
 E / (k*c + 1). It assumes a verify forward over k+1 tokens costs one target step.
 
-ours: from costs measured on this machine (specdec.bench.run.measure_costs):
+ours: from costs measured on this machine (specdec.bench.measure.measure_costs):
   round time  = draft(k) + sum_j P(j drafted) * V(j + 1) + overhead
   draft(k)    = (1 - P(all accepted)) * D1(k) + P(all accepted) * D2(k)
   plain step  = V(1) + overhead

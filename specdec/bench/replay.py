@@ -7,7 +7,7 @@ continuation: the drafted tokens are accepted up to the first that differs from 
 target's next token is committed (a token tree: its longest path that agrees). So once plain
 greedy decoding has produced a prompt's output, every policy's rounds on that prompt can be
 replayed by running the drafter alone, each round timed with the bench's measured costs
-(specdec.bench.run.measure_costs, the same figures specdec.bench.costmodel predicts with): drafting m tokens
+(specdec.bench.measure.measure_costs, the same figures specdec.bench.costmodel predicts with): drafting m tokens
 takes draft(m) (draft_catchup(m) after a round that accepted all it drafted), verifying n drafted
 tokens V(n + 1), and every round `overhead_ms`. The drafter runs for real (its drafts, a draft
 model's confidences, auto's early stops); only the clock is simulated. Two policies' replayed
@@ -25,6 +25,7 @@ near-tied argmaxes) can differ with the history of its cache and the row padding
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.bench.costmodel import draft_ms_at, verify_ms
@@ -154,7 +155,13 @@ def replay(
         timed = _TimedDrafter(drafter, clock, costs)
     sampler = Sampler(SamplingParams(temperature=0.0), torch.Generator().manual_seed(0))
     spec = Speculation(
-        timed, 0 if policy else k, policy.k_max if policy else 0, policy, sampler, target.vocab_size, clock
+        drafter=timed,
+        k=0 if policy else k,
+        k_max=policy.k_max if policy else 0,
+        policy=policy,
+        sampler=sampler,
+        vocab=target.vocab_size,
+        clock=clock,
     )
     verifier = _ReplayVerifier(target, len(prompt), output, costs, clock)
     stats = RunStats(k=k, prompt_tokens=len(prompt))
@@ -171,6 +178,40 @@ def replay(
     stats.new_tokens = len(tokens) - len(prompt)
     stats.total_s = clock()
     return stats
+
+
+def replay_prompts(
+    target: Model,
+    drafter: Drafter,
+    runs: list[tuple[list[int], list[int]]],
+    ks: list[int | str],
+    costs: dict,
+    *,
+    desc: str,
+    progress: bool = True,
+) -> list[dict]:
+    """Each prompt's "replay" of its record (results.PromptRecord): plain decoding and every k of ks
+    replayed (replay) on the prompt's plain output under the measured costs, auto's policy carried
+    across prompts as in the measured runs. runs: per prompt, (its ids, plain decoding's output).
+    Returns per prompt {"plain" and each str(k): the replayed run's speed, rounds and tokens}; raises
+    as replay does."""
+    policy = controller(costs) if "auto" in ks else None
+    return [
+        {str(k) if k else "plain": _brief(replay(target, ids, out, drafter, k, costs, policy=policy)) for k in [0, *ks]}
+        for ids, out in tqdm(runs, desc=desc, disable=not progress)
+    ]
+
+
+def _brief(stats: RunStats) -> dict:
+    """What results.json keeps of a replayed run: simulated speed, rounds, tokens."""
+    return {
+        "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "rounds": stats.rounds,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "tau": stats.tau,
+        "mean_k": stats.mean_k,
+    }
 
 
 def _path(draft: Draft, truth: list[int]) -> int:

@@ -76,7 +76,7 @@ class Settings(_Record):
     peers: list[str] | None  # v1: None
     peer_k: int | None  # the llama.cpp prompt lookup peer's draft length (v1: None)
     replay: bool  # replay asked for (specdec.bench.replay)
-    interleave: bool | None  # a repeat's configs ran together, round by round (run.run_all); v1: None
+    interleave: bool | None  # a repeat's configs ran together, round by round (measure.run_all); v1: None
 
 
 class Memory(_Record):

@@ -3,7 +3,7 @@ Qwen2.5 models and the type mix of a real Q4_K_M file, their weights random (a f
 not depend on the values), timed on this CPU.
 
 For each size: the verify-cost curve V(n) (one forward over n new tokens on a KV cache of `context`
-tokens, specdec.bench.run.measure_costs) and a real draft's step against it, c = draft step / V(1);
+tokens, specdec.bench.measure.measure_costs) and a real draft's step against it, c = draft step / V(1);
 then the cost model (Leviathan et al. 2023, with V(k+1) measured instead of assumed equal to V(1))
 turns them, with an acceptance rate alpha measured on the real pair, into a predicted decoding
 speed-up per draft length: E(k) / (V(k+1)/V(1) + k c), E(k) = (1 - alpha^(k+1)) / (1 - alpha).
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     """Time each size's verify-cost curve and the draft's step on it; print the table."""
     import torch
 
-    from specdec.bench.run import measure_costs
+    from specdec.bench.measure import measure_costs
     from specdec.drafters import ModelDrafter
     from specdec.models.load import load_model
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.run import Pair
-from specdec.bench.workloads import PACKAGED, default_workload, load_workload
+from specdec.bench.config import QUICK_CATEGORIES, BenchConfig, Pair
+from specdec.bench.workloads import PACKAGED, Prompt, default_workload, load_workload
 from specdec.commands import flags
 from specdec.commands.common import DTYPES, load_kwargs, recalibrate
 
@@ -23,11 +23,31 @@ def run(args) -> int:
     from specdec.bench import results
     from specdec.bench.plot import plot_results
     from specdec.bench.report import markdown_report
-    from specdec.bench.run import QUICK_CATEGORIES, run_bench
+    from specdec.bench.run import run_bench
 
     hf_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
+    config, prompts = _config(args)
+    recalibrate(args, [p.target for p in config.pairs])
+    print(
+        f"# bench: {len(config.pairs)} pair(s), {len(prompts)} prompts of {config.workload}, k {list(config.ks)}, "
+        f"{config.max_new_tokens} new tokens, temperature {config.temperature}",
+        file=sys.stderr,
+    )
+    res = run_bench(config, prompts)
+    path = results.save(res, args.out / "results.json")
+    report = markdown_report(res)
+    (args.out / "report.md").write_text(report)
+    pngs = plot_results(res, args.out)
+    print(report)
+    print(f"wrote {path}, {args.out / 'report.md'} and {len(pngs)} plots in {args.out}", file=sys.stderr)
+    return 0
+
+
+def _config(args) -> tuple[BenchConfig, list[Prompt]]:
+    """The bench's config from the parsed arguments (their defaults filled in, --quick's smaller),
+    and the workload's prompts it selects. Raises what load_workload raises for a bad workload."""
     ks = args.ks or list(QUICK_KS if args.quick else KS)
     workload = args.workload or default_workload()
     categories = (
@@ -36,43 +56,25 @@ def run(args) -> int:
         else (QUICK_CATEGORIES if args.quick and workload.name.startswith("spec_bench") else None)
     )
     limit = args.limit or (1 if args.quick else 2)
-    max_new = args.max_new_tokens or (48 if args.quick else 128)
-    peers = [] if args.peers in ("", "none") else args.peers.split(",")
-    prompts = load_workload(workload, categories, limit)
-    pairs = args.pair or [Pair("smollm2-135m")]
-    recalibrate(args, [p.target for p in pairs])
-    print(
-        f"# bench: {len(pairs)} pair(s), {len(prompts)} prompts of {workload.name}, k {ks}, "
-        f"{max_new} new tokens, temperature {args.temperature}",
-        file=sys.stderr,
-    )
-    res = run_bench(
-        pairs,
-        prompts,
-        workload.name,
-        ks,
-        max_new,
-        args.temperature,
-        peers,
-        args.quick,
-        args.peer_k,
-        categories,
-        limit,
+    config = BenchConfig(
+        pairs=tuple(args.pair or [Pair("smollm2-135m")]),
+        workload=workload.name,
+        ks=tuple(ks),
+        max_new_tokens=args.max_new_tokens or (48 if args.quick else 128),
+        temperature=args.temperature,
+        peers=() if args.peers in ("", "none") else tuple(args.peers.split(",")),
+        peer_k=args.peer_k,
         repeats=args.repeats,
         replay=args.replay,
         interleave=args.interleave,
+        quick=args.quick,
+        limit=limit,
+        load=load_kwargs(args),
         draft_dtype=DTYPES[args.draft_dtype or args.dtype],
         draft_quantize=args.draft_quantize,
         draft_vocab=args.draft_vocab,
-        **load_kwargs(args),
     )
-    path = results.save(res, args.out / "results.json")
-    report = markdown_report(res)
-    (args.out / "report.md").write_text(report)
-    pngs = plot_results(res, args.out)
-    print(report)
-    print(f"wrote {path}, {args.out / 'report.md'} and {len(pngs)} plots in {args.out}", file=sys.stderr)
-    return 0
+    return config, load_workload(workload, categories, limit)
 
 
 def add_parser(sub) -> None:

@@ -149,7 +149,7 @@ def _write(args, rows: list, n_prompts: int, n: int) -> None:
     """--out: serving.json (the run's environment and rows) and README.md (a results/ entry)."""
     import json
 
-    from specdec.bench.run import environment
+    from specdec.bench.environment import environment
     from specdec.serve import loadtest
 
     out = Path(args.out)

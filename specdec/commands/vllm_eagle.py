@@ -21,7 +21,8 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from specdec.bench import vllm_eagle
-    from specdec.bench.run import encode_prompt, environment
+    from specdec.bench.environment import environment
+    from specdec.bench.loading import encode_prompt
     from specdec.models.weights import converted_folder
 
     if args.k < 1:
