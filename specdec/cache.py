@@ -158,7 +158,7 @@ class LeanKVCache(KVCache):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.lean.device)
         tree = None if parents is None else tree_layout(parents, start, self.lean.device)
         keep = len(tokens) if all_logits else 1
-        return BatchItem(ids, self.k, self.v, self.features, start, keep, tree, self.argmax_only)
+        return BatchItem(ids, self.k, self.v, self.features, start, keep, tree=tree, argmax_only=self.argmax_only)
 
     def keep_path(self, start: int, path: list[int]) -> None:
         """After a tree forward that began at `start` cached tokens: keep the nodes `path` (indices

@@ -139,10 +139,22 @@ class Decoding:
             return time.perf_counter()
 
         self.spec = Speculation(
-            drafter, 0 if policy else k, policy.k_max if policy else 0, policy, self.sampler, target.vocab_size, clock
+            drafter=drafter,
+            k=0 if policy else k,
+            k_max=policy.k_max if policy else 0,
+            policy=policy,
+            sampler=self.sampler,
+            vocab=target.vocab_size,
+            clock=clock,
         )
         self.verifier = TargetVerifier(
-            self.kv, self.sampler, self.penalties, len(prompt), logprobs, options.logit_bias, self.constraint
+            self.kv,
+            self.sampler,
+            self.penalties,
+            len(prompt),
+            top_logprobs=logprobs,
+            logit_bias=options.logit_bias,
+            constraint=self.constraint,
         )
         self.eos = frozenset() if options.ignore_eos else target.eos_token_ids
         self.stop_ids = frozenset(options.stop_token_ids)
@@ -200,14 +212,14 @@ class Decoding:
         over it, timed by the run's clock, judge, roll back), then its tokens committed (take).
         Returns the tokens committed. Only while not finished."""
         budget, room, forced = self._limits()
-        rnd = speculative_round(self.spec, self.tokens, budget, room, self.verifier, self.stats, forced)
+        rnd = speculative_round(self.spec, self.tokens, budget, room, self.verifier, self.stats, forced=forced)
         return self.take(rnd.committed)
 
     def next_round(self, share: Share | None = None) -> Proposal:
         """A batched round's step 1 (specdec.round.propose): its plan and draft; share: its part in
         the batch's costs, for the policy. Only while not finished."""
         budget, room, forced = self._limits()
-        return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees, share, forced)
+        return propose(self.spec, self.tokens, budget, room, self.verifier.verifies_trees, share=share, forced=forced)
 
     def verify_rows(self, proposal: Proposal) -> Rows:
         """A batched round's step 2: what the target scores for a proposal, as rows of a forward:
@@ -219,7 +231,7 @@ class Decoding:
         """A batched round's step 3 (specdec.round.conclude) from the target's scores of
         verify_rows(proposal) (a forward of verify_s seconds; timed as conclude's), then its tokens
         committed (take). Returns the tokens committed."""
-        rnd = conclude(self.spec, proposal, scores, verify_s, self.verifier, self.stats, timed)
+        rnd = conclude(self.spec, proposal, scores, verify_s, self.verifier, self.stats, timed=timed)
         return self.take(rnd.committed)
 
     def take(self, tokens: list[int]) -> list[int]:

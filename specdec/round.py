@@ -175,7 +175,17 @@ def _draft(spec: Speculation, context: list[int], budget: int, room: int, trees:
         probs = None if draft.probs is None else draft.probs[:cut_at]
         checked = Draft(chain[:cut_at], probs)
         n_verified = depth = cut_at
-    return Proposal(context, checked, k, n_verified, depth, draft.match_length, t_round, t1 - t0, plan)
+    return Proposal(
+        context=context,
+        checked=checked,
+        planned=k,
+        n_verified=n_verified,
+        depth=depth,
+        match_length=draft.match_length,
+        t_round=t_round,
+        draft_s=t1 - t0,
+        plan=plan,
+    )
 
 
 def _after_forced(proposal: Proposal, context: list[int], forced: list[int]) -> Proposal:

@@ -158,9 +158,8 @@ def plan(gguf) -> Plan:
                 f"{head_dim}; specdec rotates and attends over whole heads only"
             )
     n_layers = int(key("block_count"))
-    p = Plan(
-        arch, n_layers, hidden, n_heads, n_kv, head_dim, float(key("attention.layer_norm_rms_epsilon")), [], [], []
-    )
+    eps = float(key("attention.layer_norm_rms_epsilon"))
+    p = Plan(arch, n_layers, hidden, n_heads, n_kv, head_dim, eps=eps, ropes=[], layer_rope=[], layer_window=[])
     _rope_and_window(gguf, p, key)
     if arch.embed_sqrt_d:
         p.embed_scale = math.sqrt(hidden)

@@ -239,7 +239,9 @@ class LeanModel:
         this backend has no batched kernels; specdec.backends.quant.QuantModel.forward_batch runs
         them as one. Returns each one's logits, as forward."""
         return [
-            self.forward(r.ids, r.keys, r.values, r.features, r.start, r.keep, r.tree, r.argmax_only, taps)
+            self.forward(
+                r.ids, r.keys, r.values, r.features, r.start, r.keep, tree=r.tree, argmax_only=r.argmax_only, taps=taps
+            )
             for r in requests
         ]
 
@@ -281,8 +283,9 @@ class LeanModel:
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
             qk, v = layer.qkv(self.rms_norm(h, layer.norm_in)).split((q_size + kv_size, kv_size), dim=-1)
             qk = rotate(qk.reshape(n, self.n_heads + self.n_kv, hd), cos, sin)  # q and k heads in one go
+            q_heads, k_heads = qk[:, : self.n_heads], qk[:, self.n_heads :]
             attn = cached_attention(
-                qk[:, : self.n_heads], qk[:, self.n_heads :], v.view(n, self.n_kv, hd), k_cache, v_cache, start, mask
+                q_heads, k_heads, v.view(n, self.n_kv, hd), k_cache, v_cache, start=start, mask=mask
             )
             h = h + layer.o(attn)
             gate, up = layer.gate_up(self.rms_norm(h, layer.norm_post)).chunk(2, dim=-1)

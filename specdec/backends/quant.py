@@ -298,7 +298,8 @@ class QuantModel:
         would get from a forward over fewer or more new tokens. argmax_only: with keep 1, the row's
         argmax (the first, on ties) and its entry have the full output layer's bits, the other entries
         may be approximations (greedy_head). It is forward_batch over one request."""
-        return self.forward_batch([BatchItem(ids, keys, values, features, start, keep, tree, argmax_only)], taps)[0]
+        item = BatchItem(ids, keys, values, features, start, keep, tree=tree, argmax_only=argmax_only)
+        return self.forward_batch([item], taps)[0]
 
     @torch.inference_mode()
     def forward_batch(self, requests: list[BatchItem], taps: tuple[int, ...] = ()) -> list[torch.Tensor]:

@@ -1,3 +1,4 @@
-"""The `specdec` commands, one module per command, each with `run(args) -> int` (the exit status)
-for the argparse namespace specdec.cli parses; specdec.cli holds the parser and dispatches. What
-several commands share is in specdec.commands.common."""
+"""The `specdec` commands, one module per command, each with `add_parser(sub)` (its flags) and
+`run(args) -> int` (the exit status) for the argparse namespace; specdec.cli builds the parser from
+them and dispatches. The flag groups and argparse types several commands share are in
+specdec.commands.flags, the rest they share in specdec.commands.common."""

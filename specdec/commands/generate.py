@@ -23,7 +23,7 @@ from specdec.textstream import TextDeltas
 
 COMPARE_RUNS = 3  # --compare times each path this many times, alternately, and reports the medians
 
-# the flag of each grammar kind (specdec.cli's _grammar_options)
+# the flag of each grammar kind (specdec.commands.flags.grammar_options)
 GRAMMAR_FLAGS = {
     "json_schema": "--json-schema",
     "json_object": "--json-object",

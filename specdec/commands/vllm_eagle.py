@@ -45,8 +45,8 @@ def run(args) -> int:
         head,
         ids,
         args.vllm_python,
-        args.k,
-        args.max_new_tokens,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
     )
     env = environment()
     page = vllm_eagle.report(result, env["cpu"], f"{workload.name} ({args.categories})", args.target)

@@ -216,7 +216,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             data = torch.from_numpy(array)
         tensors[name] = QTensor(name, qtype.name, tuple(int(d) for d in shape), data)
-    return GGUFModel(path, arch, tensors, file_bytes, fields, data_start, (blob.ctypes.data, len(blob)))
+    return GGUFModel(
+        path, arch, tensors, file_bytes, fields, data_offset=data_start, mapping=(blob.ctypes.data, len(blob))
+    )
 
 
 def _unpermute(a: np.ndarray, n_head: int) -> np.ndarray:
