@@ -1056,7 +1056,7 @@ def test_run_server_steps_the_batch_in_the_thread_that_called_it(tiny, monkeypat
 
     def user():  # waits for the server, asks twice, then presses Ctrl-C
         try:
-            url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 30
+            url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120  # create_app may build a kernel first
             while time.monotonic() < deadline:
                 with contextlib.suppress(OSError):
                     urllib.request.urlopen(url + "/health", timeout=1)
