@@ -96,8 +96,8 @@ class Batch:
         self.prefill_ratio = prefill_ratio
         self.slots: list[_Slot] = []
         # chunked prefill only where a prompt's cache rows have the same bits in any chunks
-        self.invariant = target.backend == "lean" and getattr(target.lean(), "batch_invariant", False)
-        self.tile = getattr(target.lean(), "row_tile", None) if self.invariant else None  # rows per pass
+        self.invariant = target.backend == "lean" and target.lean().batch_invariant
+        self.tile = target.lean().row_tile if self.invariant else None  # rows per pass
         self.rate = 0.0  # the batch's committed tokens per ms, a running average over steps
         self.costs: RowCosts | None = None  # ms of a forward by rows, fitted to the steps (k = "auto")
 

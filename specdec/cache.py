@@ -43,9 +43,16 @@ class KVCache:
     """The KV cache of one sequence on one model (transformers' DynamicCache), and the token ids
     it holds. argmax_only: set it for greedy decoding, where only each row's argmax of the logits
     is read; the lean backend then screens its output layer in bf16 (specdec.backends.screen) and the other
-    entries may be approximations. The transformers backend ignores it."""
+    entries may be approximations. The transformers backend ignores it.
+
+    What a cache can do, declared (callers read these, never probe with hasattr):
+    keeps_paths: whether keep_path() keeps a verified token tree's accepted path (else a tree's main
+    chain is verified); sliding: its sliding-window layers, which can undo only the last forward.
+    """
 
     argmax_only = False
+    keeps_paths = False  # the transformers cache verifies chains only
+    sliding: list = []
 
     def __init__(self, model: Model):
         self.model = model
@@ -104,6 +111,9 @@ class LeanKVCache(KVCache):
     feature-level draft head (specdec.train.head). Rollback moves the length back; the rows past it
     are overwritten by the next forward.
     """
+
+    keeps_paths = True  # keep_path(): a verified tree's accepted path moved to consecutive positions
+    sliding: list = []  # a sliding window is a mask over the whole cache: any rollback is exact
 
     def __init__(self, model: Model, capacity: int = 256, taps: tuple[int, ...] = ()):
         self.model, self.lean = model, model.lean()

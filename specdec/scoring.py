@@ -63,7 +63,7 @@ class TargetVerifier:
         self.bias = torch.tensor([[b for _, b in logit_bias]], dtype=torch.float32)  # (1, len(logit_bias))
         self.constraint = constraint
         plain = penalties.neutral and top_logprobs is None and not logit_bias and constraint is None
-        self.verifies_trees = sampler.params.greedy and plain and hasattr(kv, "keep_path")
+        self.verifies_trees = sampler.params.greedy and plain and kv.keeps_paths
         self.last_logprobs: list[TokenLogprob] = []
 
     def block(self, tokens: list[int], draft: Draft) -> tuple[list[int], list[int] | None]:

@@ -15,7 +15,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdec.models.load import Model
+from specdec.models.load import Model, Quantized
 
 VOCAB = 64  # tokenizer size; ids 0..2 are <unk> <s> </s>
 N_CTX = 96
@@ -103,7 +103,9 @@ def remake(model: Model, **changes) -> Model:
         hf_loader=model._hf_loader,
         kv_dtype=model._kv_dtype,
     )
-    return Model(**{**fields, **changes})
+    fields |= changes
+    gguf, config, loader, kv_dtype = (fields.pop(f) for f in ("gguf", "config", "hf_loader", "kv_dtype"))
+    return Model(**fields, gguf=Quantized(gguf, config, loader, kv_dtype))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -123,6 +125,14 @@ def verify_cost_cache(tmp_path_factory, monkeypatch):
     folder = tmp_path_factory.mktemp("verify-costs")
     monkeypatch.setattr("specdec.adaptive.costs.folder", lambda cache=None: folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def keep_thread_count():
+    """Every test leaves torch's thread count as it found it (the invariance tests set 1 or 2)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2", "gemma3"])

@@ -18,7 +18,7 @@ from specdec.train.conversations import ConversationConfig, DataError, chat_ids,
 from specdec.train.train import TrainConfig, train_head
 
 from .conftest import make_model, remake
-from .test_conversations import TEMPLATE, _sharegpt
+from .conversation_cases import TEMPLATE, sharegpt_record
 
 MAX_NEW = 5
 
@@ -33,7 +33,7 @@ def target():
 @pytest.fixture
 def data(tmp_path):
     path = tmp_path / "conv.jsonl"
-    path.write_text("\n".join(json.dumps(_sharegpt(i)) for i in range(5)))
+    path.write_text("\n".join(json.dumps(sharegpt_record(i)) for i in range(5)))
     return str(path)
 
 
@@ -206,7 +206,7 @@ def test_has_code():
 
 
 def test_code_only_and_exclude_choose_the_conversations(target, tmp_path, contexts):
-    records = [_sharegpt(i) for i in range(4)]
+    records = [sharegpt_record(i) for i in range(4)]
     records[1]["conversations"][2]["value"] = "w13\n```\nw40\n```"  # code in a user turn
     records[3]["conversations"][1]["value"] = "w20\n```\nw41\n```"  # code only in an answer
     path = tmp_path / "conv.jsonl"

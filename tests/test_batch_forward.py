@@ -51,13 +51,6 @@ def _check(model, prompts: list[list[int]], steps: list[tuple[list[int], list[in
         assert torch.equal(batch[r].features[:end], c.features[:end]), r
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_batched_forward_gives_each_request_its_solo_bits_tiny(arch):
     fp32 = make_model(arch, seed=3)

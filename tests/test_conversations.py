@@ -13,27 +13,18 @@ from specdec.train.head import load_head
 from specdec.train.train import TrainConfig, train_head
 
 from .conftest import make_model
+from .conversation_cases import TEMPLATE, sharegpt_record
+
 
 # a template that marks roles with words the tiny tokenizer knows: w1 user, w2 assistant, w3 end of turn
-TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}w1 {% else %}w2 {% endif %}{{ m['content'] }} w3 "
-    "{% endfor %}{% if add_generation_prompt %}w2 {% endif %}"
-)
-
-
 def _target():
     target = make_model("llama", seed=6)
     target.tokenizer.chat_template = TEMPLATE
     return target
 
 
-def _sharegpt(i: int) -> dict:
-    turns = [("human", f"w{10 + i} w11 w12"), ("gpt", f"w{20 + i} w21 w22 w23"), ("human", "w13"), ("gpt", "w24 w25")]
-    return {"id": str(i), "conversations": [{"from": f, "value": v} for f, v in turns]}
-
-
 def test_a_file_cut_off_mid_record_keeps_its_complete_records(tmp_path):
-    text = json.dumps([_sharegpt(i) for i in range(3)], indent=1)
+    text = json.dumps([sharegpt_record(i) for i in range(3)], indent=1)
     cut = tmp_path / "cut.json"
     cut.write_text(text[: text.rindex('"gpt"')])  # the last record is broken off
     assert [r["id"] for r in read_records(cut)] == ["0", "1"]
@@ -62,16 +53,16 @@ def test_roles_are_mapped_and_empty_turns_dropped():
 
 def test_the_mask_covers_exactly_the_assistant_turns():
     tok = _target().tokenizer
-    ids, mask = encode(tok, messages_of(_sharegpt(0)), max_tokens=100)
+    ids, mask = encode(tok, messages_of(sharegpt_record(0)), max_tokens=100)
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "w20 w21 w22 w23 w3 w24 w25 w3"
     assert tok.decode([t for t, m in zip(ids, mask) if not m]) == "w1 w10 w11 w12 w3 w2 w1 w13 w3 w2"
-    short = encode(tok, messages_of(_sharegpt(0)), max_tokens=4)  # no assistant token fits
+    short = encode(tok, messages_of(sharegpt_record(0)), max_tokens=4)  # no assistant token fits
     assert short is None
 
 
 def test_conversation_rows_keep_the_benchmarks_out(tmp_path):
     path = tmp_path / "conv.json"
-    path.write_text(json.dumps([_sharegpt(i) for i in range(5)]))
+    path.write_text(json.dumps([sharegpt_record(i) for i in range(5)]))
     rows = conversation_rows(_target(), str(path), n=10, exclude=("w11 w11",))  # conversation 1's first turn
     assert len(rows) == 4 and all("w11 w11" not in r["text"] for r in rows)
     assert len(conversation_rows(_target(), str(path), n=3)) == 3
@@ -85,7 +76,7 @@ def test_conversation_rows_keep_the_benchmarks_out(tmp_path):
 
 def test_a_head_trains_on_conversations(tmp_path):
     path = tmp_path / "conv.jsonl"
-    path.write_text("\n".join(json.dumps(_sharegpt(i)) for i in range(12)))
+    path.write_text("\n".join(json.dumps(sharegpt_record(i)) for i in range(12)))
     dest = tmp_path / "head.safetensors"
     target = _target()
     config = TrainConfig(epochs=1, vocab=40, head_out=dest, data=str(path), conversations=10, steps=2)

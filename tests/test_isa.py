@@ -23,7 +23,7 @@ from specdec.cache import new_cache
 from specdec.models.load import load_model
 from specdec.models.weights import cache_dir, is_pulled
 
-from .test_quant import _attention_case, assert_rows_invariant, random_blocks
+from .quant_cases import assert_rows_invariant, attention_case, random_blocks
 
 ISAS = {"x86-64-v3": ("avx2", "fma", "f16c"), "x86-64-v2": ("sse4_2", "popcnt")}  # -march: the flags it needs
 
@@ -75,13 +75,6 @@ def amx_emulated():
         )
     except Exception as e:
         pytest.skip(f"the emulated AMX kernels could not be built: {str(e).splitlines()[0][:200]}")
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def test_an_older_builds_int8_path(older):
@@ -171,7 +164,7 @@ def test_older_products_are_batch_invariant_and_the_native_fp32_paths_bits(older
 @pytest.mark.parametrize("cache", [torch.float32, torch.float16])
 def test_older_attention_rows_equal_one_row_calls(older, cache):
     start, n = 9, 12
-    q, kc, vc, scale = _attention_case(start, n)
+    q, kc, vc, scale = attention_case(start, n)
     kc, vc = kc.to(cache), vc.to(cache)
     y = older.attention(q, kc, vc, start, None, scale)
     if cache == torch.float16:  # widened by F16C or one by one: the bits of the same values in an fp32 cache

@@ -170,6 +170,7 @@ def test_report_without_divergences_or_peers(data):
     pair["peer_summary"] = []
     report = markdown_report(data)
     assert "logit gap" not in report and "### Peers" not in report
+    assert "## tiny-llama" in report and _row(report, 4)[6] == "3/4"  # the rest is still reported
 
 
 # --- load / save -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from specdec.backends.qscreen import ScreenedHead
 from specdec.backends.quant import QuantLinear, QuantModel
 from specdec.cache import new_cache
 
-from .test_quant import _threads, assert_rows_invariant  # noqa: F401 (_threads: restores the thread count)
+from .quant_cases import assert_rows_invariant
 
 needs_int8 = pytest.mark.skipif(not kernels().int8_available(), reason="the screen multiplies with int8 activations")
 

@@ -16,8 +16,8 @@ from specdec.backends.qkernel import INT8_TYPES, TYPES, kernels
 from specdec.backends.quant import QuantLinear
 from specdec.models.gguf import QTensor
 
-from .test_quant import assert_rows_invariant, fp32_part, matmul, needs_int8, reference
-from .test_quant import random_blocks as file_blocks  # any kernel type's, as test_quant makes them
+from .quant_cases import assert_rows_invariant, fp32_part, matmul, needs_int8, reference
+from .quant_cases import random_blocks as file_blocks  # any kernel type's, as test_quant makes them
 
 NEW = ("Q2_K", "Q3_K", "Q5_K", "IQ4_NL", "IQ4_XS", "F16", "BF16")
 FP32_ONLY = tuple(t for t in NEW if t not in INT8_TYPES)  # no int8 kernel: the fp32 kernel also on the int8 path
@@ -31,14 +31,6 @@ STRUCTS = {
     "IQ4_NL": (("d", HALF), ("qs", 16)),
     "IQ4_XS": (("d", HALF), ("scales_h", 2), ("scales_l", 4), ("qs", 128)),
 }
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    """Every test leaves torch's thread count as it found it."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def block_elements(qtype: str) -> int:

@@ -11,20 +11,17 @@ dequantized model up to rounding. Types the kernels do not handle are dequantize
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
+from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 from specdec import generate, make_drafter
 from specdec.backends.lean import tree_layout
 from specdec.backends.qkernel import INT8_TYPES, TYPES, kernels
 from specdec.backends.quant import QuantLinear, QuantModel
-from specdec.bench.kernels import FP16_FIELDS as KERNEL_FP16_FIELDS
 from specdec.cache import LeanKVCache
 from specdec.errors import GGUFError
 from specdec.models.gguf import QTensor
@@ -35,91 +32,20 @@ from specdec.models.weights import cache_dir
 from specdec.train.head import PACKAGED
 
 from .conftest import make_model, prompt_ids, remake
-
-QTYPES = list(INT8_TYPES)  # the types with int8 kernels; the others' are the fp32 path's (tests/test_qtypes.py)
-# Where each block type keeps its fp16 fields (ggml-common.h): scale d, and min m / dmin where it has one.
-FP16_FIELDS = {**KERNEL_FP16_FIELDS, "TQ1_0": (52,), "TQ2_0": (64,)}  # TQ*: not kernel types, the fallback tests'
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    """Every test leaves torch's thread count as it found it."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-def _block(qtype: str) -> tuple[int, int]:
-    """(elements, bytes) of one block of `qtype`."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
-
-
-def random_blocks(qtype: str, rows: int, K: int, seed: int) -> np.ndarray:
-    """(rows, K / block * bytes) uint8 rows of `qtype`: every byte random (so every code a block can
-    hold occurs, -128 in Q8_0, every 6-bit scale of Q4_K, ...) except the fp16 fields, which are
-    finite values of either sign; plus, where gguf can quantize the type, rows it quantized from
-    Gaussian weights (what real files hold). F32, F16, BF16: Gaussian weights."""
-    g = np.random.default_rng(seed)
-    if qtype in ("F32", "F16", "BF16"):
-        weights = g.standard_normal((rows, K)).astype(np.float32)
-        return np.ascontiguousarray(gguf_quantize(weights, GGMLQuantizationType[qtype])).view(np.uint8)
-    block, nbytes = _block(qtype)
-    raw = g.integers(0, 256, (rows, K // block, nbytes), dtype=np.uint8)
-    for at in FP16_FIELDS[qtype]:
-        scale = g.uniform(-0.02, 0.02, (rows, K // block)).astype(np.float16)
-        raw[..., at : at + 2] = scale.view(np.uint8).reshape(rows, K // block, 2)
-    raw = raw.reshape(rows, -1)
-    try:
-        real = gguf_quantize(g.standard_normal((rows // 2, K)).astype(np.float32) * 0.05, GGMLQuantizationType[qtype])
-    except NotImplementedError:  # gguf has no quantizer for the K-quants
-        return raw
-    return np.concatenate([real, raw[: rows - rows // 2]])
-
-
-def reference(qtype: str, raw: np.ndarray) -> torch.Tensor:
-    """gguf's own dequantization of rows `raw`, fp32 (rows, K)."""
-    out = gguf_dequantize(raw, GGMLQuantizationType[qtype])
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
-
-
-def matmul(x, parts, types, bias=None, int8=False):
-    return kernels().matmul(x, parts, types, bias, int8)
-
-
-needs_int8 = pytest.mark.skipif(not kernels().int8_available(), reason="int8 activations need AVX2 or AVX512-VNNI")
-needs_regrouped = pytest.mark.skipif(
-    not kernels().int8_available(), reason="rows regrouped sixteen at a time: int8 builds only (AVX2 or AVX512-VNNI)"
+from .quant_cases import (
+    _block,
+    assert_rows_invariant,
+    attention_case,
+    fp32_part,
+    matmul,
+    needs_int8,
+    needs_regrouped,
+    quantized_activations,
+    random_blocks,
+    reference,
 )
 
-
-def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x (M, K) as the int8 path sees it: per `block` columns, scale d = max|x| / 127 and values
-    round(x / d) (to nearest even, computed as x * (1 / d) in fp32), dequantized: (M, K) float64."""
-    M, K = x.shape
-    b = x.reshape(M, K // block, block)
-    d = b.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(b * inv).double() * d.double()).reshape(M, K)
-
-
-def fp32_part(w: torch.Tensor) -> torch.Tensor:
-    """fp32 weights (N, K) as an F32 part of the kernels: their raw bytes, (N, 4K) uint8."""
-    return w.contiguous().view(torch.uint8)
-
-
-def assert_rows_invariant(fn, x: torch.Tensor, max_n: int = 17) -> None:
-    """fn over the first n rows of x, for n = 1..max_n and 1 or 2 threads: row i always has the bits
-    of fn over row i alone (one thread)."""
-    torch.set_num_threads(1)
-    single = [fn(x[i : i + 1]) for i in range(max_n)]
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for n in range(1, max_n + 1):
-            out = fn(x[:n])
-            for i in range(n):
-                assert torch.equal(out[i : i + 1], single[i]), (n, i, threads)
-
-
+QTYPES = list(INT8_TYPES)  # the types with int8 kernels; the others' are the fp32 path's (tests/test_qtypes.py)
 # ---- products, per GGML type ------------------------------------------------------------------
 
 
@@ -337,14 +263,6 @@ def test_rope_is_rowwise_invariant_and_correct():
             assert all(torch.equal(out[i : i + 1], single[i]) for i in range(n)), (n, threads)
 
 
-def _attention_case(start: int, n: int, seed: int = 9):
-    H, KVH, D, cap = 4, 2, 64, 48
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, H, D, generator=g)
-    k_cache, v_cache = torch.randn(KVH, cap, D, generator=g) * 2, torch.randn(KVH, cap, D, generator=g)
-    return q, k_cache, v_cache, 1.0 / math.sqrt(D)
-
-
 def _attention_reference(q, k_cache, v_cache, keys: list[list[int]], scale):
     """float64 attention of row i of q over the cache positions keys[i]."""
     H, KVH = q.shape[1], k_cache.shape[0]
@@ -359,7 +277,7 @@ def _attention_reference(q, k_cache, v_cache, keys: list[list[int]], scale):
 
 def test_attention_rows_equal_one_row_calls_and_a_chain_tree_is_causal():
     start, n = 9, 17
-    q, kc, vc, scale = _attention_case(start, n)
+    q, kc, vc, scale = attention_case(start, n)
     att = kernels().attention
     y = att(q, kc, vc, start, None, scale)
     assert y.shape == (n, q.shape[1] * q.shape[2])
@@ -379,7 +297,7 @@ def test_attention_rows_equal_one_row_calls_and_a_chain_tree_is_causal():
 
 def test_attention_over_an_fp16_cache_is_attention_over_its_values_widened_and_batch_invariant():
     start, n = 21, 9
-    q, kc, vc, scale = _attention_case(start, n, seed=4)
+    q, kc, vc, scale = attention_case(start, n, seed=4)
     k16, v16 = kc.half(), vc.half()
     att = kernels().attention
     parents = [-1, 0, 0, 1, 1, 2, 3, 5, 7]
@@ -401,7 +319,7 @@ def test_attention_over_an_fp16_cache_is_attention_over_its_values_widened_and_b
 def test_attention_over_a_tree_is_each_paths_own_attention():
     parents = [-1, 0, 0, 1, 1, 2, 3, 5, 7, 0]
     start, n = 6, len(parents)
-    q, kc, vc, scale = _attention_case(start, n, seed=11)
+    q, kc, vc, scale = attention_case(start, n, seed=11)
     _, mask = tree_layout(parents, start)
     y = kernels().attention(q, kc, vc, start, mask, scale)
     keys = [mask[i].nonzero()[:, 0].tolist() for i in range(n)]
@@ -415,7 +333,7 @@ def test_attention_under_any_mask_sees_exactly_its_keys():
     # rows that hide cached keys at different places (the leading run of visible keys differs from row to row, and
     # is shorter than the cache), beside a causal row: each equals its reference and its own one-row call, bitwise
     start, n = 40, 7
-    q, kc, vc, scale = _attention_case(start, n, seed=12)
+    q, kc, vc, scale = attention_case(start, n, seed=12)
     mask = torch.rand(n, start + n, generator=torch.Generator().manual_seed(13)) < 0.7
     mask[:, 0] = True
     mask[0] = torch.arange(start + n) <= start  # causal

@@ -13,7 +13,7 @@ from specdec.backends.quant import QuantModel
 from specdec.bench.synthetic import Shape, predicted_speedup, synthetic_file, write_synthetic
 from specdec.models.gguf import read_gguf
 
-from .test_arch import write_tiny
+from .gguf_cases import write_tiny
 
 
 def test_a_synthetic_file_has_the_shape_and_the_templates_types_and_runs(tmp_path):

@@ -266,7 +266,7 @@ class VerifyCosts:
         already timed (or loaded). The first calibration also sets the level; rounds then move it.
         Each newly timed shape is saved to `path`."""
         keep = len(kv)
-        if getattr(kv, "sliding", None):  # a sliding-window cache can undo only its last forward
+        if kv.sliding:  # a sliding-window cache can undo only its last forward
             ahead = 0
         for at in (keep, keep + min(ahead, self.ahead_max)) if ahead else (keep,):
             if not self.needs(at) or at >= kv.model.n_ctx - 1:

@@ -153,13 +153,15 @@ class Learned:
 class AdaptiveK:
     """The per-round draft-length policy of `generate(..., k="auto")` for one (drafter, target).
 
-    costs: the target's verify-cost curve (VerifyCosts). k_max: the longest draft of a round
-    (>= 1). decay, prior, prior_weight, lift, explore: of the acceptance estimates (`estimates`,
-    an Acceptance). probe_after: plain rounds before a probe (one depth of the usual draft); it
-    doubles after each probe, up to probe_max, and resets when the policy chooses to draft again.
-    margin: the part of V(1) any verify of drafted tokens is taken to cost beyond the measured
-    curve, for the noise of a curve timed once per context range. clock: seconds, read to time a
-    draft model's steps (specdec.bench.replay passes a simulated one).
+    - costs: the target's verify-cost curve (VerifyCosts).
+    - k_max: the longest draft of a round (>= 1).
+    - probe_after: plain rounds before a probe (one depth of the usual draft); it doubles after
+      each probe, up to probe_max, and resets when the policy chooses to draft again.
+    - margin: the part of V(1) any verify of drafted tokens is taken to cost beyond the measured
+      curve, for the noise of a curve timed once per context range.
+    - clock: seconds, read to time a draft model's steps (specdec.bench.replay passes a simulated one).
+    - acceptance: the knobs of the acceptance estimates (`estimates`, an Acceptance: decay, prior,
+      prior_weight, lift, explore); TypeError for another name.
 
     A round: plan() (what to draft, a RoundPlan, from the cap and, in a batch, a Share), then
     keep_going() after each step of an incremental drafter, cut() of the finished draft, and
@@ -172,20 +174,16 @@ class AdaptiveK:
         self,
         costs: VerifyCosts,
         k_max: int = 8,
-        decay: float = 0.9,
-        prior: float = 0.5,
-        prior_weight: float = 1.0,
         probe_after: int = 4,
         probe_max: int = 64,
         margin: float = 0.02,
-        lift: float = 0.5,
-        explore: float = 1.0,
         clock=time.perf_counter,
+        **acceptance: float,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1 for k='auto', got {k_max}")
         self.costs, self.k_max = costs, k_max
-        self.estimates = Acceptance(k_max, decay, prior, prior_weight, lift, explore)
+        self.estimates = Acceptance(k_max, **acceptance)
         self.probe_after, self.probe_max = probe_after, probe_max
         self.margin = margin
         self.clock = clock

@@ -1,4 +1,4 @@
-"""One- and two-row fp32 matrix products on CPU, compiled at first use (specdec/csrc/gemv.cpp).
+"""One- and two-row fp32 matrix products on CPU, compiled at first use (specdec/backends/csrc/gemv.cpp).
 
 A plain decoding step multiplies one row by each weight, a one-token verify two rows: matrix-vector
 products, bound by how fast memory delivers the weights. oneDNN's fp32 kernels (specdec.backends.lean's

@@ -188,6 +188,7 @@ class LeanModel:
     """
 
     batch_invariant = False  # oneDNN picks kernels by the number of rows: the last bits may differ
+    row_tile: int | None = None  # input rows per pass over the weights (None: not a tiled kernel)
 
     def __init__(self, hf):
         reason = unsupported_reason(hf)
@@ -238,14 +239,8 @@ class LeanModel:
         """Several sequences' forwards (each a BatchItem of forward's arguments), one after another:
         this backend has no batched kernels; specdec.backends.quant.QuantModel.forward_batch runs
         them as one. Returns each one's logits, as forward."""
-        return [
-            self.forward(
-                r.ids, r.keys, r.values, r.features, r.start, r.keep, tree=r.tree, argmax_only=r.argmax_only, taps=taps
-            )
-            for r in requests
-        ]
+        return [self._run(r, taps) for r in requests]
 
-    @torch.inference_mode()
     def forward(
         self,
         ids: torch.Tensor,
@@ -255,7 +250,6 @@ class LeanModel:
         start: int,
         keep: int,
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
-        argmax_only: bool = False,
         taps: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """Run ids (n,) at positions start..start+n-1 over a cache holding positions 0..start-1.
@@ -266,10 +260,19 @@ class LeanModel:
         draft head, specdec.train.head, reads them too), followed by the hidden states after each
         decoder layer in `taps` (0-based; EAGLE-3's low and middle features). tree: (positions,
         mask) of tree_layout() when ids are a token tree rather than a sequence. Returns logits
-        (keep, V) for the last `keep` positions (n for all of them); with argmax_only, logits
-        whose argmax per row is exact but whose other entries may be bf16 approximations (the
-        output layer screened in bf16, specdec.backends.screen; for greedy decoding). A sequence of n is
-        run as rows[n] rows where that table (specdec.backends.rows) says it is faster."""
+        (keep, V) for the last `keep` positions (n for all of them). A sequence of n is run as
+        rows[n] rows where that table (specdec.backends.rows) says it is faster. forward_batch
+        takes a BatchItem's argmax_only too: logits whose argmax per row is exact but whose other
+        entries may be bf16 approximations (the output layer screened in bf16,
+        specdec.backends.screen; for greedy decoding)."""
+        return self._run(BatchItem(ids, keys, values, features, start, keep, tree=tree), taps)
+
+    @torch.inference_mode()
+    def _run(self, item: BatchItem, taps: tuple[int, ...]) -> torch.Tensor:
+        """forward() of one BatchItem."""
+        ids, keys, values, features, start, keep, tree = (
+            item.ids, item.keys, item.values, item.features, item.start, item.keep, item.tree
+        )  # fmt: skip
         n, hd = ids.shape[0], self.head_dim
         real = n
         if tree is None and self.rows.get(n, n) > n and start + self.rows[n] <= features.shape[0]:
@@ -295,5 +298,5 @@ class LeanModel:
                 features[start : start + n, column : column + d] = h
         h = self.rms_norm(h, self.norm)
         features[start : start + n, :d] = h
-        head = self.screen if argmax_only and self.screen is not None else self.lm_head
+        head = self.screen if item.argmax_only and self.screen is not None else self.lm_head
         return head(h[real - keep : real])

@@ -112,9 +112,19 @@ def layer_weights(
     products; `arch`: the Layer's keywords for what differs from Llama's layer (q_norm, k_norm,
     attn_out_norm, ffn_out_norm, rope, window, gelu, scale, residual; quant/layers.h)."""
     return qkv.kernels.Layer(
-        norm_in, norm_post, qkv.data, qkv.types, qkv.bias, o.data, o.types,
-        gate_up.data, gate_up.types, down.data, down.types, **arch,
-    )  # fmt: skip
+        norm_in=norm_in,
+        norm_post=norm_post,
+        qkv=qkv.data,
+        qkv_types=qkv.types,
+        qkv_bias=qkv.bias,
+        o=o.data,
+        o_types=o.types,
+        gate_up=gate_up.data,
+        gate_up_types=gate_up.types,
+        down=down.data,
+        down_types=down.types,
+        **arch,
+    )
 
 
 class OutputRows:
@@ -290,16 +300,14 @@ class QuantModel:
         start: int,
         keep: int,
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,
-        argmax_only: bool = False,
         taps: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """As specdec.backends.lean.LeanModel.forward (same arguments, same cache layout), with
         batch-invariant ops: row i of the returned logits (keep, V) has the bits the same token
-        would get from a forward over fewer or more new tokens. argmax_only: with keep 1, the row's
-        argmax (the first, on ties) and its entry have the full output layer's bits, the other entries
-        may be approximations (greedy_head). It is forward_batch over one request."""
-        item = BatchItem(ids, keys, values, features, start, keep, tree=tree, argmax_only=argmax_only)
-        return self.forward_batch([item], taps)[0]
+        would get from a forward over fewer or more new tokens. It is forward_batch over one request
+        (whose BatchItem.argmax_only, with keep 1, makes the row's argmax, the first on ties, and its
+        entry the full output layer's bits, the other entries approximations: greedy_head)."""
+        return self.forward_batch([BatchItem(ids, keys, values, features, start, keep, tree=tree)], taps)[0]
 
     @torch.inference_mode()
     def forward_batch(self, requests: list[BatchItem], taps: tuple[int, ...] = ()) -> list[torch.Tensor]:
@@ -323,10 +331,21 @@ class QuantModel:
         h = self.embed_rows(_cat([r.ids for r in requests]))  # (rows, d)
         counts = [len(r.ids) for r in requests]
         h = k.layers(
-            h, [layer.weights for layer in self.layers], [r.keys for r in requests], [r.values for r in requests],
-            [r.start for r in requests], counts, ropes, [mask for _, mask in layout], windows, self.n_heads,
-            self.eps, self.int8, list(taps), [r.features for r in requests],
-        )  # fmt: skip
+            h=h,
+            stack=[layer.weights for layer in self.layers],
+            keys=[r.keys for r in requests],
+            values=[r.values for r in requests],
+            starts=[r.start for r in requests],
+            counts=counts,
+            ropes=ropes,
+            masks=[mask for _, mask in layout],
+            windows=windows,
+            H=self.n_heads,
+            eps=self.eps,
+            int8=self.int8,
+            taps=list(taps),
+            features=[r.features for r in requests],
+        )
         h = k.rms_norm(h, self.norm, self.eps)
         d, kept, offset = h.shape[1], [], 0
         for r, n in zip(requests, counts):

@@ -96,20 +96,7 @@ def check_options(name: str, **options) -> None:
             raise ValueError(f"the {name} drafter needs {what}: pass {flag}")
 
 
-def drafter_from_options(
-    name: str,
-    *,
-    draft=None,
-    layers=None,
-    head=None,
-    corpus=None,
-    cache=None,
-    quantize: str | None = None,
-    vocab: int | None = None,
-    max_ngram: int | None = None,
-    min_ngram: int | None = None,
-    min_match: int | None = None,
-) -> Drafter:
+def drafter_from_options(name: str, **options) -> Drafter:
     """Build drafter `name` (a key of DRAFTERS) from the options the CLI, bench and serve offer.
 
     None means not given: the drafter's default. Which drafter takes which option, and which it
@@ -130,25 +117,13 @@ def drafter_from_options(
     - max_ngram, min_ngram (prompt-lookup): the longest and shortest n-gram to match (3, 1).
     - min_match (suffix, suffix-tree): propose nothing below this match length (1).
 
-    Raises ValueError for an unknown name, an option given to a drafter that does not take it, a
-    missing required option (e.g. "the model drafter needs a draft model: pass --draft MODEL"),
+    Raises ValueError for an unknown name, an unknown option, an option given to a drafter that does
+    not take it, a missing required option (e.g. "the model drafter needs a draft model: pass --draft MODEL"),
     or, from the drafter itself, a bad value (min_ngram > max_ngram, an unreadable corpus, ...).
     """
-    options = dict(
-        draft=draft,
-        layers=layers,
-        head=head,
-        corpus=corpus,
-        cache=cache,
-        quantize=quantize,
-        vocab=vocab,
-        max_ngram=max_ngram,
-        min_ngram=min_ngram,
-        min_match=min_match,
-    )
     check_options(name, **options)
-    if isinstance(corpus, (str, os.PathLike)):
-        options["corpus"] = load_corpus(corpus)
+    if isinstance(options.get("corpus"), (str, os.PathLike)):
+        options["corpus"] = load_corpus(options["corpus"])
     return DRAFTERS[name](**{o: v for o, v in options.items() if v is not None})
 
 

@@ -45,7 +45,13 @@ class QuantHead:
         out = model.lm_head.select(head.vocab_ids)  # the target's blocks of the head's tokens
         embed = model.embedding
         self.weights = self.kernels.Head(
-            fc.data, fc.types, layer, out.data, out.types, embed.raw[0], embed.raw_types[0]
+            fc=fc.data,
+            fc_types=fc.types,
+            layer=layer,
+            out=out.data,
+            out_types=out.types,
+            embed=embed.raw[0],
+            embed_type=embed.raw_types[0],
         )
         self.nbytes = sum(m.nbytes for m in (fc, qkv, o, gate_up, down, out))  # read by one draft step
 
@@ -56,7 +62,15 @@ class QuantHead:
         (fp32), whose positions start..start+T-1 are written."""
         cache.reserve(start, start + len(ids))
         h, logits = self.kernels.head_step(
-            self.weights, features.contiguous(), ids, cache.k, cache.v, start, self.inv_freq, self.n_heads,
-            self.eps, self.int8,
-        )  # fmt: skip
+            head=self.weights,
+            features=features.contiguous(),
+            ids=ids,
+            k_cache=cache.k,
+            v_cache=cache.v,
+            start=start,
+            inv_freq=self.inv_freq,
+            H=self.n_heads,
+            eps=self.eps,
+            int8=self.int8,
+        )
         return h, logits[0]

@@ -8,6 +8,7 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -52,6 +53,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """What a quantized model is made of: its GGUF blocks (a specdec.models.gguf.GGUFModel), the
+    transformers config of its shapes, hf_loader (loads the fp32 dequantization as a transformers
+    model, when something asks for one; None: never) and kv_dtype (its KV cache's dtype,
+    specdec.backends.quant.QuantModel's; None: its default)."""
+
+    gguf: object
+    config: object
+    hf_loader: Callable[[], torch.nn.Module] | None = None
+    kv_dtype: torch.dtype | None = None
+
+
 class Model:
     """A causal LM with its tokenizer: a transformers `PreTrainedModel`, or a GGUF file run at its own
     precision by specdec's quantized kernels.
@@ -63,10 +77,11 @@ class Model:
     (specdec.backends.lean; built at first use, about one more copy of the linear weights); "hf" is
     the transformers model itself; "auto" (default) picks lean where it can run the model.
 
-    A quantized model has no transformers model until something asks for `hf` (a transformers
-    peer, training): `hf_loader` then loads the fp32 dequantization, once. kv_dtype: a quantized
-    model's KV cache dtype (specdec.backends.quant.QuantModel's; None: its default). Raises
-    ValueError for backend="lean" on a model it cannot run, or an unknown backend.
+    gguf, config: a quantized model's blocks (a specdec.models.gguf.GGUFModel) and the config of its
+    shapes (hf is then None), or gguf a Quantized that holds both and how to load more. It has no
+    transformers model until something asks for `hf` (a transformers peer, training): the
+    Quantized's hf_loader then loads the fp32 dequantization, once. Raises ValueError for backend="lean" on a
+    model it cannot run, or an unknown backend.
     """
 
     def __init__(
@@ -80,15 +95,14 @@ class Model:
         *,
         gguf=None,
         config=None,
-        hf_loader: Callable[[], torch.nn.Module] | None = None,
-        kv_dtype: torch.dtype | None = None,
     ):
         from specdec.backends.lean import unsupported_reason
 
-        self._hf, self.tokenizer, self.name = hf, tokenizer, name
+        self._hf, self.tokenizer, self.name, self._lean = hf, tokenizer, name, lean
         self.eos_token_ids = frozenset(eos_token_ids)  # ids that end generation; empty: never stop on EOS
-        self.gguf, self._config, self._hf_loader, self._lean = gguf, config, hf_loader, lean
-        self._kv_dtype = kv_dtype
+        q = gguf if isinstance(gguf, Quantized) else Quantized(gguf, config)
+        self.gguf, self._config, self._hf_loader, self._kv_dtype = q.gguf, q.config, q.hf_loader, q.kv_dtype
+        gguf = self.gguf
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if gguf is not None:
@@ -280,7 +294,7 @@ def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str, kv_dty
     marked = [gguf.fields.get(f"tokenizer.ggml.{n}_token_id") for n in ("eot", "eom")]  # end of turn, of message
     eos = default_eos_ids(GenerationConfig.from_model_config(config), tokenizer, [i for i in marked if i is not None])
     loader = lambda: _load_transformers(spec, gguf_file, root, torch.float32, "hf", torch.device("cpu")).hf  # noqa: E731
-    return Model(None, tokenizer, spec, eos, backend, gguf=gguf, config=config, hf_loader=loader, kv_dtype=kv_dtype)
+    return Model(None, tokenizer, spec, eos, backend, gguf=Quantized(gguf, config, loader, kv_dtype))
 
 
 def _quantize_at_load(
@@ -301,10 +315,7 @@ def _quantize_at_load(
         spec,
         fp32.eos_token_ids,
         backend,
-        gguf=gguf,
-        config=fp32.hf.config,
-        hf_loader=loader,
-        kv_dtype=kv_dtype,
+        gguf=Quantized(gguf, fp32.hf.config, loader, kv_dtype),
     )
 
 

@@ -1,6 +1,6 @@
 // y = x W^T (+ b) in fp32 for one or two rows x: the matrix-vector products of a decoding step.
 //
-// Why (specdec/gemv.py has the figures): a one-token forward is a chain of matrix-vector products
+// Why (specdec/backends/gemv.py has the figures): a one-token forward is a chain of matrix-vector products
 // that should run at the speed memory delivers the weights. oneDNN's fp32 kernels reach about
 // two thirds of that on a 2-core AMD EPYC; reading each weight row once, front to back, with two
 // independent 16-lane accumulators per input row, reaches more. Rows of the weight are split
