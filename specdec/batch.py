@@ -49,11 +49,11 @@ PREFILL_RATIO = 16  # or this many per decoding sequence where that is more (Bat
 
 @dataclass
 class Step:
-    """What one step ran: `decoding` sequences verified drafts of `drafted` tokens each (0 for a
+    """What one step ran: `decoders` sequences verified drafts of `drafted` tokens each (0 for a
     plain round), `prefilling` sequences fed prompt chunks; `rows` new tokens in the forward of
     `forward_s` seconds, which committed `committed` tokens."""
 
-    decoding: int
+    decoders: int
     prefilling: int
     rows: int
     drafted: list[int]
@@ -118,17 +118,17 @@ class Batch:
         """Drop a sequence (its client went away): its rows leave from the next step on."""
         self.slots = [s for s in self.slots if s.seq is not seq]
 
-    def prefill_budget(self, decoding: int) -> int:
-        """Prompt tokens a step with `decoding` decoding sequences feeds at most: prefill_chunk, or
+    def prefill_budget(self, decoders: int) -> int:
+        """Prompt tokens a step with `decoders` decoding sequences feeds at most: prefill_chunk, or
         prefill_ratio per decoding sequence where that is more. A step's time grows with its rows, so
         the decoders' rows stay a bounded share of it (1 / (1 + prefill_ratio) with many decoders)
         and a burst of prompts goes in at nearly the speed of prefill alone, while a few decoders
         keep short steps (Sarathi-Serve's token budget, Agrawal et al. 2024, here scaled with the
         decoders rather than fixed)."""
-        return max(self.prefill_chunk, self.prefill_ratio * decoding)
+        return max(self.prefill_chunk, self.prefill_ratio * decoders)
 
     def step(self) -> Step:
-        """One forward over every active sequence's rows; commits each decoding sequence's round
+        """One forward over every active sequence's rows; commits each decoders sequence's round
         and ends the finished ones (on_finish). Returns what it ran. Raises ValueError when the
         batch is empty."""
         if not self.slots:
@@ -136,16 +136,16 @@ class Batch:
         for s in list(self.slots):  # a sequence with nothing to feed, or finished from the start
             if not s.prompt and not s.ready:
                 self._ready(s)
-        decoding = [s for s in self.slots if s.ready]
-        prefill, budget = [], self.prefill_budget(len(decoding))  # (slot, its prompt tokens this step)
+        decoders = [s for s in self.slots if s.ready]  # the sequences past their prompt: a round each
+        prefill, budget = [], self.prefill_budget(len(decoders))  # (slot, its prompt tokens this step)
         for s in self.slots:
             if not s.ready and budget > 0:
                 prefill.append((s, min(budget, len(s.prompt)) if self.invariant else len(s.prompt)))
                 budget -= prefill[-1][1]
         shared = len(self.slots) > 1
-        rows = len(decoding) + sum(n for _, n in prefill)
+        rows = len(decoders) + sum(n for _, n in prefill)
         proposals: list[Proposal] = []
-        for s in decoding:
+        for s in decoders:
             costs = s.seq.verify_costs
             if costs is not None and self.costs is None:
                 self.costs = RowCosts(costs, self.tile)
@@ -153,9 +153,9 @@ class Batch:
             share = Share(rows - 1, self.rate, self.costs) if shared and costs is not None else None
             proposals.append(s.seq.next_round(share))
             rows += len(proposals[-1].checked.tokens)
-        if not decoding and not prefill:  # every sequence ended before its first round
+        if not decoders and not prefill:  # every sequence ended before its first round
             return Step(0, 0, 0, [], 0.0, 0)
-        forward = [s.seq.verify_rows(p) for s, p in zip(decoding, proposals)]
+        forward = [s.seq.verify_rows(p) for s, p in zip(decoders, proposals)]
         forward += [s.seq.prefill_rows(s.prompt[:n]) for s, n in prefill]
         for s, n in prefill:
             s.prompt = s.prompt[n:]
@@ -168,26 +168,26 @@ class Batch:
         synchronize(self.target.device)
         forward_s = time.perf_counter() - t0
         committed = 0
-        for s, p, scores in zip(decoding, proposals, logits):
+        for s, p, scores in zip(decoders, proposals, logits):
             tokens = s.seq.commit(p, scores, forward_s, timed=False)
             committed += len(tokens)
             if s.on_commit is not None:
                 s.on_commit(s.seq, tokens)
         rows = sum(len(b) for b in blocks)
-        if len(blocks) == 1 and decoding and decoding[0].seq.verify_costs:  # alone: on its curve, as generate times it
-            decoding[0].seq.verify_costs.observe(rows, forward_s * 1e3)
+        if len(blocks) == 1 and decoders and decoders[0].seq.verify_costs:  # alone: on its curve, as generate times it
+            decoders[0].seq.verify_costs.observe(rows, forward_s * 1e3)
         if self.costs is not None and len(blocks) > 1:  # a lone sequence's steps are its own curve's
             self.costs.observe(rows, forward_s * 1e3)
-        if decoding:
-            self.rate = self._rate(committed, forward_s * 1e3, rows, sum(len(b) for b in blocks[: len(decoding)]))
+        if decoders:
+            self.rate = self._rate(committed, forward_s * 1e3, rows, sum(len(b) for b in blocks[: len(decoders)]))
         for s, _ in prefill:
             if not s.prompt:
                 self._ready(s)
-        for s in decoding:
+        for s in decoders:
             if s.seq.finished:
                 self._finish(s)
         drafted = [len(p.checked.tokens) for p in proposals]
-        return Step(len(decoding), len(prefill), rows, drafted, forward_s, committed)
+        return Step(len(decoders), len(prefill), rows, drafted, forward_s, committed)
 
     def _rate(self, committed: int, ms: float, rows: int, decoding_rows: int) -> float:
         """The batch's committed tokens per ms, a running average, after a step whose forward of

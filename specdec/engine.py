@@ -34,26 +34,27 @@ def generate(
     policy: AdaptiveK | None = None,
     **option_fields,
 ) -> Generation:
-    """Generate up to max_new_tokens tokens after input_ids, speculatively when a drafter is given.
+    """Generate up to max_new_tokens tokens after input_ids, speculatively when a drafter is given
+    (Leviathan et al. 2023; Chen et al. 2023).
 
-    input_ids: prompt ids, a list or a (n,) / (1, n) tensor. drafter: a Drafter, a registry name
-    (`prompt-lookup`), or None for plain decoding. The generation's options are a
-    GenerationOptions, or its fields as keyword arguments (not both):
-    k: draft length per round (0 = plain decoding), or "auto" (the default): chosen every round,
-    0..k_max, from the costs and acceptance measured while generating (specdec.adaptive); each
-    round it is clamped to the budget and the context left. max_new_tokens (128). temperature 0
-    (the default) is greedy, and then the output is token-for-token plain greedy decoding of the
-    target; otherwise speculative sampling keeps the target's distribution exactly (top_k, top_p).
-    seed: seeds the run's one torch.Generator (None: a random seed). stop: strings that end the
-    text. penalties: frequency, presence and repetition penalties (specdec.sampling.Penalties),
-    applied at every position of a verified block as plain decoding applies them. logprobs: None,
-    or 0..20: the Generation then carries each new token's log-probability under the target (and
-    that many most likely tokens'), equal to plain decoding's.
+    Arguments:
+    - input_ids: the prompt's ids, a list or a (n,) / (1, n) tensor.
+    - drafter: a Drafter, a registry name (`prompt-lookup`), or None for plain decoding.
+    - options: a GenerationOptions, or its fields as keyword arguments (not both), among them:
+      k, the draft length per round (0: plain decoding), or "auto" (the default): chosen every
+      round, 0..k_max, from the costs and acceptance measured while generating (specdec.adaptive),
+      clamped to the budget and the context left; max_new_tokens (128); temperature (0, the
+      default, is greedy), top_k, top_p, seed (of the run's one torch.Generator; None: random);
+      stop strings; penalties (specdec.sampling.Penalties); logprobs (None, or 0..20 most likely
+      tokens beside each new token's).
+    - stream: called after every round with the tokens committed in it.
+    - policy: with k="auto", the AdaptiveK to use and update (its k_max replaces k_max), so that
+      what it learnt carries over to the next generation; default: a new one over the target's
+      verify-cost curve as calibrated on this machine (cached on disk, specdec.adaptive.costs).
 
-    stream: called after every round with the tokens committed in it. policy: with k="auto", the
-    AdaptiveK to use and update (its k_max replaces k_max), so that what it learnt carries over to
-    the next generation; default: a new one over the target's verify-cost curve as calibrated on
-    this machine (cached on disk, specdec.adaptive.costs).
+    Returns a Generation: the new tokens, their text and the run's RunStats. Greedy, it is token for
+    token plain greedy decoding of the target; sampling, speculative sampling keeps the target's
+    distribution exactly. Log-probabilities equal plain decoding's.
 
     Raises ValueError on bad options (negative k, ...), TypeError for an unknown option,
     ContextLengthError when the prompt leaves no room in the target's context,

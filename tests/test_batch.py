@@ -101,8 +101,8 @@ def test_sequences_join_and_leave_between_steps():
     for i in (0, 2, 3):
         _same(done[i], generate(target, PROMPTS[i], **kw))
         assert streamed[i] == done[i].tokens  # every round's tokens reached its stream, in order
-    assert (steps[0].decoding, steps[0].prefilling, steps[0].rows) == (0, 1, 4)  # prompt 0 but its last token
-    assert steps[1].decoding == 1 and steps[1].rows == 1 + steps[1].drafted[0]
+    assert (steps[0].decoders, steps[0].prefilling, steps[0].rows) == (0, 1, 4)  # prompt 0 but its last token
+    assert steps[1].decoders == 1 and steps[1].rows == 1 + steps[1].drafted[0]
     # the step's prefill budget (6) goes to the oldest joining sequence first
     assert steps[2].prefilling == 1 and steps[2].rows == 1 + steps[2].drafted[0] + 6
     with pytest.raises(ValueError, match="empty"):
@@ -122,15 +122,15 @@ def test_the_prompt_budget_grows_with_the_decoders_and_is_cut_to_the_token():
                   on_finish=lambda _s, g, i=i: done.__setitem__(i, g))  # fmt: skip
     first = batch.step()
     # prompt 4 has nothing to feed and decodes at once; prompt 0's 4 tokens (but its last) fit the budget of 5
-    assert (first.decoding, first.prefilling, first.rows) == (1, 1, 1 + sum(first.drafted) + 4)
+    assert (first.decoders, first.prefilling, first.rows) == (1, 1, 1 + sum(first.drafted) + 4)
     for i in (2, 1):  # 11 and 22 prompt tokens to feed
         batch.add(Decoding(target, PROMPTS[i], kw["drafter"], GenerationOptions(k=2, max_new_tokens=10)),
                   on_finish=lambda _s, g, i=i: done.__setitem__(i, g))  # fmt: skip
     second = batch.step()
-    assert second.decoding == 2 and second.prefilling == 1
+    assert second.decoders == 2 and second.prefilling == 1
     assert second.rows == 2 + sum(second.drafted) + 10  # prompt 2's first 10 tokens, none of prompt 1's
     third = batch.step()  # prompt 2's last token, then 9 of prompt 1's
-    assert third.prefilling == 2 and third.rows == third.decoding + sum(third.drafted) + 10
+    assert third.prefilling == 2 and third.rows == third.decoders + sum(third.drafted) + 10
     batch.run()
     for i in (0, 4, 2, 1):
         _same(done[i], generate(target, PROMPTS[i], **kw))

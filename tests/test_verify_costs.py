@@ -58,9 +58,9 @@ def test_a_one_shot_generation_times_the_curve_only_the_first_time(monkeypatch):
     timed = []
     real = VerifyCosts._time
     monkeypatch.setattr(VerifyCosts, "_time", lambda self, *args: timed.append(1) or real(self, *args))
-    first = generate(target, prompt, "prompt-lookup", k="auto", k_max=4, max_new_tokens=8)
-    assert len(timed) == 2  # at the prompt and where the output ends
-    again = generate(target, prompt, "prompt-lookup", k="auto", k_max=4, max_new_tokens=8)
+    first = generate(target, prompt, "prompt-lookup", k="auto", k_max=4, max_new_tokens=40)
+    assert len(timed) == 2  # at the prompt (11 tokens) and where the output ends (51: more than 4x on)
+    again = generate(target, prompt, "prompt-lookup", k="auto", k_max=4, max_new_tokens=40)
     assert len(timed) == 2 and again.tokens == first.tokens
 
 

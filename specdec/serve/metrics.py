@@ -142,8 +142,8 @@ class Metrics:
         """Add one step of the batch (a specdec.batch.Step)."""
         self.steps.inc()
         self.forward_s.inc(step.forward_s)
-        if step.decoding:
-            self.batch_size.observe(step.decoding)
+        if step.decoders:
+            self.batch_size.observe(step.decoders)
         self.rows.observe(step.rows)
         for k in step.drafted:
             self.draft_length.observe(k)
