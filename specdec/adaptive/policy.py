@@ -174,6 +174,7 @@ class AdaptiveK:
         self,
         costs: VerifyCosts,
         k_max: int = 8,
+        *,
         probe_after: int = 4,
         probe_max: int = 64,
         margin: float = 0.02,
