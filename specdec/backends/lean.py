@@ -270,9 +270,7 @@ class LeanModel:
     @torch.inference_mode()
     def _run(self, item: BatchItem, taps: tuple[int, ...]) -> torch.Tensor:
         """forward() of one BatchItem."""
-        ids, keys, values, features, start, keep, tree = (
-            item.ids, item.keys, item.values, item.features, item.start, item.keep, item.tree
-        )  # fmt: skip
+        ids, features, start, tree = item.ids, item.features, item.start, item.tree
         n, hd = ids.shape[0], self.head_dim
         real = n
         if tree is None and self.rows.get(n, n) > n and start + self.rows[n] <= features.shape[0]:
@@ -283,7 +281,7 @@ class LeanModel:
         h = F.embedding(ids, self.embed)  # (n, d)
         q_size, kv_size = self.n_heads * hd, self.n_kv * hd
         d = h.shape[-1]
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, keys, values)):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, item.keys, item.values)):
             qk, v = layer.qkv(self.rms_norm(h, layer.norm_in)).split((q_size + kv_size, kv_size), dim=-1)
             qk = rotate(qk.reshape(n, self.n_heads + self.n_kv, hd), cos, sin)  # q and k heads in one go
             q_heads, k_heads = qk[:, : self.n_heads], qk[:, self.n_heads :]
@@ -299,4 +297,4 @@ class LeanModel:
         h = self.rms_norm(h, self.norm)
         features[start : start + n, :d] = h
         head = self.screen if item.argmax_only and self.screen is not None else self.lm_head
-        return head(h[real - keep : real])
+        return head(h[real - item.keep : real])
