@@ -78,12 +78,13 @@ def amx_emulated():
 
 
 def test_an_older_builds_int8_path(older):
-    """x86-64-v3 has AVX2's int8 kernels (rows regrouped, Q6_K's not); x86-64-v2 none, nothing regrouped."""
+    """x86-64-v3 has AVX2's int8 kernels (rows regrouped, Q6_K's too, Q5_K's not); x86-64-v2 none, nothing regrouped."""
     x = torch.randn(2, 256)
     part = torch.from_numpy(random_blocks("Q4_1", 16, 256, seed=1))
     if older.int8_kernels() == "avx2":
         assert older.int8_available() and older.repack(part, TYPES["Q4_1"], 256) is not None
-        assert older.repack(torch.from_numpy(random_blocks("Q6_K", 16, 256, seed=1)), TYPES["Q6_K"], 256) is None
+        assert older.repack(torch.from_numpy(random_blocks("Q6_K", 16, 256, seed=1)), TYPES["Q6_K"], 256) is not None
+        assert older.repack(torch.from_numpy(random_blocks("Q5_K", 16, 256, seed=1)), TYPES["Q5_K"], 256) is None
         return
     assert older.repack(part, TYPES["Q4_1"], 256) is None
     assert not older.int8_available() and older.int8_kernels() == ""
@@ -108,15 +109,15 @@ def test_avx2_int8_products_are_batch_invariant_and_the_native_row_at_a_time_bit
         assert torch.equal(product(x), kernels().matmul(x, [part], [TYPES[qtype]], None, True))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_avx2_regrouped_products_are_batch_invariant_and_the_native_regrouped_bits(older, qtype):
     """AVX2's kernels over rows regrouped sixteen at a time (their own layout of Q8_0 and of the fifth bits): on a
     VNNI CPU the native build's regrouped products, bit for bit (the same integers, the same fp32 steps per output
     row; IQ4_NL and IQ4_XS, which VNNI takes a row at a time, have only the second check); every row as alone.
-    K: an odd number of 32-blocks (Q4_K, IQ4_XS: of super-blocks); 7 groups of 16 rows."""
+    K: an odd number of 32-blocks (Q4_K, Q6_K, IQ4_XS: of super-blocks); 7 groups of 16 rows."""
     if older.int8_kernels() != "avx2":
         pytest.skip("x86-64-v2 has no int8 kernels")
-    K, N = (1280 if qtype in ("Q4_K", "IQ4_XS") else 1184), 112
+    K, N = (1280 if qtype in ("Q4_K", "Q6_K", "IQ4_XS") else 1184), 112
     raw = torch.from_numpy(random_blocks(qtype, N, K, seed=23))
     packed, xtype = older.repack(raw, TYPES[qtype], K)
     x = torch.randn(11, K, generator=torch.Generator().manual_seed(24))

@@ -115,7 +115,7 @@ def test_int8_matmul_is_the_product_with_quantized_activations_and_batch_invaria
     assert_rows_invariant(lambda rows: matmul(rows, [part], [TYPES[qtype]], int8=True), x, max_n=x.shape[0])
 
 
-# regrouped where their rows come in sixteens: the 32-weight types and Q4_K, Q6_K on VNNI, IQ4_NL on AVX2 (regroup.h)
+# regrouped where their rows come in sixteens: the 32-weight types, Q4_K and Q6_K, IQ4_NL and IQ4_XS on AVX2 (regroup.h)
 REGROUPED = [t for t in INT8_TYPES if kernels().repack(torch.from_numpy(random_blocks(t, 16, 256, 0)), TYPES[t], 256)]
 
 
@@ -170,7 +170,7 @@ def test_quant_linear_repacks_parts_in_sixteens_and_keeps_the_raw_rows():
     ]
     linear = QuantLinear(parts, int8=True)
     packed, xtype = kernels().repack(parts[0].data, TYPES["Q4_K"], K)
-    # Q6_K: regrouped on VNNI, as it is in AVX2 builds
+    # Q6_K: regrouped in every int8 build
     packed6, xtype6 = kernels().repack(parts[1].data, TYPES["Q6_K"], K) or (parts[1].data, TYPES["Q6_K"])
     assert linear.types == [xtype, xtype6] and linear.raw[0] is parts[0].data and linear.raw[1] is parts[1].data
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(13))

@@ -8,7 +8,7 @@ where `int8_available()`: `int8_kernels()` says "vnni" or "avx2"), `dequantize_r
 `rms_norm(x, w, eps)`, `swiglu(gate_up)`, `rope_table(positions, inv_freq)`,
 `rope(x, positions, inv_freq)` (in place), `attention(q, k_cache, v_cache, start, mask, scale)`,
 `repack(rows, type, K)` (rows regrouped sixteen at a time for the int8 path, with their type id; None
-for the types it takes a row at a time: outside INT8_TYPES, Q5_K, IQ4_NL and IQ4_XS on VNNI, Q6_K on AVX2,
+for the types it takes a row at a time: outside INT8_TYPES, Q5_K, IQ4_NL and IQ4_XS on VNNI,
 and every type in builds without int8 kernels), `peak(kind)` (multiply-adds
 per second of the int8 or fp32 product instruction), `release(t)` (a memory-mapped tensor's pages), and
 `Layer(...)` with `layers(...)` (the Llama/Qwen2 decoder stack over one or more requests' new

@@ -107,6 +107,8 @@ struct KRows {  // input rows quantized per 256 columns
   std::vector<int32_t> sum16;  // (M, supers * 16): sums of the int8 values of each 16 columns
   std::vector<int32_t> pair32;  // (M, supers * 4): the sums of columns 64i..+31 and 64i+32..+63 as 16-bit
                                 // halves (the regrouped Q4_K kernels' minimums)
+  std::vector<int32_t> offset16;  // (M, supers * 16), AVX2 builds: per 16 columns c.., 32 * the sum over t < 4 of
+                                  // xq[c + 4t] + xq[c + 4t + 1] (low half) and of xq[c + 4t + 2] + xq[c + 4t + 3] (high)
 
   // pair32 of super-block r (row * supers + super-block) from its sum16 (|each 32-column sum| <= 32 * 127: 16 bits).
   void set_pairs(int64_t r) {

@@ -69,6 +69,7 @@ void q8_tile(const uint8_t* row, const QRows& x, int64_t m0, const int32_t* bias
 void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
   r.resize(M, K);
   r.pair32.resize(M * r.supers * 4);
+  r.offset16.resize(M * r.supers * 16);
   at::parallel_for(0, M, row_grain(K), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t sb = 0; sb < r.supers; ++sb) {
@@ -78,6 +79,16 @@ void quantize_rows_k(const float* x, int64_t M, int64_t K, KRows& r) {
         int32_t* s = r.sum16.data() + (m * r.supers + sb) * 16;
         for (int i = 0; i < 8; ++i) round_32(xb + 32 * i, id, r.q.data() + m * K + 256 * sb + 32 * i, s + 2 * i);
         r.set_pairs(m * r.supers + sb);
+        const int8_t* q = r.q.data() + m * K + 256 * sb;
+        for (int j = 0; j < 16; ++j) {  // |each half| <= 32 * 8 * 127: 16 bits
+          int32_t even = 0, odd = 0;
+          for (int c = 0; c < 16; c += 4) {
+            even += q[16 * j + c] + q[16 * j + c + 1];
+            odd += q[16 * j + c + 2] + q[16 * j + c + 3];
+          }
+          r.offset16[(m * r.supers + sb) * 16 + j] =
+              static_cast<int32_t>((static_cast<uint32_t>(32 * even) & 0xFFFF) | (static_cast<uint32_t>(32 * odd) << 16));
+        }
       }
   });
 }

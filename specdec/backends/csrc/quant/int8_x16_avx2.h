@@ -1,11 +1,11 @@
 // Products with int8 activations over weight rows regrouped sixteen at a time at load (regroup.h), on AVX2
-// without VNNI: the 32-weight types and Q4_K, and (here only) IQ4_NL and IQ4_XS. Q6_K goes a row at a time here:
-// its sixteen decoded vectors do not fit AVX2's sixteen registers, and its regrouped kernel was slower than the
-// row-at-a-time one on a large matrix. A group's 64-byte vectors are two 32-byte halves of eight rows each (lanes
-// 0-7: rows 8h..8h+7); each half goes through a block on its own. vpdpbusd's four products per 32-bit lane become
-// vpmaddubsw (16-bit pairs) then vpmaddwd (with ones, or with the sub-block's scale in both halves of each lane):
-// the same integers, and every fp32 step is regroup.h's, lane by lane, so the bits are the VNNI build's
-// (tests/test_isa.py).
+// without VNNI: the 32-weight types, Q4_K and Q6_K, and (here only) IQ4_NL and IQ4_XS. A group's 64-byte vectors are
+// two 32-byte halves of eight rows each (lanes 0-7: rows 8h..8h+7); each half goes through a block on its own. For
+// the K-quants, whose kernels go over a whole super-block one half after the other, AVX2 builds lay each half's
+// bytes out together, in the order the kernel reads them, so the weights stream from memory in one pass.
+// vpdpbusd's four products per 32-bit lane become vpmaddubsw (16-bit pairs) then vpmaddwd (with ones, or with the
+// sub-block's scale in both halves of each lane): the same integers, and every fp32 step is regroup.h's, lane by
+// lane, so the bits are the VNNI build's (tests/test_isa.py).
 //
 // No 16-bit sum saturates: unsigned weights of up to 4 bits against |xq| <= 127 give pairs up to 2 * 15 * 127, and
 // eight such vpmaddubsw results add up to 30480 < 2^15 before one vpmaddwd; 5-bit weights (Q5_0, Q5_1) go four at
@@ -133,10 +133,11 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
       __m256i total[T], mn[T];
       for (int m = 0; m < T; ++m) total[m] = mn[m] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {  // sub-block j: chunk j / 2, low (j even) or high nibbles
+        const uint8_t* run = p + Q4_K_NIBBLES + 1024 * h + 256 * (j / 2);  // the half's eight vectors of chunk j / 2
+        if (j % 2 == 0) fetch_lines(run, 256, ahead);
         __m256i u[8];
         for (int g = 0; g < 8; ++g) {
-          if (h == 0 && j % 2 == 0) fetch_lines(p + 320 + 512 * (j / 2) + 64 * g, 64, ahead);
-          const __m256i packed = load32(p + 320 + 512 * (j / 2) + 64 * g + 32 * h);
+          const __m256i packed = load32(run + 32 * g);
           u[g] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(packed, 4) : packed, low);
         }
         const __m256i scale = pairs8(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 64 + 16 * j + 8 * h))));
@@ -163,6 +164,66 @@ void q4k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
   store_halves<T>(acc, out);
 }
 
+// Q6_K (regroup.h's layout, VNNI's): per super-block and half, sub-block j's 16 weights of eight rows are four vectors
+// of unsigned u (weights 4t..4t+3). Each 16-bit lane of their four vpmaddubsw results minus 32 times its input
+// columns' sum (KRows::offset16) is sum((u - 32) * xq) over eight products, |.| <= 8 * 32 * 127 < 2^15: exact
+// however the 16-bit additions wrap on the way (no vpmaddubsw pair saturates: 2 * 63 * 127). One vpmaddwd with the
+// rows' scales then gives scale_j * sum_j((u - 32) * xq) per row, and T adds up VNNI's integers.
+template <int T>
+void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)[GROUP]) {
+  const int64_t S = x.supers;
+  const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+  __m256 acc[T][2];
+  for (int m = 0; m < T; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < S; ++sb) {
+    const uint8_t* p = group + sb * Q6_K_GROUP_BYTES;
+    constexpr int64_t ahead = AHEAD_SUPERS * Q6_K_GROUP_BYTES;
+    fetch_lines(p, Q6_K_NIBBLES, ahead);  // d and the scales
+    for (int h = 0; h < 2; ++h) {
+      __m256i total[T];
+      for (int m = 0; m < T; ++m) total[m] = _mm256_setzero_si256();
+      // sub-block 4k + j: weights 64k + 16j.., the low (k < 2) or high nibbles of vectors 4j + t (+ 16 for odd k)
+      const auto sub_block = [&](auto k, int j) {
+        const uint8_t* run = p + Q6_K_NIBBLES + Q6_K_HALF * h + Q6_K_RUN * j;
+        if (k == 0) fetch_lines(run, Q6_K_RUN, ahead);
+        __m256i u[4];
+        for (int t = 0; t < 4; ++t) {
+          const __m256i nib = load32(run + 128 * (k % 2) + 32 * t), high = load32(run + 256 + 32 * t);
+          __m256i lo4, hi2;
+          if constexpr (k < 2) lo4 = _mm256_and_si256(nib, low);
+          else lo4 = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low);
+          if constexpr (k == 0) hi2 = _mm256_slli_epi16(high, 4);
+          else if constexpr (k == 1) hi2 = _mm256_slli_epi16(high, 2);
+          else if constexpr (k == 2) hi2 = high;
+          else hi2 = _mm256_srli_epi16(high, 2);
+          u[t] = _mm256_or_si256(lo4, _mm256_and_si256(hi2, top));
+        }
+        const int sub = 4 * k + j;
+        const __m256i scale = pairs8(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32 + 16 * sub + 8 * h))));
+        for (int m = 0; m < T; ++m) {
+          const int64_t r = (m0 + m) * S + sb;
+          const int8_t* xq = x.q.data() + 256 * r + 16 * sub;
+          __m256i s = _mm256_sub_epi16(_mm256_maddubs_epi16(u[0], bcast4(xq)), _mm256_set1_epi32(x.offset16[16 * r + sub]));
+          for (int t = 1; t < 4; ++t) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[t], bcast4(xq + 4 * t)));
+          total[m] = _mm256_add_epi32(total[m], _mm256_madd_epi16(s, scale));
+        }
+      };
+      for (int j = 0; j < 4; ++j) {
+        sub_block(std::integral_constant<int, 0>{}, j);
+        sub_block(std::integral_constant<int, 1>{}, j);
+        sub_block(std::integral_constant<int, 2>{}, j);
+        sub_block(std::integral_constant<int, 3>{}, j);
+      }
+      const __m256 d = halves_fp16(p + 16 * h);
+      for (int m = 0; m < T; ++m) {
+        const int64_t r = (m0 + m) * S + sb;
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[m]), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[r])), acc[m][h]);
+      }
+    }
+  }
+  store_halves<T>(acc, out);
+}
+
 // IQ4_XS: per super-block and half, sub-block j's codes of eight rows become their signed levels (vpshufb), multiplied
 // as |level| times xq with the level's sign; each vpmaddubsw result (pairs up to 2 * 127 * 127) goes straight into
 // vpmaddwd with the rows' sub-block scales (|scale - 32| <= 32).
@@ -182,9 +243,10 @@ void iq4xs_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*ou
       for (int m = 0; m < T; ++m) total[m] = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) {
         __m256i w[8];  // weights 4v..4v+3 of sub-block j: v = g (low nibbles), g + 4 (high)
+        const uint8_t* run = p + 160 + 1024 * h + 128 * j;  // the half's four vectors of sub-block j
+        fetch_lines(run, 128, ahead);
         for (int g = 0; g < 4; ++g) {
-          if (h == 0) fetch_lines(p + 160 + 256 * j + 64 * g, 64, ahead);
-          const __m256i packed = load32(p + 160 + 256 * j + 64 * g + 32 * h);
+          const __m256i packed = load32(run + 32 * g);
           w[g] = _mm256_shuffle_epi8(levels, _mm256_and_si256(packed, low));
           w[g + 4] = _mm256_shuffle_epi8(levels, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
         }

@@ -131,7 +131,13 @@ constexpr int offset_index(int32_t offset) { return offset == 8 ? 0 : offset == 
 // minimums[4][16][2] (pair i, row, sub-block 2i + h: bytes that widen to 16-bit pairs per row) |
 // nibbles[4][8][64] (chunk i, vector g, lane r: row r's qs[32i + 4g..+3], whose low nibbles are
 // sub-block 2i's weights 4g.. and high nibbles sub-block 2i + 1's).
+// AVX2 builds keep the nibbles of each half (rows 8h..8h+7) together, in the order their kernel reads them:
+// [h][i][g], 32 bytes each (lane r % 8).
 constexpr int64_t Q4_K_GROUP_BYTES = 64 + 128 + 128 + 2048;
+constexpr int64_t Q4_K_NIBBLES = 320;
+constexpr int64_t q4k_nibbles(int i, int g, int r) {  // the offset of row r's four bytes of chunk i's vector g
+  return AVX2_LAYOUT ? Q4_K_NIBBLES + 1024 * (r / 8) + 256 * i + 32 * g + 4 * (r % 8) : Q4_K_NIBBLES + 512 * i + 64 * g + 4 * r;
+}
 
 torch::Tensor repack_q4k(const torch::Tensor& rows) {
   return regroup(rows, 144, Q4_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
@@ -144,7 +150,7 @@ torch::Tensor repack_q4k(const torch::Tensor& rows) {
       o[192 + 32 * (j / 2) + 2 * r + j % 2] = static_cast<uint8_t>(e);
     }
     for (int i = 0; i < 4; ++i)
-      for (int g = 0; g < 8; ++g) std::memcpy(o + 320 + 512 * i + 64 * g + 4 * r, p + 16 + 32 * i + 4 * g, 4);
+      for (int g = 0; g < 8; ++g) std::memcpy(o + q4k_nibbles(i, g, r), p + 16 + 32 * i + 4 * g, 4);
   });
 }
 
@@ -154,10 +160,21 @@ torch::Tensor repack_q4k(const torch::Tensor& rows) {
 // (vector v, lane r, byte i: low nibble = the low four bits of row r's weight 4v + i, high nibble =
 // those of weight 128 + 4v + i) | highs[16][64] (vector v, lane r, byte i: bits 2k, 2k + 1 = the top two
 // bits of weight 64k + 4v + i). The same bytes per row as the GGML block.
+// AVX2 builds keep the same bytes in the order their kernel reads them: for each half h (rows 8h..8h+7) and j < 4,
+// nibble vectors 4j..4j+3, 16 + 4j..16 + 4j + 3 and high vectors 4j..4j+3, 32 bytes each (lane r % 8).
 constexpr int64_t Q6_K_GROUP_BYTES = 32 + 256 + 2048 + 1024;
 constexpr int64_t Q6_K_NIBBLES = 288, Q6_K_HIGHS = 288 + 2048;
+constexpr int64_t Q6_K_HALF = 1536, Q6_K_RUN = 384;  // AVX2: a half's bytes, and those of one j in it
+constexpr int64_t q6k_nibbles(int v, int r) {  // the offset of row r's four bytes of nibble vector v
+  return AVX2_LAYOUT ? Q6_K_NIBBLES + Q6_K_HALF * (r / 8) + Q6_K_RUN * (v % 16 / 4) + 128 * (v / 16) + 32 * (v % 4) + 4 * (r % 8)
+                     : Q6_K_NIBBLES + 64 * v + 4 * r;
+}
+constexpr int64_t q6k_highs(int v, int r) {  // the same of high vector v
+  return AVX2_LAYOUT ? Q6_K_NIBBLES + Q6_K_HALF * (r / 8) + Q6_K_RUN * (v / 4) + 256 + 32 * (v % 4) + 4 * (r % 8)
+                     : Q6_K_HIGHS + 64 * v + 4 * r;
+}
 
-[[maybe_unused]] torch::Tensor repack_q6k(const torch::Tensor& rows) {  // VNNI builds only
+torch::Tensor repack_q6k(const torch::Tensor& rows) {
   return regroup(rows, 210, Q6_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
     uint8_t q[256];  // the row's 6-bit weights (0..63), as ggml's dequantize_row_q6_K reads them
     for (int half = 0; half < 2; ++half) {
@@ -173,13 +190,12 @@ constexpr int64_t Q6_K_NIBBLES = 288, Q6_K_HIGHS = 288 + 2048;
     for (int j = 0; j < 16; ++j) o[32 + 16 * j + r] = p[192 + j];
     for (int v = 0; v < 32; ++v)
       for (int i = 0; i < 4; ++i)
-        o[Q6_K_NIBBLES + 64 * v + 4 * r + i] =
-            static_cast<uint8_t>((q[4 * v + i] & 15) | ((q[128 + 4 * v + i] & 15) << 4));
+        o[q6k_nibbles(v, r) + i] = static_cast<uint8_t>((q[4 * v + i] & 15) | ((q[128 + 4 * v + i] & 15) << 4));
     for (int v = 0; v < 16; ++v)
       for (int i = 0; i < 4; ++i) {
         uint8_t h = 0;
         for (int k = 0; k < 4; ++k) h |= static_cast<uint8_t>((q[64 * k + 4 * v + i] >> 4) << (2 * k));
-        o[Q6_K_HIGHS + 64 * v + 4 * r + i] = h;
+        o[q6k_highs(v, r) + i] = h;
       }
   });
 }
@@ -187,8 +203,9 @@ constexpr int64_t Q6_K_NIBBLES = 288, Q6_K_HIGHS = 288 + 2048;
 // ---- IQ4_XS (AVX2 builds) -----------------------------------------------------------------------
 //
 // A group's bytes per super-block: d[16] fp16 | scales[8][16] int8 (sub-block j, row: its 6-bit scale minus 32) |
-// codes[8][4][64] (sub-block j, vector g, lane r: row r's qs[16j + 4g..+3], whose low nibbles are the codes of
-// weights 32j + 4g.. and high nibbles those of 32j + 16 + 4g..). 138 bytes a row for the block's 136.
+// codes[2][8][4][32] (half h: rows 8h..8h+7, sub-block j, vector g, lane r % 8: row r's qs[16j + 4g..+3], whose low
+// nibbles are the codes of weights 32j + 4g.. and high nibbles those of 32j + 16 + 4g..), each half's bytes together
+// in the order the kernel reads them. 138 bytes a row for the block's 136.
 constexpr int64_t IQ4_XS_GROUP_BYTES = 32 + 128 + 2048;
 
 [[maybe_unused]] torch::Tensor repack_iq4xs(const torch::Tensor& rows) {  // AVX2 builds only
@@ -199,7 +216,7 @@ constexpr int64_t IQ4_XS_GROUP_BYTES = 32 + 128 + 2048;
     for (int j = 0; j < 8; ++j) {
       const int scale = ((p[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
       o[32 + 16 * j + r] = static_cast<uint8_t>(scale - 32);
-      for (int g = 0; g < 4; ++g) std::memcpy(o + 160 + 256 * j + 64 * g + 4 * r, p + 8 + 16 * j + 4 * g, 4);
+      for (int g = 0; g < 4; ++g) std::memcpy(o + 160 + 1024 * (r / 8) + 128 * j + 32 * g + 4 * (r % 8), p + 8 + 16 * j + 4 * g, 4);
     }
   });
 }
@@ -273,7 +290,7 @@ struct Q4KTile {
 inline int64_t regrouped_base(int64_t type) {
   const int64_t base = type - X16;
   return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
-                 (base == Q6_K && !AVX2_LAYOUT) ||  // AVX2 builds take Q6_K a row at a time (int8_x16_avx2.h)
+                 base == Q6_K ||
                  ((base == IQ4_NL || base == IQ4_XS) && AVX2_LAYOUT)  // VNNI: a row at a time (int8_halves.h)
              ? base
              : -1;
@@ -297,7 +314,7 @@ int64_t regrouped_bytes(int64_t type, int64_t K) {
 
 // A matrix's rows regrouped sixteen at a time for the int8 kernels: (the regrouped tensor, its type id)
 // for the regrouped types, rows (N, row bytes) with N a multiple of 16; None for the others, which go a row at a time
-// (F32, Q2_K, ... with fp32 activations; the halves types, and Q6_K in AVX2 builds, on their int8 kernels).
+// (F32, Q2_K, ... with fp32 activations; the halves types on their int8 kernels).
 c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int64_t type, int64_t K) {
   if (!has_int8_kernel(type) || regrouped_base(X16 + type) < 0) return c10::nullopt;  // the halves types, ...
   const Layout lay = layout(type);
@@ -313,9 +330,8 @@ c10::optional<std::tuple<torch::Tensor, int64_t>> repack(torch::Tensor rows, int
     case Q5_1: out = repack_legacy<Q5_1>(rows); break;
     case Q8_0: out = repack_legacy<Q8_0>(rows); break;
     case Q4_K: out = repack_q4k(rows); break;
-#if defined(SPECDEC_VNNI)
     case Q6_K: out = repack_q6k(rows); break;
-#else
+#if !defined(SPECDEC_VNNI)
     case IQ4_NL: out = repack_legacy<IQ4_NL>(rows); break;
     case IQ4_XS: out = repack_iq4xs(rows); break;
 #endif
@@ -333,9 +349,8 @@ void regrouped_outputs(int64_t type, const uint8_t* groups, int64_t group_bytes,
     case Q5_1: return tiled_outputs<QRows, LegacyTile<Q5_1>::At>(groups, group_bytes, lo, hi, qx, y, N);
     case Q8_0: return tiled_outputs<QRows, LegacyTile<Q8_0>::At>(groups, group_bytes, lo, hi, qx, y, N);
     case Q4_K: return tiled_outputs<KRows, Q4KTile>(groups, group_bytes, lo, hi, kx, y, N);
-#if defined(SPECDEC_VNNI)
     case Q6_K: return tiled_outputs<KRows, Q6KTile>(groups, group_bytes, lo, hi, kx, y, N);
-#else
+#if !defined(SPECDEC_VNNI)
     case IQ4_NL: return tiled_outputs<QRows, LegacyTile<IQ4_NL>::At>(groups, group_bytes, lo, hi, qx, y, N);
     case IQ4_XS: return tiled_outputs<KRows, IQ4XSTile>(groups, group_bytes, lo, hi, kx, y, N);
 #endif
