@@ -176,18 +176,17 @@ void q6k_x16_tile(const uint8_t* group, const KRows& x, int64_t m0, float (*out)
     __m512i total[T];
     for (int m = 0; m < T; ++m) total[m] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
+      const uint8_t* run = p + Q6_K_NIBBLES + Q6_K_RUN * j;  // nibble vectors 4j.., 16 + 4j.., high vectors 4j..
       __m512i u[4][4];  // [k: sub-block j + 4k][t: its weights 4t..4t+3]
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         const int v = 4 * j + t;
         constexpr int64_t ahead = AHEAD_SUPERS * Q6_K_GROUP_BYTES;
-        fetch_lines(p + Q6_K_NIBBLES + 64 * v, 64, ahead);
-        fetch_lines(p + Q6_K_NIBBLES + 64 * (v + 16), 64, ahead);
-        fetch_lines(p + Q6_K_HIGHS + 64 * v, 64, ahead);
+        for (int a = 0; a < 3; ++a) fetch_lines(run + 256 * a + 64 * t, 64, ahead);
         if (v < 5) fetch_lines(p + 64 * v, 64, ahead);  // d and the scales: 288 bytes
-        const __m512i n1 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * v);
-        const __m512i n2 = _mm512_loadu_si512(p + Q6_K_NIBBLES + 64 * (v + 16));
-        const __m512i h = _mm512_loadu_si512(p + Q6_K_HIGHS + 64 * v);
+        const __m512i n1 = _mm512_loadu_si512(run + 64 * t);
+        const __m512i n2 = _mm512_loadu_si512(run + 256 + 64 * t);
+        const __m512i h = _mm512_loadu_si512(run + 512 + 64 * t);
         u[0][t] = _mm512_or_si512(_mm512_and_si512(n1, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
         u[1][t] = _mm512_or_si512(_mm512_and_si512(n2, low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
         u[2][t] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low), _mm512_and_si512(h, top));

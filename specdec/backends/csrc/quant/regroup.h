@@ -160,19 +160,20 @@ torch::Tensor repack_q4k(const torch::Tensor& rows) {
 // (vector v, lane r, byte i: low nibble = the low four bits of row r's weight 4v + i, high nibble =
 // those of weight 128 + 4v + i) | highs[16][64] (vector v, lane r, byte i: bits 2k, 2k + 1 = the top two
 // bits of weight 64k + 4v + i). The same bytes per row as the GGML block.
-// AVX2 builds keep the same bytes in the order their kernel reads them: for each half h (rows 8h..8h+7) and j < 4,
-// nibble vectors 4j..4j+3, 16 + 4j..16 + 4j + 3 and high vectors 4j..4j+3, 32 bytes each (lane r % 8).
+// The vectors lie in the order the kernels read them, one run per j < 4: nibble vectors 4j..4j+3, 16 + 4j..16 + 4j + 3
+// and high vectors 4j..4j+3. AVX2 builds keep each half (rows 8h..8h+7) together: its runs of 32-byte vectors (lane
+// r % 8), then the other half's.
 constexpr int64_t Q6_K_GROUP_BYTES = 32 + 256 + 2048 + 1024;
-constexpr int64_t Q6_K_NIBBLES = 288, Q6_K_HIGHS = 288 + 2048;
-constexpr int64_t Q6_K_HALF = 1536, Q6_K_RUN = 384;  // AVX2: a half's bytes, and those of one j in it
-constexpr int64_t q6k_nibbles(int v, int r) {  // the offset of row r's four bytes of nibble vector v
-  return AVX2_LAYOUT ? Q6_K_NIBBLES + Q6_K_HALF * (r / 8) + Q6_K_RUN * (v % 16 / 4) + 128 * (v / 16) + 32 * (v % 4) + 4 * (r % 8)
-                     : Q6_K_NIBBLES + 64 * v + 4 * r;
+constexpr int64_t Q6_K_NIBBLES = 288;
+constexpr int Q6_K_LANES = AVX2_LAYOUT ? 8 : 16;                 // rows per vector
+constexpr int64_t Q6_K_VECTOR = 4 * Q6_K_LANES;                  // its bytes
+constexpr int64_t Q6_K_RUN = 12 * Q6_K_VECTOR;                  // one j's run
+constexpr int64_t Q6_K_HALF = 4 * Q6_K_RUN;                     // the runs of one vector's rows (AVX2: a half)
+constexpr int64_t q6k_vector(int run, int at, int r) {  // the offset of row r's four bytes of vector `at` of run `run`
+  return Q6_K_NIBBLES + Q6_K_HALF * (r / Q6_K_LANES) + Q6_K_RUN * run + Q6_K_VECTOR * at + 4 * (r % Q6_K_LANES);
 }
-constexpr int64_t q6k_highs(int v, int r) {  // the same of high vector v
-  return AVX2_LAYOUT ? Q6_K_NIBBLES + Q6_K_HALF * (r / 8) + Q6_K_RUN * (v / 4) + 256 + 32 * (v % 4) + 4 * (r % 8)
-                     : Q6_K_HIGHS + 64 * v + 4 * r;
-}
+constexpr int64_t q6k_nibbles(int v, int r) { return q6k_vector(v % 16 / 4, 4 * (v / 16) + v % 4, r); }  // nibble vector v
+constexpr int64_t q6k_highs(int v, int r) { return q6k_vector(v / 4, 8 + v % 4, r); }                    // high vector v
 
 torch::Tensor repack_q6k(const torch::Tensor& rows) {
   return regroup(rows, 210, Q6_K_GROUP_BYTES, [](uint8_t* o, const uint8_t* p, int r) {
