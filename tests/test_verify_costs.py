@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from specdec import generate
-from specdec.adaptive import VerifyCosts
+from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.adaptive import costs as costs_module
 from specdec.adaptive.costs import SCHEMA, cache_file, cache_key
 from specdec.backends.quant import KV_DTYPES
+from specdec.bench.measure import warm_verify_costs
 from specdec.cache import new_cache
 from specdec.models.load import Model
 from specdec.models.quantize import quantize_model
@@ -62,6 +63,23 @@ def test_a_one_shot_generation_times_the_curve_only_the_first_time(monkeypatch):
     assert len(timed) == 2  # at the prompt (11 tokens) and where the output ends (51: more than 4x on)
     again = generate(target, prompt, "prompt-lookup", k="auto", k_max=4, max_new_tokens=40)
     assert len(timed) == 2 and again.tokens == first.tokens
+
+
+def test_the_bench_times_the_curve_before_its_prompts_so_that_none_pays_it(monkeypatch):
+    """specdec bench -k auto: every prompt's context is timed before the first prompt runs (a prompt
+    more than 4x longer than another needs its own shape), and no generation times one after that."""
+    target, short = make_model("qwen2", seed=4, n_ctx=320), prompt_ids()
+    long = prompt_ids(n=220, seed=1)
+    timed = []
+    real = VerifyCosts._time
+    monkeypatch.setattr(VerifyCosts, "_time", lambda self, *args: timed.append(1) or real(self, *args))
+    policy = AdaptiveK(VerifyCosts.for_model(target), k_max=4)
+    warm_verify_costs(target, policy, [short, long, short], max_new_tokens=40)
+    assert len(timed) == 3  # at 11 and 51 tokens (short's prompt and its end), at 219 (more than 4x 51)
+    assert sorted(policy.costs.shapes) == [11, 51, 219]
+    for prompt in (short, long):
+        generate(target, prompt, "prompt-lookup", k="auto", policy=policy, max_new_tokens=40)
+    assert len(timed) == 3
 
 
 def test_the_key_tells_threads_backends_processors_and_models_apart(monkeypatch):

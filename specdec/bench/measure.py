@@ -155,6 +155,20 @@ def config_drafters(
     return own, policy
 
 
+def warm_verify_costs(target: Model, policy: AdaptiveK, encoded: list[list[int]], max_new_tokens: int) -> None:
+    """Time k = "auto"'s verify-cost curve (VerifyCosts.calibrate) where each prompt's generation would
+    time it at its prefill, before any prompt is timed: a cost paid once per target, context range and
+    machine (the curve is cached on disk), not part of one prompt's end-to-end time. A context within
+    the curve's spacing of a timed one costs nothing (encoded: the prompts' token ids)."""
+    costs, ahead = policy.costs, min(max_new_tokens, policy.costs.ahead_max)
+    for ids in encoded:
+        at = len(ids) - 1  # the engine's cache at calibration: the prompt but its last token
+        if costs.needs(at) or costs.needs(at + ahead):
+            kv = new_cache(target)
+            kv.extend(ids[:-1], all_logits=False)
+            costs.calibrate(kv, ids, policy.k_max + 1, ahead=max_new_tokens)
+
+
 def run_configs(
     target: Model, ids: list[int], own: dict, policy: AdaptiveK, run: dict, config: BenchConfig
 ) -> dict[str, list[Generation]]:

@@ -28,7 +28,15 @@ from tqdm import tqdm
 from specdec.bench.config import BenchConfig, Pair
 from specdec.bench.environment import environment
 from specdec.bench.loading import encode_prompt, load_pair
-from specdec.bench.measure import config_drafters, cost_ks, overhead_ms, pair_costs, roofline_and_row_cost, run_configs
+from specdec.bench.measure import (
+    config_drafters,
+    cost_ks,
+    overhead_ms,
+    pair_costs,
+    roofline_and_row_cost,
+    run_configs,
+    warm_verify_costs,
+)
 from specdec.bench.peer_rows import PeerRuns
 from specdec.bench.records import pair_record, prompt_record
 from specdec.bench.replay import replay_prompts, replayable
@@ -90,7 +98,8 @@ def bench_pair(
     """Everything for one pair: its `pairs[i]` record of results.json (specdec.bench.results.PairRecord).
 
     In this order: load the models (loading.load_pair); warm up and measure the costs
-    (measure.pair_costs); give each config its drafter (measure.config_drafters); the roofline (with
+    (measure.pair_costs); give each config its drafter (measure.config_drafters) and time k = "auto"'s
+    verify-cost curve at the prompts' contexts (measure.warm_verify_costs); the roofline (with
     bandwidth_gbs, the measured memory bandwidth in GB/s) and an added row's cost; per prompt, plain
     decoding and every k (measure.run_configs), checked against plain decoding
     (records.prompt_record), then the peers (peer_rows.PeerRuns); the per-round overhead; the replay,
@@ -103,6 +112,8 @@ def bench_pair(
     measured_ks = cost_ks(config.ks)  # every fixed k; for "auto", the lengths it chooses from
     costs = pair_costs(target, drafter, encoded, measured_ks, config.run)
     own, policy = config_drafters(target, encoded[0], drafter, models.new_drafter, config, max(measured_ks))
+    if "auto" in config.ks:
+        warm_verify_costs(target, policy, encoded, config.run["max_new_tokens"])
     costs.update(roofline_and_row_cost(target, costs["verify_ms"], bandwidth_gbs, config.greedy))
     peers = PeerRuns.of_pair(pair, config, models, encoded)
     records, peer_rows, outputs = [], [], []
