@@ -18,7 +18,7 @@ from torch.utils import cpp_extension
 from specdec.backends import gemv
 from specdec.bench import costmodel, llama_worker, memory, peers, results
 from specdec.bench.config import BenchConfig, Pair
-from specdec.bench.environment import git_commit
+from specdec.bench.environment import git_commit, instruction_set
 from specdec.bench.fit import _auto_summary, fit, ratio_noise
 from specdec.bench.loading import load_measured
 from specdec.bench.measure import run_all
@@ -397,6 +397,13 @@ def test_draft_cost_between_and_beyond_the_measured_lengths():
     assert costmodel.draft_ms_at(costs, 3) == 20.0  # linear between 2 and 4
     assert costmodel.draft_ms_at(costs, 8) == 60.0 and costmodel.draft_ms_at(costs, 1) == 5.0  # per token outside
     assert costmodel.interpolate({2: 10.0, 4: 30.0}, 5) is None
+
+
+def test_the_cpu_is_named_with_the_widest_instruction_set_the_kernels_use():
+    assert instruction_set({"avx2", "fma", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"}) == "AMX"
+    assert instruction_set({"avx2", "avx512f", "avx512_vnni"}) == "AVX-512 VNNI"
+    assert instruction_set({"avx2", "avx512f"}) == "AVX2"  # AVX-512 without VNNI runs the AVX2 kernels
+    assert instruction_set({"sse4_2"}) == ""
 
 
 def test_git_commit_says_when_the_code_differs_from_the_commit(tmp_path):

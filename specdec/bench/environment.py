@@ -14,17 +14,16 @@ def environment() -> dict:
     """Hardware and versions, for the results file (results.Environment, memory bandwidth aside)."""
     import transformers
 
-    cpu = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
+        info = []
+    field = lambda name: next((line.split(":", 1)[1] for line in info if line.startswith(name)), "")  # noqa: E731
+    cpu = field("model name").strip() or platform.processor() or platform.machine()
+    isa = instruction_set(set(field("flags").split()))
     commit = git_commit(Path(__file__).resolve().parent)
     return {
-        "cpu": f"{cpu}, {os.cpu_count()} cores",
+        "cpu": f"{cpu}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -33,6 +32,17 @@ def environment() -> dict:
         "platform": platform.platform(),
         "git_commit": commit,
     }
+
+
+def instruction_set(flags: set[str]) -> str:
+    """The widest of the instruction sets the kernels dispatch on that /proc/cpuinfo's flags name
+    ("AMX", "AVX-512 VNNI", "AVX2"; "" for none): CPUs that one name covers (a VM's "AMD EPYC") differ
+    by it."""
+    if "amx_int8" in flags:
+        return "AMX"
+    if "avx512_vnni" in flags:
+        return "AVX-512 VNNI"
+    return "AVX2" if "avx2" in flags else ""
 
 
 def git_commit(folder: Path) -> str | None:
