@@ -11,8 +11,6 @@ the tile instructions with loops checks the same of the data flow around them.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -29,10 +27,7 @@ ISAS = {"x86-64-v3": ("avx2", "fma", "f16c"), "x86-64-v2": ("sse4_2", "popcnt")}
 
 
 def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    return set(qkernel.cpu_field("flags").split())
 
 
 @pytest.fixture(scope="module", params=list(ISAS))

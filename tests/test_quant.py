@@ -170,8 +170,7 @@ def test_quant_linear_repacks_parts_in_sixteens_and_keeps_the_raw_rows():
     ]
     linear = QuantLinear(parts, int8=True)
     packed, xtype = kernels().repack(parts[0].data, TYPES["Q4_K"], K)
-    # Q6_K: regrouped in every int8 build
-    packed6, xtype6 = kernels().repack(parts[1].data, TYPES["Q6_K"], K) or (parts[1].data, TYPES["Q6_K"])
+    packed6, xtype6 = kernels().repack(parts[1].data, TYPES["Q6_K"], K)  # Q6_K: regrouped in every int8 build
     assert linear.types == [xtype, xtype6] and linear.raw[0] is parts[0].data and linear.raw[1] is parts[1].data
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(13))
     assert torch.equal(linear(x)[:, :32], matmul(x, [packed], [xtype], int8=True))

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.backends.qkernel import cpu_field
 from specdec.models.load import synchronize
 from specdec.models.weights import atomic_write, cache_dir
 
@@ -57,14 +58,7 @@ def processor(device: torch.device) -> str:
     """The name of what runs the forwards: the GPU's on CUDA, else the CPU's model name."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_field("model name") or platform.processor() or platform.machine()
 
 
 def cache_key(model) -> dict:

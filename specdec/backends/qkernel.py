@@ -45,6 +45,15 @@ HALVES_TYPES = ("Q5_K", "IQ4_XS", "IQ4_NL")
 _module = None
 
 
+def cpu_field(name: str) -> str:
+    """The first CPU's field `name` in /proc/cpuinfo ("model name", "flags"), stripped; "" where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == name), "")
+
+
 def source_digest() -> str:
     """16 hex digits of the kernels' sources (quant.cpp and its headers): what a timing of them depends on."""
     return hashlib.sha256(b"".join(p.read_bytes() for p in [SOURCE, *HEADERS])).hexdigest()[:16]

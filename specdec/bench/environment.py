@@ -9,18 +9,15 @@ from pathlib import Path
 
 import torch
 
+from specdec.adaptive.costs import processor
+from specdec.backends.qkernel import cpu_field
+
 
 def environment() -> dict:
     """Hardware and versions, for the results file (results.Environment, memory bandwidth aside)."""
     import transformers
 
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        info = []
-    field = lambda name: next((line.split(":", 1)[1] for line in info if line.startswith(name)), "")  # noqa: E731
-    cpu = field("model name").strip() or platform.processor() or platform.machine()
-    isa = instruction_set(set(field("flags").split()))
+    cpu, isa = processor(torch.device("cpu")), instruction_set(set(cpu_field("flags").split()))
     commit = git_commit(Path(__file__).resolve().parent)
     return {
         "cpu": f"{cpu}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores",

@@ -290,8 +290,7 @@ struct Q4KTile {
 // The GGML type a regrouped type id stands for, or -1.
 inline int64_t regrouped_base(int64_t type) {
   const int64_t base = type - X16;
-  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K ||
-                 base == Q6_K ||
+  return base == Q4_0 || base == Q4_1 || base == Q5_0 || base == Q5_1 || base == Q8_0 || base == Q4_K || base == Q6_K ||
                  ((base == IQ4_NL || base == IQ4_XS) && AVX2_LAYOUT)  // VNNI: a row at a time (int8_halves.h)
              ? base
              : -1;
