@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from specdec.adaptive import AdaptiveK, Outcome, RoundPlan, Share
+from specdec.cache import common_prefix
 from specdec.drafters.base import Drafter
 from specdec.drafters.draft import Draft
 from specdec.sampling import Sampler
@@ -156,7 +157,10 @@ def _draft(spec: Speculation, context: list[int], budget: int, room: int, trees:
     if k <= 0:
         draft = Draft([])
     elif spec.incremental:
-        draft = drafter.propose(context, k, spec.sampler, keep_going=partial(policy.keep_going, plan))
+        steer = {"keep_going": partial(policy.keep_going, plan)}
+        if trees and drafter.branches and spec.sampler.params.greedy:
+            steer["branch"] = partial(policy.branch, plan)
+        draft = drafter.propose(context, k, spec.sampler, **steer)
     else:
         draft = drafter.propose(context, k, spec.sampler)
     t1 = clock()
@@ -222,6 +226,7 @@ def conclude(
     verifier.rollback(len(context) + len(accepted))
     forced = min(len(accepted), proposal.n_forced)  # forced tokens stay out of the drafter's counts
     n_accepted = len(accepted) - forced
+    chain = proposal.checked.chain().tokens if proposal.checked.parents is not None else None
     stats.record_round(proposal.n_verified, n_accepted, proposal.depth)
     stats.forced += forced
     if policy:
@@ -237,6 +242,7 @@ def conclude(
             match_length=proposal.match_length,
             timed=timed,
             forced=proposal.n_forced,
+            chain_accepted=None if chain is None else common_prefix(accepted, chain),
         )
         policy.observe(proposal.plan, outcome)
     return Round(accepted + [token], proposal.n_verified, n_accepted, proposal.depth)

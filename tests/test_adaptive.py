@@ -448,9 +448,9 @@ def test_auto_records_its_choices_and_steers_a_draft_model(draft_model):
     calls = []
     real = drafter.propose
 
-    def spy(context, k, sampler, keep_going=None):
-        calls.append(keep_going)
-        return real(context, k, sampler, keep_going=keep_going)
+    def spy(context, k, sampler, keep_going=None, branch=None):
+        calls.append((keep_going, branch))
+        return real(context, k, sampler, keep_going=keep_going, branch=branch)
 
     drafter.propose = spy
     got = generate(target, prompt, drafter, k="auto", k_max=5, max_new_tokens=40)
@@ -458,7 +458,8 @@ def test_auto_records_its_choices_and_steers_a_draft_model(draft_model):
     assert got.tokens == base.tokens
     assert s.k == "auto" and len(s.k_per_round) == s.rounds and sum(s.k_per_round) == s.drafted
     assert max(s.k_per_round) <= 5
-    assert calls and all(c is not None for c in calls)  # the draft model was asked after every token
+    assert calls and all(c is not None for c, _ in calls)  # the draft model was asked after every token
+    assert all(b is not None for _, b in calls)  # greedy on the lean backend: and where to branch
     assert "mean drafted" in s.summary()
 
 

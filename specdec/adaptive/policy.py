@@ -104,6 +104,7 @@ class RoundPlan:
     confidence: list[float] = field(default_factory=list)
     t_last: float = 0.0
     extra_ms: list[float] = field(default_factory=list)  # extra_verify_ms for m = 0..cap, set by plan()
+    seconds: list[tuple[int, float]] = field(default_factory=list)  # (depth, probability) of each branch() added
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Outcome:
     match_length: int | None = None
     timed: bool = True
     forced: int = 0
+    chain_accepted: int | None = None
 
 
 @dataclass
@@ -134,7 +136,10 @@ class Learned:
     averages of a round's tokens and ms (tokens_ema, ms_ema), of a draft model's first and further
     steps (draft_first_ms, draft_step_ms), of an all-at-once drafter's ms per requested token
     (draft_token_ms) and of a round's ms outside drafting and verifying (overhead_ms); tokens
-    verified per depth of the drafts (nodes_per_depth, 1 for chains); whether a draft step was timed
+    verified per depth of the drafts (nodes_per_depth, 1 for chains); the second choices
+    (branch()) the target reached, as decayed sums of the drafter's probabilities for them and of
+    those it accepted (seconds_expected, seconds_accepted: their ratio scales those probabilities;
+    a prior of 0.5 each); whether a draft step was timed
     yet in this generation (fresh); plain rounds in a row (plain_streak) and the plain rounds
     before the next probe (probe_interval)."""
 
@@ -148,6 +153,8 @@ class Learned:
     nodes_per_depth: float = 1.0
     fresh: bool = True
     plain_streak: int = 0
+    seconds_expected: float = 0.5
+    seconds_accepted: float = 0.5
 
 
 class AdaptiveK:
@@ -334,6 +341,39 @@ class AdaptiveK:
         stop = max(worth[: n_drafted + 1])
         return any(worth[m] - plan.rho * (m - n_drafted) * step_ms > stop for m in range(n_drafted + 1, plan.cap + 1))
 
+    def branch(self, plan: RoundPlan, seconds: list[float]) -> list[int]:
+        """Called by a drafter that can offer its second choice at each depth of its finished chain
+        (ModelDrafter, greedy): seconds[d - 1] is the drafter's probability for its second choice
+        at depth d. Returns the depths whose second choice to verify too, as a leaf beside that
+        depth's drafted token (a token tree, SpecInfer: Miao et al. 2024), best first.
+
+        A second choice at depth d yields one more token where the first d - 1 drafted tokens are
+        accepted and it, not the drafted token, is the target's: worth reach(d) x p, p its
+        probability under the drafter scaled by how often such choices were accepted against that
+        probability so far (Learned: a draft model that is the target is never right twice). It costs one more
+        verified token at the tree's size so far: rho x (V(n + 2) - V(n + 1) + margin x V(1)),
+        n the tokens in the tree (in a batch, the batch's cost by rows, as extra_verify_ms). They
+        are added best first while they pay, up to the round's cap."""
+        depth = len(seconds)
+        if plan.probing or not depth:
+            return []
+        accept = self._given(plan.confidence[:depth], self.acceptances(depth))
+        scale = self.learned.seconds_accepted / self.learned.seconds_expected
+        reach, worth = 1.0, []
+        for d, p in enumerate(seconds, 1):
+            worth.append((reach * min(1.0, scale * p), d))
+            reach *= accept[d - 1]
+        cost, base = (plan.share.cost, plan.share.rows) if plan.share is not None else (self.costs, 0)
+        margin = self.margin * self.costs(1)
+        chosen, n = [], depth
+        for value, d in sorted(worth, reverse=True):
+            if n >= plan.cap or value <= plan.rho * (cost(base + n + 2) - cost(base + n + 1) + margin):
+                break
+            chosen.append(d)
+            plan.seconds.append((d, seconds[d - 1]))
+            n += 1
+        return chosen
+
     def cut(
         self,
         plan: RoundPlan,
@@ -376,17 +416,24 @@ class AdaptiveK:
         depth = o.n_verified if o.depth is None else o.depth
         if o.timed:
             self.costs.observe(o.forced + o.n_verified + 1, o.verify_ms)
-        if o.n_verified and depth:
-            learned.nodes_per_depth = self._ema(learned.nodes_per_depth, o.n_verified / depth)
+        if o.n_verified and depth:  # branch()'s second choices aside: it pays for them itself
+            chain_nodes = max(depth, o.n_verified - len(plan.seconds))
+            learned.nodes_per_depth = self._ema(learned.nodes_per_depth, chain_nodes / depth)
         learned.overhead_ms = self._ema(learned.overhead_ms, o.other_ms)
         learned.tokens_ema = self._ema(learned.tokens_ema, o.n_accepted + 1.0, 0.1)
         learned.ms_ema = self._ema(learned.ms_ema, o.verify_ms + o.draft_ms + o.other_ms, 0.1)
         if o.requested and not plan.incremental:
             learned.draft_token_ms = self._ema(learned.draft_token_ms, o.draft_ms / o.requested)
         if o.n_verified and not plan.shadowing:
-            checked = min(depth, o.n_accepted + 1)
-            self.estimates.learn(match_class(o.match_length), checked, o.n_accepted)
-            self.estimates.learn_confidences(plan.confidence[:checked], o.n_accepted)
+            accepted = o.n_accepted if o.chain_accepted is None else o.chain_accepted
+            for d, p in plan.seconds:  # reached where the chain's first d - 1 tokens were accepted
+                if d <= accepted + 1:
+                    taken = d == accepted + 1 and o.n_accepted > accepted  # the path went through it
+                    learned.seconds_expected = 0.9 * learned.seconds_expected + p
+                    learned.seconds_accepted = 0.9 * learned.seconds_accepted + taken
+            checked = min(depth, accepted + 1)
+            self.estimates.learn(match_class(o.match_length), checked, accepted)
+            self.estimates.learn_confidences(plan.confidence[:checked], accepted)
             if plan.probing:  # an accepted probe need not mean drafting pays: back off
                 learned.probe_interval = min(2 * learned.probe_interval, self.probe_max)
             learned.plain_streak = 0

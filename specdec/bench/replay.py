@@ -73,12 +73,14 @@ class _TimedDrafter(Drafter):
 
     def __init__(self, inner: Drafter, clock: _Clock, costs: dict):
         self.inner, self.clock = inner, clock
-        self.incremental = inner.incremental
+        self.incremental, self.branches = inner.incremental, inner.branches
         self.caught_up = {"draft_ms": costs["draft_ms"]}
         self.lagging = {"draft_ms": costs.get("draft_catchup_ms", costs["draft_ms"])}  # 2 tokens behind or more
         self.costs = self.caught_up
 
-    def propose(self, context: list[int], k: int, sampler: Sampler, keep_going: KeepGoing | None = None) -> Draft:
+    def propose(
+        self, context: list[int], k: int, sampler: Sampler, keep_going: KeepGoing | None = None, **steer
+    ) -> Draft:
         if keep_going is None:
             draft = self.inner.propose(context, k, sampler)
             self.clock.tick(draft_ms_at(self.costs, k))
@@ -88,7 +90,7 @@ class _TimedDrafter(Drafter):
             self.clock.tick(draft_ms_at(self.costs, n) - draft_ms_at(self.costs, n - 1))
             return keep_going(n, confidence)
 
-        return self.inner.propose(context, k, sampler, keep_going=timed)
+        return self.inner.propose(context, k, sampler, keep_going=timed, **steer)  # steer: branch, if any
 
 
 class _ReplayVerifier:

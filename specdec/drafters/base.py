@@ -11,6 +11,7 @@ from specdec.models.load import Model
 from specdec.sampling import Sampler
 
 KeepGoing = Callable[[int, float], bool]  # (tokens drafted so far, the last one's probability) -> draft another?
+Branch = Callable[[list[float]], list[int]]  # (second choices' probabilities by depth) -> the depths to add them at
 
 
 class Drafter:
@@ -24,6 +25,11 @@ class Drafter:
     - `incremental = True`: it drafts token by token, and propose() takes a keyword `keep_going`
       (KeepGoing), asked after each token whether to draft another; k="auto" passes it
       (specdec.adaptive).
+    - `branches = True` (with incremental, greedy only): propose() also takes a keyword `branch`
+      (Branch): given its second choice's probability at each depth of the finished chain, it
+      returns the depths at which to offer that choice too, as a leaf beside the drafted token;
+      the draft is then a token tree. k="auto" passes it where the verifier takes trees
+      (AdaptiveK.branch).
     - `reads_target_cache = True`: it reads the target's own state; the engine calls attach(kv)
       with the target's KV cache (specdec.cache) once it exists, after prepare(). Such a drafter
       cannot run without the target's forwards, so the bench does not replay it.
@@ -33,6 +39,7 @@ class Drafter:
     """
 
     incremental: ClassVar[bool] = False
+    branches: ClassVar[bool] = False
     reads_target_cache: ClassVar[bool] = False
 
     def prepare(self, target: Model) -> None:

@@ -3,12 +3,10 @@ transformers' `assistant_model=`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from specdec.cache import new_cache
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Branch, Drafter, KeepGoing
 from specdec.drafters.draft import Draft
 from specdec.drafters.lookup import PromptLookup, long_lookup
 from specdec.drafters.vocab import draft_vocab, vocab_view
@@ -41,6 +39,7 @@ class ModelDrafter(Drafter):
     """
 
     incremental = True
+    branches = True
 
     def __init__(
         self,
@@ -83,11 +82,21 @@ class ModelDrafter(Drafter):
         return looked.match_length if looked is not None else None
 
     def propose(
-        self, context: list[int], k: int, sampler: Sampler, keep_going: Callable[[int, float], bool] | None = None
+        self,
+        context: list[int],
+        k: int,
+        sampler: Sampler,
+        keep_going: KeepGoing | None = None,
+        branch: Branch | None = None,
     ) -> Draft:
         """Up to k tokens; with keep_going, after each drafted token keep_going(n drafted so far,
         the draft's probability for the last token) decides whether to draft another (the
-        adaptive policy of specdec.adaptive.policy), and the Draft carries those confidences."""
+        adaptive policy of specdec.adaptive.policy), and the Draft carries those confidences.
+        With branch (greedy, with keep_going), branch(the second choice's probability at each
+        depth) returns the depths at which to offer the draft's second choice too; the draft is
+        then a token tree: the drafted chain first (its main chain), then those second choices,
+        each a leaf beside its depth's token. They cost no draft forward: the draft model's logits
+        at each depth already rank them."""
         seen = context[self.start :]  # what the draft reads: from its window's start
         k = min(k, self.draft.n_ctx - len(seen) + 1)  # positions left in the draft's context
         if k <= 0:
@@ -99,20 +108,31 @@ class ModelDrafter(Drafter):
         self.kv.argmax_only = sampler.params.greedy  # confidences then come from screened logits: close enough
         if max(todo) >= self.draft.vocab_size:  # the target emitted an id the draft cannot embed
             return Draft([])
+        branch = branch if keep_going is not None and sampler.params.greedy else None
         logits = self.kv.extend(todo, all_logits=False)[-1]  # (V,)
-        tokens, probs, confidence = [], [], []
+        tokens, probs, confidence, seconds = [], [], [], []
         for i in range(k):
             token, p = sampler.choose(logits)
             tokens.append(token)
             probs.append(p)
             if keep_going is not None:
-                confidence.append(float(p[token]) if p is not None else float(logits.float().softmax(-1)[token]))
+                q = p if p is not None else logits.float().softmax(-1)
+                confidence.append(float(q[token]))
+                if branch is not None:
+                    top = q.topk(2)
+                    j = 1 if int(top.indices[0]) == token else 0
+                    seconds.append((int(top.indices[j]), float(top.values[j])))
                 if not keep_going(i + 1, confidence[-1]):
                     break
             if i < k - 1:
                 logits = self.kv.extend([token], all_logits=False)[-1]
-        return Draft(
+        draft = Draft(
             tokens,
             None if sampler.params.greedy else torch.stack(probs),
             confidence if keep_going is not None else None,
         )
+        depths = branch([p for _, p in seconds]) if seconds else []
+        if not depths:
+            return draft
+        parents = list(range(-1, len(tokens) - 1)) + [d - 2 for d in depths]
+        return Draft(tokens + [seconds[d - 1][0] for d in depths], confidence=draft.confidence, parents=parents)
