@@ -531,3 +531,118 @@ def test_a_free_draft_in_a_batch_is_verified_only_where_a_lower_bound_of_its_acc
     assert lower == pytest.approx(
         0.6 * 6 / 7 + 0.5 / 7 - ((0.6 * 6 / 7 + 0.5 / 7) * (1 - 0.6 * 6 / 7 - 0.5 / 7) / 7) ** 0.5
     )
+
+
+def test_a_second_choice_is_verified_where_its_chance_outweighs_its_row():
+    """branch(): a second choice at depth d is worth P(tokens 1..d-1 accepted) x its probability,
+    against rho x the row it adds at the tree's size so far; best first, up to the cap. Once the
+    target has reached such choices and never taken them, their probabilities count for less."""
+    v = {1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 16.0, 6: 17.0, 7: 18.0, 8: 19.0, 9: 20.0}
+    ctl = controller(v, [0.6] * 8)
+    for b in range(len(ctl.estimates.bin_reached)):  # acceptance by confidence: 0.5 in every bin
+        ctl.estimates.bin_reached[b], ctl.estimates.bin_accepted[b] = 1000.0, 500.0
+
+    def plan(depth: int):
+        p = ctl.plan(8, incremental=True)
+        p.confidence = [0.5] * depth
+        return p
+
+    rho = plan(1).rho  # a 3-token chain's rate, 2.18 tokens in 11.7 ms
+    assert rho == pytest.approx(2.176 / 11.7, rel=1e-3)
+    # 2 deep, worth 0.3 and 0.15: the first costs V(4) - V(3) + margin = 0.7 ms (0.13 tokens), the next 4.7
+    p = plan(2)
+    assert ctl.branch(p, [0.3, 0.3]) == [1] and p.seconds == [(1, 0.3)]
+    assert ctl.branch(plan(2), [0.05, 0.9]) == [2]  # best first: depth 2 is worth 0.45, depth 1 0.05
+    assert ctl.branch(plan(3), [0.3, 0.3, 0.3]) == []  # after 3 the next row costs 4.7 ms: 0.87 tokens
+    assert ctl.branch(plan(4), [0.3, 0.3, 0.3, 0.3]) == [1]  # after 4, 1.2 ms (0.22 tokens): only the 0.3
+    p = plan(2)
+    p.cap = 2
+    assert ctl.branch(p, [0.9, 0.9]) == []  # no room left under the cap
+    for _ in range(10):  # reached (the chain's first token rejected) and never taken
+        p = plan(1)
+        if not ctl.branch(p, [0.3]):
+            break
+        ctl.observe(p, Outcome(2, 0, v[3], depth=1, chain_accepted=0))
+    assert ctl.branch(plan(1), [0.3]) == []
+    assert ctl.learned.seconds_accepted / ctl.learned.seconds_expected < 0.5  # from 1, the prior
+
+
+def test_a_second_choice_taken_is_not_learned_as_the_chains_acceptance():
+    """A path through a second choice at depth 2 accepts 2 tokens, but the chain's second token
+    was rejected: the estimates learn 1 of 2, and the second choices' record one taken."""
+    ctl = controller({n: 10.0 + n for n in range(1, 10)})
+    plan = ctl.plan(8, incremental=True)
+    plan.confidence, plan.seconds = [0.9, 0.5, 0.5], [(2, 0.4)]
+    before = ctl.learned.seconds_accepted
+    ctl.observe(plan, Outcome(4, 2, 14.0, depth=3, chain_accepted=1))
+    assert ctl.estimates.accepted[0][:3] == [1.0, 0.0, 0.0] and ctl.estimates.reached[0][:3] == [1.0, 1.0, 0.0]
+    assert ctl.learned.seconds_accepted == pytest.approx(0.9 * before + 1)
+    assert ctl.learned.nodes_per_depth == pytest.approx(0.7 + 0.3 * 1.0)  # the chain's 3 tokens, 3 deep
+
+
+def test_a_draft_models_tree_is_its_chain_then_its_second_choices_and_stays_exact(draft_model):
+    """With branch, ModelDrafter offers its chain unchanged, then its second choice (by its own
+    logits) at the depths branch returns, each a leaf beside that depth's token; greedy decoding
+    through such trees is still plain greedy decoding, and some rounds take a second choice."""
+    from specdec.drafters.draft import Draft
+    from specdec.sampling import Sampler, SamplingParams
+
+    sampler = Sampler(SamplingParams())
+    context = prompt_ids(12)
+    drafter = ModelDrafter(draft_model)
+    drafter.prepare(draft_model)
+    drafter.prefill(context)
+    chain = drafter.propose(context, 4, sampler, keep_going=lambda n, c: True)
+    offered = []
+
+    def branch(seconds):
+        offered.append(seconds)
+        return [3, 1]
+
+    tree = drafter.propose(context, 6, sampler, keep_going=lambda n, c: n < 4, branch=branch)
+    assert tree.tokens[:4] == chain.tokens and tree.parents == [-1, 0, 1, 2, 1, -1]
+    assert tree.chain() == Draft(chain.tokens)
+    kv = new_cache(draft_model)
+    kv.argmax_only = True  # as the drafter's greedy steps: its other entries are the output layer's screen
+    logits = torch.stack(
+        [kv.extend(context if d == 1 else [chain.tokens[d - 2]], all_logits=False)[-1] for d in (1, 2, 3)]
+    )
+    for d, t in ((3, tree.tokens[4]), (1, tree.tokens[5])):
+        second = logits[d - 1].topk(2).indices[1]
+        assert t == int(second) and offered[0][d - 1] == pytest.approx(float(logits[d - 1].softmax(-1)[second]))
+
+    class Eager(AdaptiveK):  # drafts half of k_max deep and offers every second choice: trees are verified
+        def plan(self, cap, incremental, match=None, share=None):
+            plan = super().plan(cap, incremental, match, share)
+            plan.k = cap
+            return plan
+
+        def keep_going(self, plan, n_drafted, confidence):
+            super().keep_going(plan, n_drafted, confidence)
+            return n_drafted < plan.cap // 2
+
+        def cut(self, plan, drafted, deterministic, position=0, match_length=None):
+            return len(drafted)
+
+        def branch(self, plan, seconds):
+            plan.seconds = [(d, p) for d, p in enumerate(seconds, 1)]
+            return list(range(1, len(seconds) + 1))
+
+    target = make_model("qwen2", seed=5)
+    noisy = make_model("qwen2", seed=5, name="noisy")  # the target, its weights perturbed: often right, not always
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for w in noisy.hf.parameters():
+            w.add_(0.2 * w.std() * torch.randn(w.shape, generator=g))
+    prompt = prompt_ids()
+    plain = generate(target, prompt, None, max_new_tokens=60)
+    eager = Eager(VerifyCosts(ms={n: 10.0 for n in range(1, 10)}), k_max=4)
+    taken = []  # rounds whose accepted path went through a second choice
+    observe = eager.observe
+    eager.observe = lambda plan, o: (
+        taken.append(o.chain_accepted is not None and o.n_accepted > o.chain_accepted),
+        observe(plan, o),
+    )
+    got = generate(target, prompt, ModelDrafter(noisy), k="auto", max_new_tokens=60, policy=eager)
+    assert got.tokens == plain.tokens
+    assert any(taken) and got.stats.drafted > sum(got.stats.drafted_at)  # trees: more tokens than depths

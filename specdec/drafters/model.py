@@ -118,10 +118,9 @@ class ModelDrafter(Drafter):
             if keep_going is not None:
                 q = p if p is not None else logits.float().softmax(-1)
                 confidence.append(float(q[token]))
-                if branch is not None:
-                    top = q.topk(2)
-                    j = 1 if int(top.indices[0]) == token else 0
-                    seconds.append((int(top.indices[j]), float(top.values[j])))
+                if branch is not None:  # q is this step's own (greedy): with the token masked, its max is the second
+                    q[token] = -1.0
+                    seconds.append((q, float(q.max())))  # the second's id is looked up only where verified
                 if not keep_going(i + 1, confidence[-1]):
                     break
             if i < k - 1:
@@ -135,4 +134,5 @@ class ModelDrafter(Drafter):
         if not depths:
             return draft
         parents = list(range(-1, len(tokens) - 1)) + [d - 2 for d in depths]
-        return Draft(tokens + [seconds[d - 1][0] for d in depths], confidence=draft.confidence, parents=parents)
+        chosen = [int(seconds[d - 1][0].argmax()) for d in depths]
+        return Draft(tokens + chosen, confidence=draft.confidence, parents=parents)
