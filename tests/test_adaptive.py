@@ -371,6 +371,24 @@ def test_a_rarely_reached_confidence_bin_keeps_its_estimate():
     assert ctl.keep_going(plan, 1, 0.99) and ctl.keep_going(plan, 2, 0.1)  # so a 10% token is drafted past
 
 
+def test_a_confident_token_says_the_next_is_likely_accepted_too():
+    """Deep positions learned on hard prompts (accepted 1 time in 4) would keep a streak of
+    confident, accepted tokens 3 deep: the next token's acceptance is read from the last one's
+    confidence (what followed such tokens), so the draft goes on; after an unsure token it stops."""
+    v = {n: 10.0 + 0.5 * (n - 1) for n in range(1, 10)}
+    ctl = controller(v, [0.9, 0.9, 0.9] + [0.25] * 5)
+    for _ in range(30):  # confident tokens were followed by accepted ones, a 30% one by a rejection
+        ctl.observe(RoundPlan(cap=8, incremental=True, confidence=[0.99] * 3), Outcome(3, 3, v[4]))
+        ctl.observe(RoundPlan(cap=8, incremental=True, confidence=[0.99, 0.3, 0.5]), Outcome(3, 2, v[4]))
+    assert ctl.estimates.after_confidence(0.99, 0.25) > 0.95 and ctl.estimates.after_confidence(0.3, 0.5) < 0.1
+    ctl.learned.draft_first_ms = ctl.learned.draft_step_ms = 1.0
+    ctl.learned.fresh = False
+    plan = ctl.plan(8, incremental=True)
+    assert [ctl.keep_going(plan, n, 0.99) for n in (1, 2, 3)] == [True, True, True]  # position 4 learned 0.25
+    unsure = ctl.plan(8, incremental=True)
+    assert ctl.keep_going(unsure, 1, 0.99) and not ctl.keep_going(unsure, 2, 0.3)  # position 3 learned 0.5
+
+
 def test_a_draft_not_worth_verifying_is_not_drafted_deeper():
     """Going on drafting must beat what stopping now is worth, a plain round included: a first
     token the drafter barely believes (its one extra verified token costs 3 ms) is not worth

@@ -4,7 +4,9 @@
   class (Draft.match_length: a long lookup match predicts its continuation better than a short
   one). A position's counts decay only when a draft reaches it.
 - Per confidence bin: P(a token accepted | the drafter gave it this probability), for drafters
-  that report their probabilities (draft models, heads).
+  that report their probabilities (draft models, heads); and P(the next drafted token accepted |
+  this one accepted with this probability), what a draft model's last confidence says of the
+  token it has not drafted yet (acceptance runs in streaks).
 - Shadow verification: a free deterministic draft (prompt lookup, suffix) is held until the tokens
   it guessed are committed, then learned from as if verified, whether it was verified or not.
 """
@@ -38,7 +40,8 @@ class Acceptance:
 
     reached[c][j] / accepted[c][j]: decayed counts of drafts of match class c whose token j + 1
     was checked (tokens 1..j accepted) / accepted too. bin_reached[b] / bin_accepted[b]: the same
-    per confidence bin. pending: shadow drafts not yet settled, (position, tokens, class).
+    per confidence bin; next_reached[b] / next_accepted[b]: per confidence bin of the token before.
+    pending: shadow drafts not yet settled, (position, tokens, class).
     """
 
     def __init__(
@@ -56,6 +59,8 @@ class Acceptance:
         self.accepted = [[0.0] * k_max for _ in range(len(MATCH_EDGES) + 1)]
         self.bin_reached = [0.0] * (len(BIN_EDGES) + 1)
         self.bin_accepted = [0.0] * (len(BIN_EDGES) + 1)
+        self.next_reached = [0.0] * (len(BIN_EDGES) + 1)
+        self.next_accepted = [0.0] * (len(BIN_EDGES) + 1)
         self.pending: list[tuple[int, list[int], int]] = []
 
     # ---- reading ------------------------------------------------------------------------------
@@ -99,6 +104,12 @@ class Acceptance:
         b = confidence_bin(confidence)
         return (self.bin_accepted[b] + confidence * self.prior_weight) / (self.bin_reached[b] + self.prior_weight)
 
+    def after_confidence(self, confidence: float, prior: float) -> float:
+        """P(the next drafted token accepted | this one accepted, the drafter gave it this
+        probability), from `prior` (the next position's estimate) worth prior_weight drafts."""
+        b = confidence_bin(confidence)
+        return (self.next_accepted[b] + prior * self.prior_weight) / (self.next_reached[b] + self.prior_weight)
+
     # ---- learning -----------------------------------------------------------------------------
     def learn(self, cls: int, reached: int, accepted: int) -> None:
         """One draft of match class cls: its tokens 1..reached were checked, 1..accepted were
@@ -109,9 +120,10 @@ class Acceptance:
             self.accepted[cls][i] = self.accepted[cls][i] * self.decay + (j < accepted)
 
     def learn_confidences(self, confidences: list[float], accepted: int) -> None:
-        """One draft's checked tokens, by the drafter's confidence in each: the first `accepted`
-        were accepted. Only the bins it reached decay, so a rarely reached bin (a good draft
-        model's low-confidence tokens) keeps its estimate instead of fading back to its prior."""
+        """One draft's checked tokens, by the drafter's confidence in each (and in the token before
+        each but the first): the first `accepted` were accepted. Only the bins it reached decay, so
+        a rarely reached bin (a good draft model's low-confidence tokens) keeps its estimate instead
+        of fading back to its prior."""
         for b in {confidence_bin(c) for c in confidences}:
             self.bin_reached[b] *= self.decay
             self.bin_accepted[b] *= self.decay
@@ -119,6 +131,14 @@ class Acceptance:
             b = confidence_bin(confidence)
             self.bin_reached[b] += 1
             self.bin_accepted[b] += j < accepted
+        before = confidences[:-1]  # token j + 1 was checked, so token j was accepted
+        for b in {confidence_bin(c) for c in before}:
+            self.next_reached[b] *= self.decay
+            self.next_accepted[b] *= self.decay
+        for j, confidence in enumerate(before):
+            b = confidence_bin(confidence)
+            self.next_reached[b] += 1
+            self.next_accepted[b] += j + 1 < accepted
 
     # ---- shadow verification ------------------------------------------------------------------
     def shadow(self, position: int, tokens: list[int], cls: int) -> None:
