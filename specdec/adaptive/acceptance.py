@@ -124,21 +124,20 @@ class Acceptance:
         each but the first): the first `accepted` were accepted. Only the bins it reached decay, so
         a rarely reached bin (a good draft model's low-confidence tokens) keeps its estimate instead
         of fading back to its prior."""
+        n = len(confidences)
+        self._count_bins(self.bin_reached, self.bin_accepted, confidences, [j < accepted for j in range(n)])
+        # token j + 1 was checked, so token j was accepted: what followed it
+        self._count_bins(self.next_reached, self.next_accepted, confidences[:-1], [j < accepted for j in range(1, n)])
+
+    def _count_bins(self, reached: list[float], accepted: list[float], confidences: list[float], hits: list[bool]):
+        """Decay the bins these confidences fall in, once each, then count each (confidence, hit)."""
         for b in {confidence_bin(c) for c in confidences}:
-            self.bin_reached[b] *= self.decay
-            self.bin_accepted[b] *= self.decay
-        for j, confidence in enumerate(confidences):
+            reached[b] *= self.decay
+            accepted[b] *= self.decay
+        for confidence, hit in zip(confidences, hits):
             b = confidence_bin(confidence)
-            self.bin_reached[b] += 1
-            self.bin_accepted[b] += j < accepted
-        before = confidences[:-1]  # token j + 1 was checked, so token j was accepted
-        for b in {confidence_bin(c) for c in before}:
-            self.next_reached[b] *= self.decay
-            self.next_accepted[b] *= self.decay
-        for j, confidence in enumerate(before):
-            b = confidence_bin(confidence)
-            self.next_reached[b] += 1
-            self.next_accepted[b] += j + 1 < accepted
+            reached[b] += 1
+            accepted[b] += hit
 
     # ---- shadow verification ------------------------------------------------------------------
     def shadow(self, position: int, tokens: list[int], cls: int) -> None:
