@@ -569,7 +569,7 @@ def test_a_second_choice_is_verified_where_its_chance_outweighs_its_row():
     assert rho == pytest.approx(2.176 / 11.7, rel=1e-3)
     # 2 deep, worth 0.3 and 0.15: the first costs V(4) - V(3) + margin = 0.7 ms (0.13 tokens), the next 4.7
     p = plan(2)
-    assert ctl.branch(p, [0.3, 0.3]) == [1] and p.seconds == [(1, 0.3)]
+    assert ctl.branch(p, [0.3, 0.3]) == [1] and p.branched == [(1, 0.3)]
     assert ctl.branch(plan(2), [0.05, 0.9]) == [2]  # best first: depth 2 is worth 0.45, depth 1 0.05
     assert ctl.branch(plan(3), [0.3, 0.3, 0.3]) == []  # after 3 the next row costs 4.7 ms: 0.87 tokens
     assert ctl.branch(plan(4), [0.3, 0.3, 0.3, 0.3]) == [1]  # after 4, 1.2 ms (0.22 tokens): only the 0.3
@@ -582,7 +582,7 @@ def test_a_second_choice_is_verified_where_its_chance_outweighs_its_row():
             break
         ctl.observe(p, Outcome(2, 0, v[3], depth=1, chain_accepted=0))
     assert ctl.branch(plan(1), [0.3]) == []
-    assert ctl.learned.seconds_accepted / ctl.learned.seconds_expected < 0.5  # from 1, the prior
+    assert ctl.learned.second_taken / ctl.learned.second_expected < 0.5  # from 1, the prior
 
 
 def test_a_second_choice_taken_is_not_learned_as_the_chains_acceptance():
@@ -590,11 +590,11 @@ def test_a_second_choice_taken_is_not_learned_as_the_chains_acceptance():
     was rejected: the estimates learn 1 of 2, and the second choices' record one taken."""
     ctl = controller({n: 10.0 + n for n in range(1, 10)})
     plan = ctl.plan(8, incremental=True)
-    plan.confidence, plan.seconds = [0.9, 0.5, 0.5], [(2, 0.4)]
-    before = ctl.learned.seconds_accepted
+    plan.confidence, plan.branched = [0.9, 0.5, 0.5], [(2, 0.4)]
+    before = ctl.learned.second_taken
     ctl.observe(plan, Outcome(4, 2, 14.0, depth=3, chain_accepted=1))
     assert ctl.estimates.accepted[0][:3] == [1.0, 0.0, 0.0] and ctl.estimates.reached[0][:3] == [1.0, 1.0, 0.0]
-    assert ctl.learned.seconds_accepted == pytest.approx(0.9 * before + 1)
+    assert ctl.learned.second_taken == pytest.approx(0.9 * before + 1)
     assert ctl.learned.nodes_per_depth == pytest.approx(0.7 + 0.3 * 1.0)  # the chain's 3 tokens, 3 deep
 
 
@@ -613,8 +613,8 @@ def test_a_draft_models_tree_is_its_chain_then_its_second_choices_and_stays_exac
     chain = drafter.propose(context, 4, sampler, keep_going=lambda n, c: True)
     offered = []
 
-    def branch(seconds):
-        offered.append(seconds)
+    def branch(second):
+        offered.append(second)
         return [3, 1]
 
     tree = drafter.propose(context, 6, sampler, keep_going=lambda n, c: n < 4, branch=branch)
@@ -642,9 +642,9 @@ def test_a_draft_models_tree_is_its_chain_then_its_second_choices_and_stays_exac
         def cut(self, plan, drafted, deterministic, position=0, match_length=None):
             return len(drafted)
 
-        def branch(self, plan, seconds):
-            plan.seconds = [(d, p) for d, p in enumerate(seconds, 1)]
-            return list(range(1, len(seconds) + 1))
+        def branch(self, plan, second):
+            plan.branched = [(d, p) for d, p in enumerate(second, 1)]
+            return list(range(1, len(second) + 1))
 
     target = make_model("qwen2", seed=5)
     noisy = make_model("qwen2", seed=5, name="noisy")  # the target, its weights perturbed: often right, not always

@@ -104,7 +104,7 @@ class RoundPlan:
     confidence: list[float] = field(default_factory=list)
     t_last: float = 0.0
     extra_ms: list[float] = field(default_factory=list)  # extra_verify_ms for m = 0..cap, set by plan()
-    seconds: list[tuple[int, float]] = field(default_factory=list)  # (depth, probability) of each branch() added
+    branched: list[tuple[int, float]] = field(default_factory=list)  # (depth, probability) of each branch() added
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Learned:
     (draft_token_ms) and of a round's ms outside drafting and verifying (overhead_ms); tokens
     verified per depth of the drafts (nodes_per_depth, 1 for chains); the second choices
     (branch()) the target reached, as decayed sums of the drafter's probabilities for them and of
-    those it accepted (seconds_expected, seconds_accepted: their ratio scales those probabilities;
+    those it took (second_expected, second_taken: their ratio scales those probabilities;
     a prior of 0.5 each); whether a draft step was timed
     yet in this generation (fresh); plain rounds in a row (plain_streak) and the plain rounds
     before the next probe (probe_interval)."""
@@ -153,8 +153,8 @@ class Learned:
     nodes_per_depth: float = 1.0
     fresh: bool = True
     plain_streak: int = 0
-    seconds_expected: float = 0.5
-    seconds_accepted: float = 0.5
+    second_expected: float = 0.5
+    second_taken: float = 0.5
 
 
 class AdaptiveK:
@@ -344,9 +344,9 @@ class AdaptiveK:
         stop = max(worth[: n_drafted + 1])
         return any(worth[m] - plan.rho * (m - n_drafted) * step_ms > stop for m in range(n_drafted + 1, plan.cap + 1))
 
-    def branch(self, plan: RoundPlan, seconds: list[float]) -> list[int]:
+    def branch(self, plan: RoundPlan, second: list[float]) -> list[int]:
         """Called by a drafter that can offer its second choice at each depth of its finished chain
-        (ModelDrafter, greedy): seconds[d - 1] is the drafter's probability for its second choice
+        (ModelDrafter, greedy): second[d - 1] is the drafter's probability for its second choice
         at depth d. Returns the depths whose second choice to verify too, as a leaf beside that
         depth's drafted token (a token tree, SpecInfer: Miao et al. 2024), best first.
 
@@ -357,13 +357,13 @@ class AdaptiveK:
         verified token at the tree's size so far: rho x (V(n + 2) - V(n + 1) + margin x V(1)),
         n the tokens in the tree (in a batch, the batch's cost by rows, as extra_verify_ms). They
         are added best first while they pay, up to the round's cap."""
-        depth = len(seconds)
+        depth = len(second)
         if plan.probing or not depth:
             return []
         accept = self._given(plan.confidence[:depth], self.acceptances(depth))
-        scale = self.learned.seconds_accepted / self.learned.seconds_expected
+        scale = self.learned.second_taken / self.learned.second_expected
         reach, worth = 1.0, []
-        for d, p in enumerate(seconds, 1):
+        for d, p in enumerate(second, 1):
             worth.append((reach * min(1.0, scale * p), d))
             reach *= accept[d - 1]
         cost, base = (plan.share.cost, plan.share.rows) if plan.share is not None else (self.costs, 0)
@@ -373,7 +373,7 @@ class AdaptiveK:
             if n >= plan.cap or value <= plan.rho * (cost(base + n + 2) - cost(base + n + 1) + margin):
                 break
             chosen.append(d)
-            plan.seconds.append((d, seconds[d - 1]))
+            plan.branched.append((d, second[d - 1]))
             n += 1
         return chosen
 
@@ -420,7 +420,7 @@ class AdaptiveK:
         if o.timed:
             self.costs.observe(o.forced + o.n_verified + 1, o.verify_ms)
         if o.n_verified and depth:  # branch()'s second choices aside: it pays for them itself
-            chain_nodes = max(depth, o.n_verified - len(plan.seconds))
+            chain_nodes = max(depth, o.n_verified - len(plan.branched))
             learned.nodes_per_depth = self._ema(learned.nodes_per_depth, chain_nodes / depth)
         learned.overhead_ms = self._ema(learned.overhead_ms, o.other_ms)
         learned.tokens_ema = self._ema(learned.tokens_ema, o.n_accepted + 1.0, 0.1)
@@ -429,11 +429,11 @@ class AdaptiveK:
             learned.draft_token_ms = self._ema(learned.draft_token_ms, o.draft_ms / o.requested)
         if o.n_verified and not plan.shadowing:
             accepted = o.n_accepted if o.chain_accepted is None else o.chain_accepted
-            for d, p in plan.seconds:  # reached where the chain's first d - 1 tokens were accepted
+            for d, p in plan.branched:  # reached where the chain's first d - 1 tokens were accepted
                 if d <= accepted + 1:
                     taken = d == accepted + 1 and o.n_accepted > accepted  # the path went through it
-                    learned.seconds_expected = 0.9 * learned.seconds_expected + p
-                    learned.seconds_accepted = 0.9 * learned.seconds_accepted + taken
+                    learned.second_expected = 0.9 * learned.second_expected + p
+                    learned.second_taken = 0.9 * learned.second_taken + taken
             checked = min(depth, accepted + 1)
             self.estimates.learn(match_class(o.match_length), checked, accepted)
             self.estimates.learn_confidences(plan.confidence[:checked], accepted)

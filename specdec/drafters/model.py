@@ -110,7 +110,7 @@ class ModelDrafter(Drafter):
             return Draft([])
         branch = branch if keep_going is not None and sampler.params.greedy else None
         logits = self.kv.extend(todo, all_logits=False)[-1]  # (V,)
-        tokens, probs, confidence, seconds = [], [], [], []
+        tokens, probs, confidence, second = [], [], [], []
         for i in range(k):
             token, p = sampler.choose(logits)
             tokens.append(token)
@@ -120,7 +120,7 @@ class ModelDrafter(Drafter):
                 confidence.append(float(q[token]))
                 if branch is not None:  # q is this step's own (greedy): with the token masked, its max is the second
                     q[token] = -1.0
-                    seconds.append((q, float(q.max())))  # the second's id is looked up only where verified
+                    second.append((q, float(q.max())))  # the second's id is looked up only where verified
                 if not keep_going(i + 1, confidence[-1]):
                     break
             if i < k - 1:
@@ -130,9 +130,9 @@ class ModelDrafter(Drafter):
             None if sampler.params.greedy else torch.stack(probs),
             confidence if keep_going is not None else None,
         )
-        depths = branch([p for _, p in seconds]) if seconds else []
+        depths = branch([p for _, p in second]) if second else []
         if not depths:
             return draft
         parents = list(range(-1, len(tokens) - 1)) + [d - 2 for d in depths]
-        chosen = [int(seconds[d - 1][0].argmax()) for d in depths]
+        chosen = [int(second[d - 1][0].argmax()) for d in depths]
         return Draft(tokens + chosen, confidence=draft.confidence, parents=parents)
