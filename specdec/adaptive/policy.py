@@ -265,11 +265,14 @@ class AdaptiveK:
 
     def _given(self, confidence: list[float], accept: list[float]) -> list[float]:
         """The acceptance per position of a draft whose first len(confidence) tokens were drafted
-        with these probabilities (read through the confidence bins), the next one's from the last
-        of them (Acceptance.after_confidence, its prior that position's accept); accept for the rest."""
+        with these probabilities (read through the confidence bins); accept for the rest, the next
+        one's raised to what followed tokens drafted as confidently as the last of them
+        (Acceptance.after_confidence). Only raised: read alone, a few early rejections after
+        confident tokens stopped drafts at 1-2 tokens, and a draft of one token never teaches it."""
         known = [self.estimates.given_confidence(c) for c in confidence[: len(accept)]]
         if confidence and len(known) < len(accept):
-            known.append(self.estimates.after_confidence(confidence[len(known) - 1], accept[len(known)]))
+            after = self.estimates.after_confidence(confidence[len(known) - 1], accept[len(known)])
+            known.append(max(accept[len(known)], after))
         return known + accept[len(known) :]
 
     # ---- one round ----------------------------------------------------------------------------
