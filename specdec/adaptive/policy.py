@@ -363,7 +363,7 @@ class AdaptiveK:
         depth = len(second)
         if plan.probing or not depth:
             return []
-        accept = self._given(plan.confidence[:depth], self.acceptances(depth))
+        accept = [self.estimates.given_confidence(c) for c in plan.confidence[:depth]]  # every depth was drafted
         scale = self.learned.second_taken / self.learned.second_expected
         reach, worth = 1.0, []
         for d, p in enumerate(second, 1):
@@ -435,8 +435,9 @@ class AdaptiveK:
             for d, p in plan.branched:  # reached where the chain's first d - 1 tokens were accepted
                 if d <= accepted + 1:
                     taken = d == accepted + 1 and o.n_accepted > accepted  # the path went through it
-                    learned.second_expected = 0.9 * learned.second_expected + p
-                    learned.second_taken = 0.9 * learned.second_taken + taken
+                    decay = self.estimates.decay
+                    learned.second_expected = decay * learned.second_expected + p
+                    learned.second_taken = decay * learned.second_taken + taken
             checked = min(depth, accepted + 1)
             self.estimates.learn(match_class(o.match_length), checked, accepted)
             self.estimates.learn_confidences(plan.confidence[:checked], accepted)
