@@ -50,7 +50,8 @@ class BenchConfig:
     progress: show progress bars.
     load: load_model's keyword arguments (dtype, device, cache, backend, quantize, ...).
     draft_dtype: a draft model's dtype (None: load's). draft_quantize: the GGUF type a draft is
-    requantized to at load (None: its own precision; a head's type). draft_vocab: the drafter's
+    requantized to at load (None: chosen by measurement, specdec.drafters.precision; "none": its own
+    precision), or a head's type. draft_vocab: the drafter's
     vocabulary size (specdec.drafters.vocab; None: its own).
     """
 

@@ -13,6 +13,7 @@ from specdec.bench.workloads import Prompt
 from specdec.cache import new_cache
 from specdec.drafters import Drafter
 from specdec.drafters.factory import REGISTERED, drafter_from_options, options_for
+from specdec.drafters.precision import draft_quantize
 from specdec.models.load import Model, load_model
 
 
@@ -33,7 +34,7 @@ def load_pair(pair: Pair, config: BenchConfig) -> Models:
     """The pair's target (config.load), and its drafters' maker with their draft model if any
     (_drafters). Raises what load_model and the drafter's options raise (e.g. ValueError, OSError)."""
     target, memory = load_measured(pair.target, config.greedy, **config.load)
-    new_drafter, draft_model, draft_memory = _drafters(pair, config)
+    new_drafter, draft_model, draft_memory = _drafters(pair, config, target)
     return Models(target, memory, new_drafter, draft_model, draft_memory)
 
 
@@ -52,19 +53,24 @@ def load_measured(spec: str, greedy: bool = True, **load_kwargs) -> tuple[Model,
     return model, footprint(before, model.gguf)
 
 
-def _drafters(pair: Pair, config: BenchConfig) -> tuple[Callable[[], Drafter], Model | None, dict | None]:
+def _drafters(
+    pair: Pair, config: BenchConfig, target: Model
+) -> tuple[Callable[[], Drafter], Model | None, dict | None]:
     """A maker of the pair's drafters (one per config when interleaved: drafters keep per-generation
     state), and its draft model with its load's resident memory (None, None without one). The pair's
     third part fills its drafter's main option (its REGISTERED entry's `main`): a draft model (loaded
     once, here, in config.draft_dtype, else config.load's dtype, else its own precision, quantized to
-    config.draft_quantize; the peers use it too), a corpus file, layers or a head file."""
+    config.draft_quantize, else as specdec.drafters.precision chooses for this target; the peers use
+    it too), a corpus file, layers or a head file."""
     load_kwargs = {**config.load, "quantize": config.draft_quantize}
     main = REGISTERED[pair.drafter].main if pair.drafter in REGISTERED else None
     source = pair.draft if main else None
     draft_model, draft_memory = None, None
     if source and main == "draft":
         dtype = config.draft_dtype or load_kwargs.get("dtype")  # None: the draft's own precision (load_model)
-        source, draft_memory = load_measured(source, config.greedy, **{**load_kwargs, "dtype": dtype})
+        draft_kwargs = {**load_kwargs, "dtype": dtype}
+        draft_kwargs["quantize"] = draft_quantize(target, source, draft_kwargs)  # measured where not given
+        source, draft_memory = load_measured(source, config.greedy, **draft_kwargs)
         draft_model = source
     settings = {"cache": load_kwargs.get("cache"), "quantize": load_kwargs.get("quantize"), "vocab": config.draft_vocab}
     options = options_for(pair.drafter, {**settings, **({main: source} if main else {})})

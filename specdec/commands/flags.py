@@ -185,10 +185,11 @@ def loading_options(
         if draft:
             p.add_argument(
                 "--draft-quantize",
-                choices=QUANTIZE,
+                choices=[*QUANTIZE, "none"],
                 help="requantize the draft model's matrices at load to this GGUF type (q4_0: about a quarter "
-                "fewer bytes than Q5_0), or run an eagle head's in it (default q8_0): a cheaper draft step; the "
-                "output stays the target's own",
+                "fewer bytes than Q5_0), or none (its file's own precision); default: whichever of the two "
+                "a measurement on this machine predicts faster, once, cached. For an eagle head: the type its "
+                "matrices run in (default q8_0). A cheaper draft step; the output stays the target's own",
             )
         p.add_argument(
             "--kv-cache",

@@ -13,6 +13,7 @@ from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.bench.workloads import PACKAGED, load_workload
 from specdec.commands import flags
 from specdec.commands.common import load_kwargs, recalibrate
+from specdec.drafters.precision import draft_quantize
 from specdec.drafters.factory import REGISTERED, check_options, drafter_from_options, options_for
 from specdec.engine import generate
 from specdec.exactness import first_divergence
@@ -65,7 +66,9 @@ def run(args) -> int:
     recalibrate(args, [args.target])
     target = load_model(args.target, **load_kwargs(args))
     if "draft" in options:
-        options["draft"] = load_model(args.draft, **load_kwargs(args, draft=True))
+        draft_kwargs = load_kwargs(args, draft=True)
+        draft_kwargs["quantize"] = draft_quantize(target, args.draft, draft_kwargs)  # measured where not given
+        options["draft"] = load_model(args.draft, **draft_kwargs)
     drafter = drafter_from_options(args.drafter, **options)
     ids = target.encode(prompt, chat=args.chat)
     with _one_line_grammar_errors(args.grammar):

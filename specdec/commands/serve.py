@@ -10,6 +10,7 @@ import torch
 from specdec.commands import flags
 from specdec.commands.common import k_arg, load_kwargs, recalibrate
 from specdec.drafters.factory import DRAFTERS, check_options, options_for
+from specdec.drafters.precision import draft_quantize
 from specdec.models.load import load_model
 
 
@@ -32,7 +33,11 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     recalibrate(args, [args.target])
     target = load_model(args.target, **load_kwargs(args))
-    draft = load_model(args.draft, **load_kwargs(args, draft=True)) if args.draft else None
+    draft = None
+    if args.draft:
+        draft_kwargs = load_kwargs(args, draft=True)
+        draft_kwargs["quantize"] = draft_quantize(target, args.draft, draft_kwargs)  # measured where not given
+        draft = load_model(args.draft, **draft_kwargs)
     config = ServeConfig(
         drafter=args.drafter,
         k=k,

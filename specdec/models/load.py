@@ -268,6 +268,15 @@ def load_model(
     return _load_transformers(spec, gguf_file, root, dtype, backend, dev)
 
 
+def gguf_file_of(spec: str, root: Path) -> Path | None:
+    """The GGUF file load_model(spec) would read: a pulled registry model's, or a `.gguf` path;
+    None for anything else (a folder, a hub id, a registry model not pulled yet)."""
+    if spec in REGISTRY:
+        return gguf_path(REGISTRY[spec], root) if is_pulled(spec, root) else None
+    path = Path(spec).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _load_quantized(spec: str, gguf_file: Path, root: Path, backend: str, kv_dtype: torch.dtype | None) -> Model:
     """A GGUF model run at its own precision; its fp32 transformers model is loaded only if asked for."""
     from transformers import GenerationConfig
