@@ -59,7 +59,7 @@ def test_the_choice_is_the_faster_prediction_cached_per_file(tiny, tmp_path, mon
         calls.append(sorted(drafts, key=str))
         return {q: {"c": 0.2, "a": 0.8, "speedup": speedups[q]} for q in drafts}
 
-    monkeypatch.setattr(precision, "gguf_file_of", lambda spec, root: draft_file)
+    monkeypatch.setattr(precision, "gguf_file_of", lambda spec, root, pull=False: draft_file)
     monkeypatch.setattr(precision, "load_model", lambda spec, **kw: target)  # any quantized model
     monkeypatch.setattr(precision, "measure", measure)
     kwargs = {"cache": str(tmp_path)}
@@ -79,6 +79,6 @@ def test_no_choice_off_the_quantized_backend(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(precision, "measure", lambda *a: pytest.fail("measured"))
     kwargs = {"cache": str(tmp_path)}
     assert precision.draft_quantize(target, "not-a-file", kwargs) is None  # no GGUF file behind it
-    monkeypatch.setattr(precision, "gguf_file_of", lambda spec, root: tiny[1])
+    monkeypatch.setattr(precision, "gguf_file_of", lambda spec, root, pull=False: tiny[1])
     assert precision.draft_quantize(target, "draft", {**kwargs, "dtype": "float32"}) is None
     assert precision.draft_quantize(target, "draft", {**kwargs, "backend": "hf"}) is None

@@ -13,12 +13,12 @@ from specdec.adaptive import AdaptiveK, VerifyCosts
 from specdec.bench.workloads import PACKAGED, load_workload
 from specdec.commands import flags
 from specdec.commands.common import load_kwargs, recalibrate
-from specdec.drafters.precision import draft_quantize
 from specdec.drafters.factory import REGISTERED, check_options, drafter_from_options, options_for
+from specdec.drafters.precision import draft_quantize
 from specdec.engine import generate
 from specdec.exactness import first_divergence
 from specdec.grammar import Grammar, GrammarError
-from specdec.models.load import load_model
+from specdec.models.load import Model, load_model
 from specdec.options import GenerationOptions
 from specdec.textstream import TextDeltas
 
@@ -68,6 +68,12 @@ def run(args) -> int:
     if "draft" in options:
         draft_kwargs = load_kwargs(args, draft=True)
         draft_kwargs["quantize"] = draft_quantize(target, args.draft, draft_kwargs)  # measured where not given
+        if args.draft_quantize is None and draft_kwargs["quantize"]:
+            print(
+                f"# draft requantized to {draft_kwargs['quantize'].upper()} at load, the faster on this machine as "
+                "measured (--draft-quantize none keeps its file's precision)",
+                file=sys.stderr,
+            )
         options["draft"] = load_model(args.draft, **draft_kwargs)
     drafter = drafter_from_options(args.drafter, **options)
     ids = target.encode(prompt, chat=args.chat)
@@ -101,7 +107,12 @@ def _generate(args, target, drafter, ids: list[int], run: GenerationOptions) -> 
         speculative(run.replace(max_new_tokens=4), None)
         generate(target, ids, None, run.replace(max_new_tokens=4))
 
-    print(f"# target {args.target}, drafter {args.drafter}, k {args.k}, prompt {len(ids)} tokens", file=sys.stderr)
+    draft = getattr(drafter, "draft", None)  # a draft model's drafter: say what precision it runs at
+    drafter_text = f"{args.drafter} ({args.draft}, {draft.precision})" if isinstance(draft, Model) else args.drafter
+    print(
+        f"# target {args.target} ({target.precision}), drafter {drafter_text}, k {args.k}, prompt {len(ids)} tokens",
+        file=sys.stderr,
+    )
     streamer = TextStreamer(target.tokenizer, args.stop)
     spec = speculative(run, streamer)
     streamer.finish(spec.text)

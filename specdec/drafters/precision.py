@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from specdec.models.load import Model, gguf_file_of, load_model
 from specdec.models.weights import atomic_write, cache_dir
 
@@ -49,11 +47,11 @@ def draft_quantize(target: Model, draft: str, load_kwargs: dict, log=sys.stderr)
     measured choice (module docstring), cached. Choices are made only for a GGUF draft run at its own
     precision on the CPU's quantized backend beside a quantized target; otherwise None. The first
     choice on a machine loads both candidates and runs the target for about ten seconds. Raises what
-    load_model raises."""
+    load_model raises (with load_kwargs' pull_missing, a registry draft is pulled here)."""
     given = load_kwargs.get("quantize")
     if given is not None:
         return None if given == "none" else given
-    source = gguf_file_of(draft, cache_dir(load_kwargs.get("cache")))
+    source = gguf_file_of(draft, cache_dir(load_kwargs.get("cache")), load_kwargs.get("pull_missing", False))
     if (
         source is None
         or target.gguf is None

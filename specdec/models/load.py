@@ -268,10 +268,12 @@ def load_model(
     return _load_transformers(spec, gguf_file, root, dtype, backend, dev)
 
 
-def gguf_file_of(spec: str, root: Path) -> Path | None:
-    """The GGUF file load_model(spec) would read: a pulled registry model's, or a `.gguf` path;
-    None for anything else (a folder, a hub id, a registry model not pulled yet)."""
+def gguf_file_of(spec: str, root: Path, pull_missing: bool = False) -> Path | None:
+    """The GGUF file load_model(spec) would read: a registry model's (pulled first with pull_missing),
+    or a `.gguf` path; None for anything else (a folder, a hub id, a registry model not pulled)."""
     if spec in REGISTRY:
+        if pull_missing and not is_pulled(spec, root):
+            pull(spec, root)
         return gguf_path(REGISTRY[spec], root) if is_pulled(spec, root) else None
     path = Path(spec).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
