@@ -82,3 +82,16 @@ def test_no_choice_off_the_quantized_backend(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(precision, "gguf_file_of", lambda spec, root, pull=False: tiny[1])
     assert precision.draft_quantize(target, "draft", {**kwargs, "dtype": "float32"}) is None
     assert precision.draft_quantize(target, "draft", {**kwargs, "backend": "hf"}) is None
+
+
+def test_the_llama_cpp_peer_runs_a_requantized_drafts_file(tiny):
+    import dataclasses
+    from pathlib import Path
+
+    from specdec.bench.peer_rows import _gguf_of
+
+    own = _model(tiny[1])
+    assert _gguf_of(own, str(tiny[1]), None) == str(tiny[1])  # the file it runs from
+    blocks = dataclasses.replace(own.gguf, path=Path("draft"))  # quantize_model's: no file behind it
+    requantized = Model(None, own.tokenizer, "draft", gguf=blocks, config=own.config)
+    assert _gguf_of(requantized, str(tiny[1]), None) == str(tiny[1])  # no file of its own: the spec's

@@ -18,9 +18,8 @@ from specdec.bench.peers import hf_generate, llama_cpp_generate
 from specdec.bench.results import PeerRun
 from specdec.bench.workloads import Prompt
 from specdec.cache import common_prefix
-from specdec.models.load import Model
-from specdec.models.registry import REGISTRY
-from specdec.models.weights import cache_dir, gguf_path
+from specdec.models.load import Model, gguf_file_of
+from specdec.models.weights import cache_dir
 
 DRAFT_PEERS = ("hf-assisted", "llama-server-draft")  # peers that run the pair's draft model: model pairs only
 
@@ -111,14 +110,14 @@ def _agreement(peer: list[int], plain: list[int]) -> float:
 
 def _gguf_of(model: Model, spec: str, cache) -> str:
     """The GGUF file behind a model, for the llama.cpp peer: the one a GGUF model runs from (at its own
-    precision), else the file of a registry name or a .gguf path (dequantized here: --dtype float32).
+    precision), else the file of a registry name or a .gguf path (dequantized here: --dtype float32,
+    or requantized at load: a draft's chosen precision, specdec.drafters.precision).
     Raises ValueError for a model with no GGUF file."""
-    if model.gguf is not None:
+    if model.gguf is not None and Path(model.gguf.path).is_file():
         return str(model.gguf.path)
-    if spec in REGISTRY:
-        return str(gguf_path(REGISTRY[spec], cache_dir(cache)))
-    if spec.endswith(".gguf"):
-        return spec
+    source = gguf_file_of(spec, cache_dir(cache))
+    if source is not None:
+        return str(source)
     raise ValueError(f"the llama.cpp peer needs a GGUF target (a registry name or a .gguf file), not {spec!r}")
 
 
