@@ -26,9 +26,10 @@ class ScreenedHead:
     """A Q8_0 output layer's greedy form. Memory: the screen, 18/34 of the layer's bytes;
     the exact rows are the file's (its memory map), read only for the candidates."""
 
-    def __init__(self, kernels, rows: torch.Tensor, screen: torch.Tensor, factor: float):
+    def __init__(self, kernels, rows: torch.Tensor, screen: torch.Tensor, factor: float, head=None):
         self.kernels, self.rows, self.screen, self.factor = kernels, rows, screen, factor
         self.nbytes = screen.numel()  # what a forward reads of the layer, the candidates' rows aside
+        self.head = weakref.ref(head) if head is not None else None  # the full layer (weak: it keys _SCREENS)
 
     @classmethod
     def of(cls, head) -> ScreenedHead | None:
@@ -50,9 +51,15 @@ class ScreenedHead:
         if rows.shape[0] % 16:
             return None
         screen, factor = head.kernels.q8_screen(rows, head.in_features)
-        return None if screen is None else cls(head.kernels, rows, screen, factor)
+        return None if screen is None else cls(head.kernels, rows, screen, factor, head)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h: (n, d) fp32 -> logits (n, V) fp32 whose argmax per row (the first, on ties), and its
-        entry, are the full output layer's, bit for bit; the other entries are approximations."""
-        return self.kernels.screened_logits(h, self.screen, self.rows, self.factor)
+        entry, are the full output layer's, bit for bit; the other entries are approximations. A row
+        of h with an inf or nan has no finite floor to screen by: its logits are the full layer's."""
+        logits = self.kernels.screened_logits(h, self.screen, self.rows, self.factor)
+        bad = ~torch.isfinite(h).all(dim=-1)
+        head = self.head() if self.head is not None else None
+        if head is not None and bool(bad.any()):
+            logits[bad] = head(h[bad])  # batch-invariant: the bits of the full layer on all of h
+        return logits
