@@ -689,3 +689,23 @@ def test_llama_server_peer_runs_each_configuration_on_a_server_of_its_own(fake_s
     assert ("--no-repack" in drafting) == llama_worker.cpu_has_amx()
     with pytest.raises(RuntimeError, match="llama-server exited .*error loading model"):
         llama_server.llama_server_generate("llama-server-ngram", "crash.gguf", [3], 2, 2, 256)
+
+
+def test_peers_are_set_against_k_auto_when_no_fixed_k_ran_and_the_fastest_per_prompt_is_summed_up():
+    from specdec.bench.fit import _best_peer, _peer_summary, _speculative
+
+    records = [
+        {"id": i, "plain": {"tokens_per_s": 10.0, "decode_tokens_per_s": 11.0}, "runs": {"auto": {"tokens_per_s": s}}}
+        for i, s in (("a", 20.0), ("b", 30.0))
+    ]
+    peer = lambda name, pid, tps: {"name": name, "prompt_id": pid, "tokens_per_s": tps, "identical": None}  # noqa: E731
+    peers = [peer("p1", "a", 8.0), peer("p2", "a", 12.0), peer("p1", "b", 5.0), peer("p2", "b", float("nan"))]
+    assert _speculative(records, None) == "auto" and _speculative(records, 3) == "3"
+    summary = {p["name"]: p for p in _peer_summary(peers, records, "auto")}
+    assert summary["p1"]["vs_speculative"] == pytest.approx((8 / 20 + 5 / 30) / 2)
+    best = _best_peer(peers, records, "auto")  # fastest: 12 on a, 5 on b (p2 failed there)
+    assert best["peers"] == ["p1", "p2"]
+    assert best["vs_plain"] == pytest.approx((1.2 + 0.5) / 2)
+    assert best["speculative_over_best"] == pytest.approx((20 / 12 + 30 / 5) / 2)
+    assert _best_peer([], records, "auto") is None
+    assert _best_peer(peers, records, None)["speculative_over_best"] is None

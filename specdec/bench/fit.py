@@ -28,8 +28,17 @@ def fit(pair: dict, ks: list[int | str]) -> dict:
             "ours": best(lambda c: c["predicted"]["ours"]),
         },
         "auto": _auto_summary(configs),
-        "peer_summary": _peer_summary(pair["peers"], records, best_k),
+        "peer_summary": _peer_summary(pair["peers"], records, _speculative(records, best_k)),
+        "best_peer": _best_peer(pair["peers"], records, _speculative(records, best_k)),
     }
+
+
+def _speculative(records: list[dict], best_k: int | None) -> str | None:
+    """The config the peers are set against as our speculative decoding: the best fixed k, else
+    k = "auto" where it ran on every prompt, else None."""
+    if best_k is not None:
+        return str(best_k)
+    return "auto" if records and all("auto" in rec["runs"] for rec in records) else None
 
 
 def _config_fit(k: int | str, records: list[dict], costs: dict) -> dict:
@@ -85,11 +94,12 @@ def _replayed(k: int | str, records: list[dict]) -> dict | None:
     }
 
 
-def _peer_summary(peers: list[dict], records: list[dict], best_k: int | None) -> list[dict]:
-    """Per peer (in order of first appearance), its speed against our plain decoding and against the
-    best fixed k (tokens/s, medians over prompts), its exactness and agreement, weights and memory."""
+def _peer_summary(peers: list[dict], records: list[dict], spec: str | None) -> list[dict]:
+    """Per peer (in order of first appearance), its speed against our plain decoding and against our
+    speculative config `spec` (tokens/s, medians over prompts), its exactness and agreement, weights
+    and memory."""
     plain_tps = {rec["id"]: rec["plain"]["tokens_per_s"] for rec in records}
-    spec_tps = {rec["id"]: rec["runs"][str(best_k)]["tokens_per_s"] for rec in records} if best_k else {}
+    spec_tps = {rec["id"]: rec["runs"][spec]["tokens_per_s"] for rec in records} if spec else {}
     plain_decode = {rec["id"]: rec["plain"]["decode_tokens_per_s"] for rec in records}
     summary = []
     for name in dict.fromkeys(p["name"] for p in peers):
@@ -116,6 +126,25 @@ def _peer_summary(peers: list[dict], records: list[dict], best_k: int | None) ->
             }
         )
     return summary
+
+
+def _best_peer(peers: list[dict], records: list[dict], spec: str | None) -> dict | None:
+    """The fastest peer on each prompt (end-to-end tokens/s) against our plain decoding and, ours over
+    it, our speculative config `spec` (medians over the prompts every peer that ran finished); None
+    without peers."""
+    ran = [p for p in peers if not math.isnan(p["tokens_per_s"])]
+    if not ran:
+        return None
+    fastest: dict[str, float] = {}
+    for p in ran:
+        fastest[p["prompt_id"]] = max(fastest.get(p["prompt_id"], 0.0), p["tokens_per_s"])
+    timed = [rec for rec in records if rec["id"] in fastest]
+    ours = [rec["runs"][spec]["tokens_per_s"] / fastest[rec["id"]] for rec in timed] if spec else []
+    return {
+        "peers": list(dict.fromkeys(p["name"] for p in ran)),
+        "vs_plain": _quartiles([fastest[rec["id"]] / rec["plain"]["tokens_per_s"] for rec in timed])["median"],
+        "speculative_over_best": _quartiles(ours)["median"] if ours else None,
+    }
 
 
 def _quartiles(values: list[float]) -> dict:

@@ -367,7 +367,8 @@ def _peers(pair: dict) -> list[str]:
             "### Peers",
             "",
             "Ratios are the peer's tokens/s over ours on the same prompt ids (above 1.00x: the peer is "
-            "faster): end to end (prefill included), against our plain decoding and our best k; decode only "
+            "faster): end to end (prefill included), against our plain decoding and our speculative decoding "
+            "(the best fixed k, else k = auto); decode only "
             "(after the first new token), where the peer gives the split, against our plain decoding. "
             '"same output": prompts whose greedy tokens equal our plain output; "common prefix": the share of '
             "our plain output the peer reproduced before its first differing token (mean over prompts). This "
@@ -394,6 +395,16 @@ def _peers(pair: dict) -> list[str]:
             rows,
             "lrrrrrrl",
         )
+        best = pair.get("best_peer")
+        if best and len(best["peers"]) > 1:
+            ours = best["speculative_over_best"]
+            out += [
+                "",
+                f"The fastest of {', '.join(best['peers'])} on each prompt ran at {_x(best['vs_plain'])} our plain "
+                "decoding end to end"
+                + (f"; our speculative decoding ran at {_x(ours)} its speed" if ours is not None else "")
+                + " (medians over prompts).",
+            ]
     failed = [p for p in pair.get("peers") or [] if p.get("error")]
     if failed:
         out += ["", "Peer runs that failed:", ""]

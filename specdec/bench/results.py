@@ -285,7 +285,7 @@ class PeerSummary(_Record):
 
     name: str
     vs_plain: float  # end to end, over our plain decoding
-    vs_speculative: float  # over our best fixed k
+    vs_speculative: float  # over our speculative decoding: the best fixed k, else k = "auto"
     decode_vs_plain: float | None  # decode only (llama.cpp)
     identical: Counts
     agreement: float | None  # mean over prompts
@@ -293,6 +293,14 @@ class PeerSummary(_Record):
     same_weights: bool | None
     rss_growth_mb: float | None
     n_ctx: int | None
+
+
+class BestPeer(_Record):
+    """The fastest of the peers on each prompt (end to end), over all prompts: medians over prompts."""
+
+    peers: list[str]  # the peers it takes the fastest of
+    vs_plain: float  # its tokens/s over our plain decoding's
+    speculative_over_best: float | None  # our speculative decoding's (as vs_speculative) over its; None: none ran
 
 
 class PairRecord(_Record):
@@ -322,6 +330,7 @@ class PairRecord(_Record):
     best_k: BestK
     auto: Auto | None  # when k = "auto" ran
     peer_summary: list[PeerSummary]
+    best_peer: BestPeer | None = None  # with at least one peer
 
 
 class BenchResults(_Record):
