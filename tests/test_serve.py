@@ -1068,11 +1068,19 @@ def test_run_server_steps_the_batch_in_the_thread_that_called_it(tiny, monkeypat
         finally:
             os.kill(os.getpid(), signal.SIGINT)
 
+    # Ctrl-C raises KeyboardInterrupt even where the process was started with SIGINT ignored (a shell's
+    # background job: Python then installs no handler of its own)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     thread = threading.Thread(target=user)
     thread.start()
-    run_server(
-        create_app(tiny, ServeConfig(drafter="prompt-lookup", k=3, model_name="tiny")), port=port, log_level="warning"
-    )
+    try:
+        run_server(
+            create_app(tiny, ServeConfig(drafter="prompt-lookup", k=3, model_name="tiny")),
+            port=port,
+            log_level="warning",
+        )
+    finally:
+        signal.signal(signal.SIGINT, handler)
     thread.join(30)
     assert stepped == {threading.current_thread().name} and threading.current_thread() is threading.main_thread()
     assert texts == [greedy(tiny, tiny.encode(prompt), 8).text] * 2

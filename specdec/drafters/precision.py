@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 from specdec.models.load import Model, gguf_file_of, load_model
@@ -87,15 +88,11 @@ def measure(target: Model, drafts: dict) -> dict:
     """{quantize: {"c", "a", "speedup"}} of each draft model in `drafts` ({quantize: Model}, None: the
     file's own precision): see the module docstring."""
     from specdec.cache import new_cache
-    from specdec.engine import generate
-    from specdec.train.calibrate import calibration_prompts
 
-    texts = calibration_prompts()[::2][:PROMPTS]
+    rows = resources.files("specdec").joinpath("data/calibration_prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(row)["text"] for row in rows if row.strip()][::2][:PROMPTS]
     chat = bool(getattr(target.tokenizer, "chat_template", None))
-    answered = []
-    for text in texts:
-        ids = target.encode(text, chat=chat)
-        answered.append((ids, list(generate(target, ids, None, k=0, max_new_tokens=ANSWER_TOKENS).tokens)))
+    answered = [(ids, _greedy(target, ids, ANSWER_TOKENS)) for ids in (target.encode(t, chat=chat) for t in texts)]
     agree = {}
     for q, model in drafts.items():
         hits = total = 0
@@ -109,6 +106,21 @@ def measure(target: Model, drafts: dict) -> dict:
     ms = _step_ms({"target": target, **drafts}, answered[0][0])
     costs = {q: ms[q] / ms["target"] for q in drafts}
     return {q: {"c": costs[q], "a": agree[q], "speedup": textbook_speedup(agree[q], costs[q])} for q in drafts}
+
+
+def _greedy(model: Model, ids: list[int], n: int) -> list[int]:
+    """The n tokens of greedy decoding after ids (a batch-invariant cache: plain decoding's tokens,
+    end of sequence not stopped at)."""
+    from specdec.cache import new_cache
+
+    kv = new_cache(model)
+    kv.argmax_only = True
+    kv.extend(ids[:-1], all_logits=False)
+    out, token = [], ids[-1]
+    for _ in range(n):
+        token = int(kv.extend([token], all_logits=False)[-1].argmax())
+        out.append(token)
+    return out
 
 
 def _step_ms(models: dict, ids: list[int]) -> dict:
