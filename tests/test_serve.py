@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
@@ -1187,3 +1188,26 @@ def test_loadtest_drives_llama_server_on_the_targets_gguf_file(tmp_path, monkeyp
     )
     assert main(["loadtest", "--target", str(model_dir), "--peers", "llama-server"]) != 0  # no server started
     assert "--peers llama-server runs a GGUF file: give a GGUF target" in capsys.readouterr().err
+
+
+def test_loadtest_with_a_draft_starts_plain_and_model_lookup_servers_with_it(model_dir, monkeypatch):
+    import specdec.bench.serving as serving
+    from specdec.commands import loadtest as command
+
+    started = []
+
+    @contextlib.contextmanager
+    def server(args, log=None):
+        started.append((args[args.index("--drafter") + 1], args[args.index("--draft") + 1]))
+        yield "http://127.0.0.1:9"
+
+    monkeypatch.setattr(serving, "specdec_server", server)
+    monkeypatch.setattr(command, "_driver", lambda args, levels: lambda *a: [])
+    stand_in = types.SimpleNamespace(gguf=None, encode=lambda text, chat=False: [1, 2, 3])  # no chat template needed
+    monkeypatch.setattr(command, "load_model", lambda spec, **kwargs: stand_in)
+    argv = ["loadtest", "--target", str(model_dir), "--draft", str(model_dir), "--requests", "1", "--concurrency", "1"]
+    assert main(argv) == 0
+    assert started == [("none", str(model_dir)), ("model-lookup", str(model_dir))]
+    started.clear()
+    assert main([*argv, "--drafter", "prompt-lookup"]) == 0
+    assert started == [("prompt-lookup", str(model_dir))]

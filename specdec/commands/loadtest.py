@@ -105,7 +105,7 @@ def _drive_started(args, prompts, n: int, peers: list[str], drive) -> list:
     ids = [target.encode(p.text, chat=True) for p in prompts]
     requests = [loadtest.Request(ids=ids[i % len(ids)]) for i in range(n)]
     default = "none,model-lookup" if args.draft else "none,prompt-lookup"
-    for drafter in [d.strip() for d in (args.drafter if args.drafter is not None else default).split(",") if d.strip()]:
+    for drafter in [d.strip() for d in (args.servers if args.servers is not None else default).split(",") if d.strip()]:
         k = 0 if drafter == "none" else args.k
         serve = ["--target", args.target, "--drafter", drafter, "-k", str(k), "--max-tokens", str(args.max_tokens)]
         serve += ["--draft", args.draft] if args.draft else []
@@ -203,6 +203,7 @@ def add_parser(sub) -> None:
     lt.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     lt.add_argument(
         "--drafter",
+        dest="servers",  # not `drafter`: the CLI's default for generate and serve would fill it
         help="specdec's drafters, comma-separated, one server each (default none,prompt-lookup, with --draft "
         "none,model-lookup; none: plain)",
     )
