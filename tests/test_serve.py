@@ -1202,7 +1202,11 @@ def test_loadtest_with_a_draft_starts_plain_and_model_lookup_servers_with_it(mod
         yield "http://127.0.0.1:9"
 
     monkeypatch.setattr(serving, "specdec_server", server)
+    from specdec.serve import loadtest
+
     monkeypatch.setattr(command, "_driver", lambda args, levels: lambda *a: [])
+    monkeypatch.setattr(loadtest, "report", lambda name, levels: [])
+    monkeypatch.setattr(loadtest, "table", lambda rows: "")
     stand_in = types.SimpleNamespace(gguf=None, encode=lambda text, chat=False: [1, 2, 3])  # no chat template needed
     monkeypatch.setattr(command, "load_model", lambda spec, **kwargs: stand_in)
     argv = ["loadtest", "--target", str(model_dir), "--draft", str(model_dir), "--requests", "1", "--concurrency", "1"]
