@@ -593,3 +593,17 @@ def test_forks_of_a_drafter_with_prompt_lookup_keep_tables_of_their_own():
     skip.prepare(make_model("llama"))
     forks = [skip.fork(), skip.fork()]
     assert len({id(skip._inner), *(id(f._inner) for f in forks)}) == 3
+
+
+def test_forks_of_a_model_drafter_check_the_tokenizers_once(target, draft_model, monkeypatch):
+    """A server forks its drafter for every request: the vocabulary comparison (about a second for
+    152k tokens) runs once per target, not once per fork."""
+    import specdec.drafters.model as model_module
+
+    calls = []
+    real = model_module.check_same_tokenizer
+    monkeypatch.setattr(model_module, "check_same_tokenizer", lambda t, d: calls.append(1) or real(t, d))
+    drafter = ModelDrafter(draft_model)
+    for fork in (drafter.fork(), drafter.fork(), drafter):
+        fork.prepare(target)
+    assert len(calls) == 1

@@ -53,7 +53,7 @@ class LayerSkipDrafter(Drafter):
             layers = self.layers if self.layers is not None else skip_layers_for(target, self.cache)
             self.view = skip_view(target, layers)
             self._inner = ModelDrafter(self.view)
-            self._inner.checked = target  # the view shares the target's tokenizer: nothing to check
+            self._inner.checked[id(target)] = target  # the view shares the target's tokenizer: nothing to check
             self._target = target
         self._inner.prepare(target)
 

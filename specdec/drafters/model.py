@@ -58,12 +58,14 @@ class ModelDrafter(Drafter):
         if vocab is not None:  # its output layer cut to the vocab most frequent tokens (specdec.drafters.vocab)
             self.draft = vocab_view(self.draft, draft_vocab(self.draft, vocab, load_kwargs.get("cache")))
         self.kv = new_cache(self.draft)
-        self.checked: Model | None = None  # the target whose tokenizer was last checked
+        # the targets whose tokenizer was checked (by id): one dict shared with every fork, so that a
+        # server's forks, one per request, check once (a 152k vocabulary takes about a second)
+        self.checked: dict[int, Model] = {}
 
     def prepare(self, target: Model) -> None:
-        if self.checked is not target:
+        if self.checked.get(id(target)) is not target:
             check_same_tokenizer(target, self.draft)
-            self.checked = target
+            self.checked[id(target)] = target
         self.kv = new_cache(self.draft)
         self.start = 0
 
