@@ -386,7 +386,7 @@ def test_cli_suffix_layer_skip_and_calibrate(model_dir, tmp_path, capsys):
 def _examples(draft_model, corpus_file, cache, quantized_draft) -> dict:
     return {
         "prompt-lookup": (dict(max_ngram=4, min_ngram=2), PromptLookup, dict(max_ngram=4, min_ngram=2)),
-        "model": (dict(draft=quantized_draft, vocab=8), ModelDrafter, dict(checked=None)),
+        "model": (dict(draft=quantized_draft, vocab=8), ModelDrafter, dict(checked={})),
         "model-lookup": (dict(draft=draft_model, vocab=None), ModelDrafter, dict(draft=draft_model)),
         "random": ({}, RandomDrafter, {}),
         "suffix": (dict(corpus=[[5, 6, 7]], min_match=2), SuffixDrafter, dict(min_match=2, tree=False)),
