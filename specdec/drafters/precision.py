@@ -24,6 +24,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from specdec.cache import new_cache
 from specdec.models.load import Model, gguf_file_of, load_model
 from specdec.models.weights import atomic_write, cache_dir
 
@@ -87,8 +88,6 @@ def draft_quantize(target: Model, draft: str, load_kwargs: dict, log=sys.stderr)
 def measure(target: Model, drafts: dict) -> dict:
     """{quantize: {"c", "a", "speedup"}} of each draft model in `drafts` ({quantize: Model}, None: the
     file's own precision): see the module docstring."""
-    from specdec.cache import new_cache
-
     rows = resources.files("specdec").joinpath("data/calibration_prompts.jsonl").read_text().splitlines()
     texts = [json.loads(row)["text"] for row in rows if row.strip()][::2][:PROMPTS]
     chat = bool(getattr(target.tokenizer, "chat_template", None))
@@ -111,8 +110,6 @@ def measure(target: Model, drafts: dict) -> dict:
 def _greedy(model: Model, ids: list[int], n: int) -> list[int]:
     """The n tokens of greedy decoding after ids (a batch-invariant cache: plain decoding's tokens,
     end of sequence not stopped at)."""
-    from specdec.cache import new_cache
-
     kv = new_cache(model)
     kv.argmax_only = True
     kv.extend(ids[:-1], all_logits=False)
@@ -126,8 +123,6 @@ def _greedy(model: Model, ids: list[int], n: int) -> list[int]:
 def _step_ms(models: dict, ids: list[int]) -> dict:
     """Median ms of a greedy one-token step of each model at the context `ids`, the models
     alternating so that a slow spell of the host falls on all of them."""
-    from specdec.cache import new_cache
-
     caches = {}
     for name, model in models.items():
         kv = new_cache(model)
